@@ -1,0 +1,408 @@
+"""Resolved settings: explicit arguments > ``SHARDCACHE_*`` env > launcher env > defaults.
+
+Every value is parsed once, by a small typed parser, and remembers where it came
+from so ``shardcache config`` can show it. A bad value raises :class:`ConfigError`
+naming the variable, the value and the accepted form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+SIZE_FORM = "a size in bytes with an optional binary unit: 1048576, 64K, 500M, 500G, 1.5T, 2TiB"
+DURATION_FORM = "a duration: a number of seconds or units ms/s/m/h/d, e.g. 0.5, 90s, 5m, 1h30m"
+
+
+def parse_size(text: str, name: str = "size") -> int:
+    """Parse ``"500G"``-style sizes (binary units: K = 1024) into bytes."""
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ConfigError(
+            f"{name}={text!r} is not a size; expected {SIZE_FORM}.",
+            name=name,
+            value=text,
+        )
+    number, unit = match.groups()
+    value = float(number) * _SIZE_UNITS[unit.upper()]
+    if not math.isfinite(value) or value >= 2**63:
+        raise ConfigError(
+            f"{name}={text!r} is too large; expected at most 8E (2**63 bytes).",
+            name=name,
+            value=text,
+        )
+    return int(value)
+
+
+def parse_duration(text: str, name: str = "duration") -> float:
+    """Parse ``"90s"``, ``"5m"``, ``"1h30m"``, ``"250ms"`` or a plain number of seconds."""
+    raw = str(text).strip().lower()
+    seconds: float | None = None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        pos, total = 0, 0.0
+        for match in _DURATION_RE.finditer(raw):
+            if match.start() != pos:
+                break
+            total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+            pos = match.end()
+        if raw and pos == len(raw):
+            seconds = total
+    if seconds is None or not math.isfinite(seconds):
+        raise ConfigError(
+            f"{name}={text!r} is not a duration; expected {DURATION_FORM}.",
+            name=name,
+            value=text,
+        )
+    return seconds
+
+
+def parse_int(text: str, name: str = "value") -> int:
+    """Parse a decimal integer."""
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ConfigError(
+            f"{name}={text!r} is not an integer; expected a whole number like 4.",
+            name=name,
+            value=text,
+        ) from None
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(text: str, name: str) -> str:
+        value = str(text).strip().lower()
+        if value not in choices:
+            raise ConfigError(
+                f"{name}={text!r} is not allowed; expected one of: {', '.join(choices)}.",
+                name=name,
+                value=text,
+            )
+        return value
+
+    return parse
+
+
+def _optional_size(text: str, name: str) -> int | None:
+    if str(text).strip().lower() in {"", "0", "none", "unlimited", "off"}:
+        return None
+    return parse_size(text, name)
+
+
+def _json_object(text: str, name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{name}={text!r} is not valid JSON ({exc}); expected a JSON object such as "
+            '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.',
+            name=name,
+            value=text,
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{name}={text!r} is JSON but not an object; expected a JSON object such as "
+            "'{\"anon\": true}'.",
+            name=name,
+            value=text,
+        )
+    return value
+
+
+def _path(text: str, name: str) -> Path:
+    value = str(text).strip()
+    if not value or "\x00" in value:
+        raise ConfigError(
+            f"{name}={text!r} is not a usable path; expected a node-local directory such as "
+            "/tmp/shardcache or /local/scratch/$USER/shardcache.",
+            name=name,
+            value=text,
+        )
+    return Path(value).expanduser()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How one setting is read: its env variable, parser, bounds and default."""
+
+    env: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+
+
+SPECS: dict[str, _Spec] = {
+    "cache_dir": _Spec("SHARDCACHE_DIR", _path, None, "cache root (node-local disk)"),
+    "scope": _Spec(
+        "SHARDCACHE_SCOPE",
+        _choice("rank", "node"),
+        "rank",
+        "rank: <dir>/rank-<RANK> per process; node: one <dir>/node per node",
+    ),
+    "max_bytes": _Spec(
+        "SHARDCACHE_MAX_BYTES", _optional_size, None, "size bound of the cache (0/none: unlimited)"
+    ),
+    "lock_mode": _Spec(
+        "SHARDCACHE_LOCK_MODE",
+        _choice("auto", "flock", "lease"),
+        "auto",
+        "auto: flock on local disks, lease on network file systems",
+    ),
+    "lock_timeout": _Spec(
+        "SHARDCACHE_LOCK_TIMEOUT",
+        parse_duration,
+        3600.0,
+        "hard limit on waiting for a lock",
+        0.01,
+        30 * 86400,
+    ),
+    "lock_stuck_after": _Spec(
+        "SHARDCACHE_LOCK_STUCK_AFTER",
+        parse_duration,
+        300.0,
+        "give up on a live lock holder whose progress record has not changed for this long",
+        0.01,
+        30 * 86400,
+    ),
+    "lease_time": _Spec(
+        "SHARDCACHE_LEASE_TIME",
+        parse_duration,
+        60.0,
+        "lease locks: a holder silent this long is presumed dead",
+        0.05,
+        86400,
+    ),
+    "retries": _Spec(
+        "SHARDCACHE_RETRIES", parse_int, 5, "retries of transient remote errors", 0, 100
+    ),
+    "retry_backoff": _Spec(
+        "SHARDCACHE_RETRY_BACKOFF",
+        parse_duration,
+        0.5,
+        "first retry delay (doubles, jittered, capped at 30 s)",
+        0,
+        3600,
+    ),
+    "io_timeout": _Spec(
+        "SHARDCACHE_IO_TIMEOUT",
+        parse_duration,
+        60.0,
+        "connect/read timeout of one remote request",
+        0.01,
+        86400,
+    ),
+    "chunk_size": _Spec(
+        "SHARDCACHE_CHUNK_SIZE",
+        parse_size,
+        8 << 20,
+        "download chunk (bounds memory)",
+        4096,
+        1 << 30,
+    ),
+    "verify": _Spec(
+        "SHARDCACHE_VERIFY",
+        _choice("etag", "size"),
+        "etag",
+        "etag: size + MD5 for single-part objects; size: size only",
+    ),
+    "threads": _Spec("SHARDCACHE_THREADS", parse_int, 4, "prefetch download threads", 1, 1024),
+    "prefetch_depth": _Spec(
+        "SHARDCACHE_PREFETCH_DEPTH",
+        parse_int,
+        8,
+        "shards downloading or waiting unconsumed",
+        1,
+        100_000,
+    ),
+    "stall_timeout": _Spec(
+        "SHARDCACHE_STALL_TIMEOUT",
+        parse_duration,
+        300.0,
+        "raise StallError when the awaited shard made no progress this long",
+        0.01,
+        30 * 86400,
+    ),
+    "storage_options": _Spec(
+        "SHARDCACHE_STORAGE_OPTIONS",
+        _json_object,
+        None,
+        "JSON object passed to fsspec (e.g. endpoint_url, anon, profile)",
+    ),
+    "rank": _Spec("SHARDCACHE_RANK", parse_int, 0, "global rank", 0, 1 << 24),
+    "local_rank": _Spec("SHARDCACHE_LOCAL_RANK", parse_int, 0, "rank within the node", 0, 1 << 24),
+    "world_size": _Spec("SHARDCACHE_WORLD_SIZE", parse_int, 1, "number of ranks", 1, 1 << 24),
+    "node_rank": _Spec("SHARDCACHE_NODE_RANK", parse_int, 0, "index of this node", 0, 1 << 24),
+}
+
+# Launcher variables, in precedence order: torchrun (which may itself run under SLURM) first.
+LAUNCHER_ENV: dict[str, tuple[tuple[str, str], ...]] = {
+    "rank": (("RANK", "torchrun"), ("SLURM_PROCID", "slurm")),
+    "local_rank": (("LOCAL_RANK", "torchrun"), ("SLURM_LOCALID", "slurm")),
+    "world_size": (("WORLD_SIZE", "torchrun"), ("SLURM_NTASKS", "slurm")),
+    "node_rank": (("GROUP_RANK", "torchrun"), ("SLURM_NODEID", "slurm")),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Every shardcache setting, resolved. Build with :meth:`Settings.resolve`."""
+
+    cache_dir: Path
+    scope: str = "rank"
+    max_bytes: int | None = None
+    lock_mode: str = "auto"
+    lock_timeout: float = 3600.0
+    lock_stuck_after: float = 300.0
+    lease_time: float = 60.0
+    retries: int = 5
+    retry_backoff: float = 0.5
+    io_timeout: float = 60.0
+    chunk_size: int = 8 << 20
+    verify: str = "etag"
+    threads: int = 4
+    prefetch_depth: int = 8
+    stall_timeout: float = 300.0
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    node_rank: int = 0
+    job_id: str | None = None
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Resolve every setting; ``overrides`` (explicit arguments, ``None`` = unset) win."""
+        env = os.environ if env is None else env
+        unknown = set(overrides) - set(SPECS)
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {sorted(unknown)}; expected some of {sorted(SPECS)}.",
+                name=", ".join(sorted(unknown)),
+                value=None,
+            )
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, spec in SPECS.items():
+            value, source = _resolve_one(name, spec, env, overrides.get(name))
+            values[name] = value
+            sources[name] = source
+        if values["cache_dir"] is None:
+            values["cache_dir"] = default_cache_root(env)
+        if values["storage_options"] is None:
+            values["storage_options"] = {}
+        job_id = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or None
+        sources["job_id"] = "env SLURM_JOB_ID / TORCHELASTIC_RUN_ID" if job_id else "default"
+        _check_ranks(values, sources)
+        return cls(**values, job_id=job_id, sources=sources)
+
+    @property
+    def scope_dir(self) -> Path:
+        """The directory this process caches into: ``<root>/rank-<R>`` or ``<root>/node``."""
+        if self.scope == "node":
+            return self.cache_dir / "node"
+        return self.cache_dir / f"rank-{self.rank}"
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` applied and validated like explicit arguments."""
+        merged = {n: getattr(self, n) for n in SPECS} | changes
+        sources = dict(self.sources) | {n: "argument" for n in changes}
+        for name, value in changes.items():
+            merged[name], _ = _resolve_one(name, SPECS[name], {}, value)
+        return dataclasses.replace(self, **merged, sources=sources)
+
+    def describe(self) -> list[tuple[str, str, Any, str]]:
+        """Rows of (setting, env variable, value, source) for ``shardcache config``."""
+        rows = [
+            (n, s.env, getattr(self, n), self.sources.get(n, "default")) for n, s in SPECS.items()
+        ]
+        rows.append(("job_id", "SLURM_JOB_ID", self.job_id, self.sources.get("job_id", "default")))
+        rows.append(("scope_dir", "-", self.scope_dir, "derived"))
+        return rows
+
+
+def _resolve_one(name: str, spec: _Spec, env: Mapping[str, str], explicit: Any) -> tuple[Any, str]:
+    if explicit is not None:
+        label = f"argument {name}"
+        value = spec.parse(explicit, label) if isinstance(explicit, str) else explicit
+        source = "argument"
+    elif spec.env in env:
+        label = spec.env
+        value = spec.parse(env[spec.env], label)
+        source = f"env {spec.env}"
+    else:
+        for var, launcher in LAUNCHER_ENV.get(name, ()):
+            if var in env:
+                label = f"{var} ({launcher})"
+                value = spec.parse(env[var], label)
+                source = f"env {var} ({launcher})"
+                break
+        else:
+            return spec.default, "default"
+    _check_bounds(label, spec, value)
+    return value, source
+
+
+def _check_bounds(label: str, spec: _Spec, value: Any) -> None:
+    if spec.low is None or spec.high is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(
+            f"{label}={value!r} has the wrong type; expected a number between "
+            f"{spec.low:g} and {spec.high:g}.",
+            name=label,
+            value=value,
+        )
+    if not spec.low <= value <= spec.high:
+        raise ConfigError(
+            f"{label}={value!r} is out of range; expected a value between {spec.low:g} and "
+            f"{spec.high:g} ({spec.help}).",
+            name=label,
+            value=value,
+        )
+
+
+def _check_ranks(values: dict[str, Any], sources: dict[str, str]) -> None:
+    for name in ("rank", "node_rank"):
+        if values[name] >= values["world_size"] and sources["world_size"] != "default":
+            raise ConfigError(
+                f"{name}={values[name]} (from {sources[name]}) is not below world_size="
+                f"{values['world_size']} (from {sources['world_size']}); the launcher "
+                "environment is inconsistent: unset stale RANK/WORLD_SIZE or SLURM_* variables.",
+                name=name,
+                value=values[name],
+            )
+
+
+def default_cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """A node-local default root: ``$TMPDIR`` (or /tmp) ``/shardcache-<user>``.
+
+    Never the home directory, which on clusters is usually a network file system.
+    """
+    env = os.environ if env is None else env
+    base = env.get("TMPDIR") or tempfile.gettempdir()
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return Path(base) / f"shardcache-{user}"

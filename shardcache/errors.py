@@ -1,0 +1,122 @@
+"""The exception hierarchy: every failure a user can cause or meet is one of these.
+
+::
+
+    ShardCacheError
+    ├── ConfigError(ValueError)           bad argument / SHARDCACHE_* / launcher value
+    ├── UrlError(ValueError)              bad URL or spec (braces, empty list, protocol)
+    ├── FetchError                        url, attempts, cause
+    │   ├── TransientFetchError           retries exhausted on 5xx/throttle/reset/timeout
+    │   └── PermanentFetchError           not retried: access denied, bad bucket, ...
+    │       └── RemoteNotFoundError(FileNotFoundError)   no such key / bucket
+    ├── CacheError                        the local side
+    │   ├── CacheDirError(OSError)        cache dir missing, not a dir, not writable
+    │   ├── IntegrityError                downloaded bytes do not match size / ETag
+    │   ├── CacheFullError(OSError)       out of space
+    │   └── LockTimeout(TimeoutError)     a shard lock could not be acquired in time
+    └── StallError(TimeoutError)          a prefetch worker made no progress
+
+Every exception carries a complete, human-readable message (what, where, what was
+expected, what was seen, what to do) plus the same facts as attributes, and pickles
+cleanly so DataLoader workers can re-raise it in the main process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _rebuild(cls: type[ShardCacheError], message: str, details: dict[str, Any]) -> ShardCacheError:
+    exc = cls.__new__(cls)
+    ShardCacheError.__init__(exc, message, **details)
+    return exc
+
+
+class ShardCacheError(Exception):
+    """Base class of every shardcache error.
+
+    ``details`` become attributes (``exc.url``, ``exc.path``, ...) so handlers can act
+    on the facts without parsing the message.
+    """
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+        for key, value in details.items():
+            setattr(self, key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.details))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(ShardCacheError, ValueError):
+    """A setting has a value we cannot use (names the variable, value and accepted form)."""
+
+
+class UrlError(ShardCacheError, ValueError):
+    """A URL or shard spec cannot be used."""
+
+
+class FetchError(ShardCacheError):
+    """Fetching a remote object failed (names the URL, attempts and last cause)."""
+
+    retryable = False
+
+
+class TransientFetchError(FetchError):
+    """A transient failure (5xx, throttling, reset, timeout, truncation) outlived the retries."""
+
+    retryable = True
+
+
+class PermanentFetchError(FetchError):
+    """A failure that retrying cannot fix (access denied, invalid bucket, ...)."""
+
+
+class RemoteNotFoundError(PermanentFetchError, FileNotFoundError):
+    """The remote object or bucket does not exist."""
+
+
+class CacheError(ShardCacheError):
+    """Something is wrong on the local cache side."""
+
+
+class CacheDirError(CacheError, OSError):
+    """The cache directory cannot be created or written."""
+
+
+class IntegrityError(CacheError):
+    """Downloaded bytes do not match the remote object's size or checksum."""
+
+
+class CacheFullError(CacheError, OSError):
+    """There is not enough space in the cache for a shard."""
+
+
+class LockTimeout(CacheError, TimeoutError):
+    """A shard's lock could not be acquired in time; carries the holder and a verdict."""
+
+
+class StallError(ShardCacheError, TimeoutError):
+    """A prefetch worker made no progress for the stall timeout."""
+
+
+__all__ = [
+    "CacheDirError",
+    "CacheError",
+    "CacheFullError",
+    "ConfigError",
+    "FetchError",
+    "IntegrityError",
+    "LockTimeout",
+    "PermanentFetchError",
+    "RemoteNotFoundError",
+    "ShardCacheError",
+    "StallError",
+    "TransientFetchError",
+    "UrlError",
+]

@@ -1,0 +1,96 @@
+"""Who a process is, and whether a process recorded earlier is provably alive or dead.
+
+A pid alone proves nothing: pids are reused, and the same pid on another host, after a
+reboot, or in another pid namespace is a different process. A record therefore carries
+host, boot id, pid namespace, pid and the process start time (in clock ticks since boot).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+
+@lru_cache(maxsize=1)
+def hostname() -> str:
+    return socket.gethostname()
+
+
+@lru_cache(maxsize=1)
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time since boot), or None if no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return -1
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return -1
+
+
+def proc_state(pid: int) -> str:
+    """A one-line summary of a local process for diagnostics: state, wait channel, command."""
+    parts = []
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("State:", "Name:")):
+                parts.append(" ".join(line.split()))
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+        if wchan and wchan != "0":
+            parts.append(f"wchan: {wchan}")
+    except OSError as exc:
+        parts.append(f"/proc/{pid} unreadable ({exc.strerror or exc})")
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """Enough to decide later, from any process on any host, whether this one still runs."""
+
+    host: str
+    boot_id: str
+    pidns: str
+    pid: int
+    start_ticks: int | None
+
+    @classmethod
+    def current(cls) -> ProcessIdentity:
+        pid = os.getpid()
+        return cls(hostname(), boot_id(), pid_namespace(), pid, start_ticks(pid))
+
+    def liveness(self) -> tuple[str, str]:
+        """("alive" | "dead" | "unknown", why) as judged from the calling process."""
+        if self.host != hostname():
+            return "unknown", f"holder runs on another host ({self.host}); judged by lease age"
+        if self.boot_id and boot_id() and self.boot_id != boot_id():
+            return "dead", "this host has rebooted since the holder started"
+        if self.pidns and pid_namespace() and self.pidns != pid_namespace():
+            return "unknown", "holder is in another pid namespace (container)"
+        ticks = start_ticks(self.pid)
+        if ticks is None:
+            return "dead", f"pid {self.pid} no longer exists on {self.host}"
+        if self.start_ticks not in (None, -1) and ticks not in (-1, self.start_ticks):
+            return "dead", f"pid {self.pid} was reused by another process"
+        return "alive", f"pid {self.pid} is running on this host ({proc_state(self.pid)})"

@@ -1,0 +1,462 @@
+"""Per-shard, stale-lock-aware locks.
+
+The lock only avoids downloading a shard twice. Correctness never depends on it: every
+writer downloads into its own temp file and publishes with an atomic rename, so even two
+holders at once (a broken lease that was in fact alive) cost bandwidth, never data.
+
+Two modes:
+
+* ``flock`` (local disks): ``filelock.FileLock`` on ``<hash>.lock``. The kernel frees the
+  lock of a dead holder at once, so "stale" here means *stuck*: the holder's owner record
+  (``<hash>.owner``) has not changed for ``stuck_after`` on the waiter's own clock. Lock
+  files are never deleted: unlinking a locked file lets the next contender lock a new
+  inode while the old holder still holds the old one (two holders).
+* ``lease`` (network file systems, where flock may silently exclude only within a node):
+  the lock *is* the file ``<hash>.lease``, created atomically with ``os.link`` from a
+  private claim file holding the owner record. The holder rewrites the record as it makes
+  progress. A waiter breaks a lease whose holder is provably dead (same host and boot,
+  pid gone or reused) at once, or one whose record has not changed for ``lease_time``
+  on the waiter's clock (clocks of different hosts are never compared). Breaking renames
+  the lease to a unique name and checks that it is still the record that was judged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from .errors import CacheError, LockTimeout
+from .fsinfo import mount_for
+from .identity import ProcessIdentity
+
+logger = logging.getLogger(__name__)
+
+STILL_WAITING_EVERY = 30.0
+RECORD_INTERVAL = 0.5  # seconds between progress-record writes while holding
+_RETRYABLE_ERRNOS = {errno.ENOENT, errno.ESTALE, errno.EINTR, errno.EIO, errno.EEXIST}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LockPolicy:
+    """How long and how to wait for a shard lock."""
+
+    mode: str = "flock"  # "flock" or "lease"
+    timeout: float = 3600.0  # hard limit on the wait
+    stuck_after: float = 300.0  # flock: give up on a holder whose record did not change
+    lease_time: float = 60.0  # lease: break a lease whose record did not change
+
+    @property
+    def backoff(self) -> tuple[float, float]:
+        """(first, max) poll delay: short on local disks, gentler on shared ones."""
+        if self.mode == "lease":
+            return 0.05, max(0.05, min(10.0, self.lease_time / 4))
+        return 0.01, 1.0
+
+
+class ShardLock:
+    """One acquisition of the lock guarding one shard; use :meth:`hold`.
+
+    Create a new instance per acquisition: instances are not shared between threads.
+    """
+
+    def __init__(self, path: Path, *, url: str, policy: LockPolicy, rank: int = 0) -> None:
+        self.path = Path(path)
+        self.url = url
+        self.policy = policy
+        self.rank = rank
+        self._token = secrets.token_hex(8)
+        self._record: dict[str, Any] = {}
+        self._record_fd: int | None = None
+        self._last_write = 0.0
+        self._flock: filelock.FileLock | None = None
+        self.lost = False  # lease mode: True once another process broke our lease
+
+    @property
+    def owner_path(self) -> Path:
+        return self.path.with_suffix(".owner")
+
+    @property
+    def lease_path(self) -> Path:
+        return self.path.with_suffix(".lease")
+
+    @contextlib.contextmanager
+    def hold(self, done: Callable[[], bool] | None = None) -> Iterator[bool]:
+        """Hold the lock for the ``with`` block; yields False (not held) if ``done()`` turned
+        true while waiting (another process published the shard)."""
+        acquired = self.acquire(done)
+        try:
+            yield acquired
+        finally:
+            if acquired:
+                self.release()
+
+    # -- acquisition -------------------------------------------------------------------
+
+    def acquire(self, done: Callable[[], bool] | None = None) -> bool:
+        """Wait for the lock (backoff with jitter). False if ``done()`` became true first."""
+        start = time.monotonic()
+        delay, max_delay = self.policy.backoff
+        watch = _RecordWatch()
+        attempts = 0
+        next_log = start + STILL_WAITING_EVERY
+        while True:
+            attempts += 1
+            if self._try_acquire():
+                self._start_record(attempts, time.monotonic() - start)
+                return True
+            if done is not None and done():
+                return False
+            now = time.monotonic()
+            raw = self._read_holder_raw()
+            watch.observe(raw, now)
+            self._judge(watch, now, start, attempts)
+            if now >= next_log:
+                logger.info(
+                    "still waiting for the lock of %s after %.0fs (%s)",
+                    self.url,
+                    now - start,
+                    _summarise(watch.record),
+                )
+                next_log = now + STILL_WAITING_EVERY
+            remaining = start + self.policy.timeout - now
+            time.sleep(max(0.0, min(remaining, delay * random.uniform(0.5, 1.5))))
+            delay = min(max_delay, delay * 2)
+
+    def _try_acquire(self) -> bool:
+        for _ in range(20):  # bounded: create/open races are retried, never surfaced raw
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                if self.policy.mode == "lease":
+                    return self._try_claim_lease()
+                return self._try_flock()
+            except OSError as exc:
+                if exc.errno in _RETRYABLE_ERRNOS:
+                    continue
+                if exc.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                    raise CacheError(
+                        f"cannot lock {self.path}: flock is not supported on "
+                        f"{mount_for(self.path).describe()} ({exc.strerror}). "
+                        "Set SHARDCACHE_LOCK_MODE=lease for this file system.",
+                        path=str(self.path),
+                        url=self.url,
+                    ) from exc
+                raise CacheError(
+                    f"cannot create the lock file {self.path} for {self.url}: {exc}. "
+                    "Check that the cache directory is writable (SHARDCACHE_DIR).",
+                    path=str(self.path),
+                    url=self.url,
+                ) from exc
+        return False
+
+    def _try_flock(self) -> bool:
+        if self._flock is None:
+            self._flock = filelock.FileLock(
+                str(self.path), mode=0o644, thread_local=True, fallback_to_soft=False
+            )
+        try:
+            self._flock.acquire(blocking=False)
+        except filelock.Timeout:
+            return False
+        return True
+
+    def _try_claim_lease(self) -> bool:
+        claim = self.path.with_name(f"{self.path.stem}.{self._token}.claim")
+        record = self._make_record(phase="claiming", attempts=0, waited=0.0)
+        _write_new(claim, record)
+        try:
+            try:
+                os.link(claim, self.lease_path)
+            except FileExistsError:
+                return False
+            except OSError:
+                # NFS may report failure for a link that happened: the link count tells.
+                if os.stat(claim).st_nlink != 2:
+                    raise
+            fd = os.open(self.lease_path, os.O_RDWR | os.O_NOFOLLOW)
+            if os.fstat(fd).st_ino != os.stat(claim).st_ino:
+                os.close(fd)
+                return False
+            self._record_fd = fd
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                claim.unlink()
+
+    # -- judging the holder --------------------------------------------------------------
+
+    def _read_holder_raw(self) -> bytes | None:
+        path = self.lease_path if self.policy.mode == "lease" else self.owner_path
+        try:
+            return path.read_bytes()
+        except OSError:
+            return None
+
+    def _judge(self, watch: _RecordWatch, now: float, start: float, attempts: int) -> None:
+        verdict, why = _verdict(watch.record)
+        quiet = now - watch.changed_at
+        expired = verdict == "dead" or quiet >= self.policy.lease_time
+        if self.policy.mode == "lease" and watch.raw is not None and expired:
+            reason = why if verdict == "dead" else f"no renewal for {quiet:.1f}s"
+            self._break_lease(watch.raw, reason)
+            watch.reset(now)
+            return
+        if self.policy.mode == "flock" and quiet >= self.policy.stuck_after and verdict != "dead":
+            self._timeout(
+                watch=watch,
+                verdict=verdict,
+                why=why,
+                start=start,
+                attempts=attempts,
+                cause=f"the holder's progress record has not changed for {quiet:.0f}s "
+                f"(SHARDCACHE_LOCK_STUCK_AFTER={self.policy.stuck_after:g}s)",
+            )
+        if now - start >= self.policy.timeout:
+            self._timeout(
+                watch=watch,
+                verdict=verdict,
+                why=why,
+                start=start,
+                attempts=attempts,
+                cause=f"waited the full SHARDCACHE_LOCK_TIMEOUT={self.policy.timeout:g}s",
+            )
+
+    def _break_lease(self, judged: bytes, reason: str) -> None:
+        aside = self.path.with_name(f"{self.path.stem}.{self._token}.broken")
+        try:
+            os.rename(self.lease_path, aside)
+        except FileNotFoundError:
+            return  # released or broken by someone else meanwhile
+        try:
+            if aside.read_bytes() == judged:
+                logger.warning("broke the stale lease of %s: %s", self.url, reason)
+                return
+            # The holder renewed between our judgement and the rename: put it back.
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.lease_path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                aside.unlink()
+
+    def _timeout(
+        self,
+        *,
+        watch: _RecordWatch,
+        verdict: str,
+        why: str,
+        start: float,
+        attempts: int,
+        cause: str,
+    ) -> None:
+        elapsed = time.monotonic() - start
+        owner = watch.record
+        mount = mount_for(self.path)
+        me = ProcessIdentity.current()
+        if verdict == "alive" and owner:
+            hint = (
+                f"inspect the holder (py-spy dump --pid {owner.get('pid')}) or kill it: the "
+                "kernel frees its lock when it exits. If its downloads are legitimately "
+                "slow, raise SHARDCACHE_LOCK_STUCK_AFTER / SHARDCACHE_LOCK_TIMEOUT."
+            )
+        elif self.policy.mode == "flock" and mount.is_network:
+            hint = (
+                "the cache is on a network file system where flock can mislead; set "
+                "SHARDCACHE_LOCK_MODE=lease or move SHARDCACHE_DIR to a node-local disk."
+            )
+        else:
+            hint = (
+                "check that the holder is still running and can reach the remote store; "
+                "raise SHARDCACHE_LOCK_TIMEOUT if downloads are slow."
+            )
+        raise LockTimeout(
+            f"timed out waiting for the lock of {self.url}: {cause}.\n"
+            f"  lock file: {self.path} ({self.policy.mode} mode) on {mount.describe()}\n"
+            f"  waiter: host {me.host} pid {me.pid} rank {self.rank} thread "
+            f"{threading.current_thread().name}\n"
+            f"  holder: {_summarise(owner)}\n"
+            f"  verdict: {verdict} ({why})\n"
+            f"  waited {elapsed:.1f}s over {attempts} attempts\n"
+            f"  what to do: {hint}",
+            url=self.url,
+            path=str(self.path),
+            owner=owner,
+            verdict=verdict,
+            elapsed=elapsed,
+            attempts=attempts,
+        )
+
+    # -- holding -------------------------------------------------------------------------
+
+    def _make_record(self, **extra: Any) -> dict[str, Any]:
+        me = ProcessIdentity.current()
+        return {
+            "host": me.host,
+            "boot_id": me.boot_id,
+            "pidns": me.pidns,
+            "pid": me.pid,
+            "start_ticks": me.start_ticks,
+            "rank": self.rank,
+            "thread": threading.current_thread().name,
+            "token": self._token,
+            "url": self.url,
+            "since": time.time(),
+            "seq": 0,
+            **extra,
+        }
+
+    def _start_record(self, attempts: int, waited: float) -> None:
+        self._record = self._make_record(phase="locked", attempts=attempts, waited=waited)
+        if self.policy.mode == "flock":
+            self._record_fd = os.open(
+                self.owner_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644
+            )
+        self._write_record()
+
+    def heartbeat(
+        self,
+        *,
+        phase: str | None = None,
+        bytes_done: int | None = None,
+        bytes_total: int | None = None,
+    ) -> None:
+        """Record progress; rate-limited unless the phase changes. Call while holding."""
+        if self._record_fd is None:
+            return
+        phase_changed = phase is not None and phase != self._record.get("phase")
+        if not phase_changed and time.monotonic() - self._last_write < RECORD_INTERVAL:
+            return
+        if phase is not None:
+            self._record["phase"] = phase
+        if bytes_done is not None:
+            self._record["bytes_done"] = bytes_done
+        if bytes_total is not None:
+            self._record["bytes_total"] = bytes_total
+        self._record["seq"] += 1
+        self._write_record()
+
+    def _write_record(self) -> None:
+        fd = self._record_fd
+        if fd is None:
+            return
+        data = json.dumps(self._record, sort_keys=True).encode()
+        try:
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            if self.policy.mode == "lease":
+                os.fsync(fd)  # make the renewal visible to other NFS clients
+                if os.stat(self.lease_path).st_ino != os.fstat(fd).st_ino:
+                    raise FileNotFoundError(self.lease_path)
+        except OSError:
+            if self.policy.mode == "lease" and not self.lost:
+                self.lost = True
+                logger.warning(
+                    "lost the lease of %s (broken by another process); the download "
+                    "continues and publishes atomically",
+                    self.url,
+                )
+        self._last_write = time.monotonic()
+
+    def release(self) -> None:
+        """Release the lock (lock files stay; a lease we still own is removed)."""
+        fd, self._record_fd = self._record_fd, None
+        try:
+            if self.policy.mode == "lease" and fd is not None:
+                self._release_lease(fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
+            if self._flock is not None and self._flock.is_locked:
+                self._flock.release()
+
+    def _release_lease(self, fd: int) -> None:
+        # Rename first, then check: unlinking by name could delete a successor's lease.
+        aside = self.path.with_name(f"{self.path.stem}.{self._token}.released")
+        try:
+            os.rename(self.lease_path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            if os.stat(aside).st_ino != os.fstat(fd).st_ino:
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, self.lease_path)  # not ours: give it back
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                aside.unlink()
+
+
+class _RecordWatch:
+    """Tracks when a holder's record last changed, on this process's monotonic clock."""
+
+    def __init__(self) -> None:
+        self.raw: bytes | None = None
+        self.record: dict[str, Any] | None = None
+        self.changed_at = time.monotonic()
+
+    def observe(self, raw: bytes | None, now: float) -> None:
+        if raw != self.raw:
+            self.raw = raw
+            self.record = _parse_record(raw)
+            self.changed_at = now
+
+    def reset(self, now: float) -> None:
+        self.raw, self.record, self.changed_at = None, None, now
+
+
+def _write_new(path: Path, record: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, json.dumps(record, sort_keys=True).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _parse_record(raw: bytes | None) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _verdict(record: dict[str, Any] | None) -> tuple[str, str]:
+    if record is None:
+        return "unknown", "no readable owner record yet"
+    try:
+        holder = ProcessIdentity(
+            host=str(record["host"]),
+            boot_id=str(record.get("boot_id", "")),
+            pidns=str(record.get("pidns", "")),
+            pid=int(record["pid"]),
+            start_ticks=record.get("start_ticks"),
+        )
+    except (KeyError, TypeError, ValueError):
+        return "unknown", "the owner record is malformed"
+    return holder.liveness()
+
+
+def _summarise(record: dict[str, Any] | None) -> str:
+    if not record:
+        return "unknown (no readable owner record)"
+    age = time.time() - float(record.get("since", time.time()))
+    done, total = record.get("bytes_done"), record.get("bytes_total")
+    progress = f", {done}/{total} bytes" if done is not None else ""
+    return (
+        f"host {record.get('host')} pid {record.get('pid')} rank {record.get('rank')} "
+        f"thread {record.get('thread')}, phase {record.get('phase')}{progress}, "
+        f"held for {age:.0f}s (by its clock)"
+    )

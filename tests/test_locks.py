@@ -1,0 +1,240 @@
+"""The stale-lock-aware shard lock, with real processes, threads and SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardcache.errors import LockTimeout
+from shardcache.identity import ProcessIdentity
+from shardcache.locks import LockPolicy, ShardLock
+
+MODES = ["flock", "lease"]
+CTX = mp.get_context("spawn")
+
+
+def _policy(mode: str, **kw: float) -> LockPolicy:
+    return LockPolicy(mode=mode, **{"timeout": 60.0, "stuck_after": 60.0, "lease_time": 60.0, **kw})
+
+
+def _critical_sections(lock_path: str, log_path: str, mode: str, rounds: int) -> None:
+    """Enter the lock ``rounds`` times, logging enter/exit with O_APPEND (atomic writes)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    me = f"{os.getpid()}-{threading.get_ident()}"
+    for _ in range(rounds):
+        lock = ShardLock(Path(lock_path), url="s3://b/k", policy=_policy(mode))
+        with lock.hold() as held:
+            assert held
+            os.write(fd, f"enter {me}\n".encode())
+            os.write(fd, f"exit {me}\n".encode())
+    os.close(fd)
+
+
+def _assert_no_overlap(log_path: Path, expected: int) -> None:
+    lines = log_path.read_text().splitlines()
+    assert len(lines) == 2 * expected
+    for enter, leave in zip(lines[::2], lines[1::2], strict=True):
+        assert enter.startswith("enter ") and leave.startswith("exit ")
+        assert enter.split()[1] == leave.split()[1], "two holders at once"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_processes_exclude_each_other(tmp_path: Path, mode: str) -> None:
+    lock_path, log = tmp_path / ".locks" / "ab" / "x.lock", tmp_path / "log"
+    procs = [
+        CTX.Process(target=_critical_sections, args=(str(lock_path), str(log), mode, 15))
+        for _ in range(8)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    _assert_no_overlap(log, 8 * 15)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_threads_exclude_each_other(tmp_path: Path, mode: str) -> None:
+    lock_path, log = tmp_path / "x.lock", tmp_path / "log"
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _critical_sections(str(lock_path), str(log), mode, 20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    _assert_no_overlap(log, 8 * 20)
+
+
+def _hold_forever(lock_path: str, mode: str, ready: mp.Event, progress: bool) -> None:
+    lock = ShardLock(Path(lock_path), url="s3://b/held", policy=_policy(mode))
+    assert lock.acquire()
+    lock.heartbeat(phase="downloading", bytes_done=1, bytes_total=100)
+    ready.set()
+    n = 1
+    while True:  # the parent kills us
+        if progress:
+            n += 1
+            lock.heartbeat(phase="downloading", bytes_done=n, bytes_total=10**9)
+        threading.Event().wait(0.05)
+
+
+def _start_holder(lock_path: Path, mode: str, progress: bool = False) -> mp.Process:
+    ready = CTX.Event()
+    holder = CTX.Process(target=_hold_forever, args=(str(lock_path), mode, ready, progress))
+    holder.start()
+    assert ready.wait(30), "holder did not acquire the lock"
+    return holder
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sigkilled_holder_is_recovered_without_waiting_for_timeout(
+    tmp_path: Path, mode: str
+) -> None:
+    lock_path = tmp_path / "x.lock"
+    holder = _start_holder(lock_path, mode)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(10)
+    # Timeouts of a minute: recovery must come from the kernel (flock) or from the
+    # proof that the holder's pid is dead (lease), not from waiting a timeout out.
+    lock = ShardLock(lock_path, url="s3://b/held", policy=_policy(mode))
+    started = time.monotonic()
+    with lock.hold() as held:
+        assert held
+    assert time.monotonic() - started < 30
+
+
+def _write_lease(path: Path, **fields: object) -> None:
+    me = ProcessIdentity.current()
+    record = {
+        "host": me.host,
+        "boot_id": me.boot_id,
+        "pidns": me.pidns,
+        "pid": me.pid,
+        "start_ticks": me.start_ticks,
+        "since": time.time(),
+        "phase": "downloading",
+        **fields,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+
+
+def test_lease_of_dead_local_pid_is_broken_at_once(tmp_path: Path) -> None:
+    lock_path = tmp_path / "x.lock"
+    dead = CTX.Process(target=os.getpid)
+    dead.start()
+    dead.join(30)
+    _write_lease(lock_path.with_suffix(".lease"), pid=dead.pid, start_ticks=12345)
+    lock = ShardLock(lock_path, url="s3://b/k", policy=_policy("lease"))
+    with lock.hold() as held:
+        assert held
+        record = json.loads(lock.lease_path.read_text())
+        assert record["pid"] == os.getpid()
+
+
+def test_lease_of_silent_remote_host_expires(tmp_path: Path) -> None:
+    lock_path = tmp_path / "x.lock"
+    _write_lease(lock_path.with_suffix(".lease"), host="node-elsewhere", pid=1)
+    lock = ShardLock(lock_path, url="s3://b/k", policy=_policy("lease", lease_time=0.3))
+    with lock.hold() as held:
+        assert held
+
+
+def test_live_lease_holder_is_not_broken(tmp_path: Path) -> None:
+    lock_path = tmp_path / "x.lock"
+    holder = _start_holder(lock_path, "lease", progress=True)
+    try:
+        lock = ShardLock(
+            lock_path, url="s3://b/held", policy=_policy("lease", lease_time=0.5, timeout=2.0)
+        )
+        with pytest.raises(LockTimeout) as info:
+            lock.acquire()
+        assert info.value.verdict == "alive"
+        assert holder.is_alive()
+    finally:
+        holder.kill()
+        holder.join(10)
+
+
+def test_stuck_flock_holder_gives_a_diagnostic_timeout(tmp_path: Path) -> None:
+    lock_path = tmp_path / "x.lock"
+    holder = _start_holder(lock_path, "flock", progress=False)
+    try:
+        lock = ShardLock(lock_path, url="s3://b/held", policy=_policy("flock", stuck_after=0.5))
+        with pytest.raises(LockTimeout) as info:
+            lock.acquire()
+    finally:
+        holder.kill()
+        holder.join(10)
+    exc = info.value
+    message = str(exc)
+    for expected in (
+        "s3://b/held",
+        str(lock_path),
+        f"pid {holder.pid}",
+        "verdict: alive",
+        "has not changed",
+        "what to do",
+        "py-spy dump",
+    ):
+        assert expected in message
+    assert exc.owner["pid"] == holder.pid
+    clone = pickle.loads(pickle.dumps(exc))
+    assert type(clone) is LockTimeout and str(clone) == message and clone.url == exc.url
+
+
+def test_waiter_stops_when_the_work_is_done(tmp_path: Path) -> None:
+    lock_path = tmp_path / "x.lock"
+    holder = _start_holder(lock_path, "flock")
+    try:
+        finished = threading.Event()
+        threading.Timer(0.2, finished.set).start()
+        lock = ShardLock(lock_path, url="s3://b/held", policy=_policy("flock"))
+        assert lock.acquire(done=finished.is_set) is False
+    finally:
+        holder.kill()
+        holder.join(10)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vanished_lock_directory_is_survived(tmp_path: Path, mode: str) -> None:
+    locks = tmp_path / ".locks"
+    lock_path = locks / "ab" / "x.lock"
+    with ShardLock(lock_path, url="s3://b/k", policy=_policy(mode)).hold() as held:
+        assert held
+    shutil.rmtree(locks)  # e.g. a user cleaning the cache under a running job
+    with ShardLock(lock_path, url="s3://b/k", policy=_policy(mode)).hold() as held:
+        assert held
+    assert lock_path.exists() if mode == "flock" else not lock_path.with_suffix(".lease").exists()
+
+
+def test_flock_lock_file_is_never_deleted(tmp_path: Path) -> None:
+    lock_path = tmp_path / "x.lock"
+    with ShardLock(lock_path, url="s3://b/k", policy=_policy("flock")).hold():
+        inode = lock_path.stat().st_ino
+    assert lock_path.stat().st_ino == inode
+
+
+def test_garbage_lease_record_is_treated_as_unknown_and_expires(tmp_path: Path) -> None:
+    lock_path = tmp_path / "x.lock"
+    lock_path.with_suffix(".lease").write_bytes(b"\x00garbage{")
+    lock = ShardLock(lock_path, url="s3://b/k", policy=_policy("lease", lease_time=0.2))
+    with lock.hold() as held:
+        assert held
