@@ -1,0 +1,53 @@
+"""shardcache: fast, safe streaming of sharded training data from S3 (any fsspec URL).
+
+A per-rank (or per-node) local cache in front of remote storage: every shard is published
+atomically and verified, processes coordinate through stale-lock-aware locks, and
+configuration comes from arguments, ``SHARDCACHE_*`` variables or the launcher (SLURM,
+torchrun).
+
+>>> from shardcache import ShardCache, expand_urls
+>>> cache = ShardCache()
+>>> for url in expand_urls("s3://bucket/train-{000000..000009}.tar"):
+...     path = cache.fetch(url)
+"""
+
+from .cache import CacheStats, ShardCache
+from .config import Settings
+from .errors import (
+    CacheDirError,
+    CacheError,
+    CacheFullError,
+    ConfigError,
+    FetchError,
+    IntegrityError,
+    LockTimeout,
+    PermanentFetchError,
+    RemoteNotFoundError,
+    ShardCacheError,
+    StallError,
+    TransientFetchError,
+    UrlError,
+)
+from .urls import expand_urls
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheDirError",
+    "CacheError",
+    "CacheFullError",
+    "CacheStats",
+    "ConfigError",
+    "FetchError",
+    "IntegrityError",
+    "LockTimeout",
+    "PermanentFetchError",
+    "RemoteNotFoundError",
+    "Settings",
+    "ShardCache",
+    "ShardCacheError",
+    "StallError",
+    "TransientFetchError",
+    "UrlError",
+    "expand_urls",
+]

@@ -1,0 +1,292 @@
+"""``ShardCache``: a local copy of any fsspec URL, published atomically and verified.
+
+The download path is a chain of small steps: hit check -> lock -> re-check -> metadata ->
+space check -> download into a private temp file -> verify -> fsync -> rename -> fsync dir.
+
+Invariant: the lock only avoids downloading a shard twice. Correctness comes from the
+per-process temp file renamed into place: a reader only ever opens the final name, which
+exists only once complete and verified, so no reader can see a partial shard even if a
+writer is SIGKILLed at any instant (it leaves only its ``.part``, swept later).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import stat
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .config import Settings
+from .errors import CacheDirError, CacheFullError, ShardCacheError
+from .fsinfo import mount_for
+from .layout import CacheLayout, ensure_dir
+from .locks import LockPolicy, ShardLock
+from .remote import ObjectInfo, Progress, Remote, RemoteOptions
+from .retry import RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheStats:
+    """Counters of this process's cache activity."""
+
+    hits: int = 0  # found complete in the cache
+    misses: int = 0  # downloaded by this process
+    shared: int = 0  # downloaded by another process while we waited for the lock
+    bytes_downloaded: int = 0
+    bytes_served: int = 0  # bytes of shards returned (hits, misses and shared)
+    download_seconds: float = 0.0
+    lock_wait_seconds: float = 0.0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ShardCache:
+    """A per-rank (or per-node) local cache of remote shards.
+
+    >>> cache = ShardCache()                     # settings from SHARDCACHE_* / launcher env
+    >>> path = cache.fetch("s3://bucket/train-000001.tar")
+    >>> with cache.open("s3://bucket/train-000001.tar") as f: ...
+
+    Arguments left as ``None`` come from ``SHARDCACHE_*`` variables, then the launcher
+    environment (torchrun, SLURM), then defaults; see :class:`shardcache.config.Settings`
+    for every keyword (``max_bytes``, ``lock_mode``, ``lock_timeout``, ``retries``, ...).
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        scope: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        settings: Settings | None = None,
+        **overrides: Any,
+    ) -> None:
+        explicit = {"cache_dir": cache_dir, "scope": scope, "storage_options": storage_options}
+        explicit.update(overrides)
+        if settings is None:
+            settings = Settings.resolve(**explicit)
+        elif any(v is not None for v in explicit.values()):
+            settings = settings.replace(**{k: v for k, v in explicit.items() if v is not None})
+        self.settings = settings
+        self.layout = CacheLayout(settings.scope_dir)
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        s = self.settings
+        self.remote = Remote(
+            RemoteOptions(
+                storage_options=s.storage_options,
+                retry=RetryPolicy(s.retries, s.retry_backoff),
+                io_timeout=s.io_timeout,
+                chunk_size=s.chunk_size,
+                verify=s.verify,
+            )
+        )
+        self._stats = CacheStats()
+        self._stats_lock = threading.Lock()
+        self._made_dirs: set[Path] = set()
+        self._policy: LockPolicy | None = None
+
+    @classmethod
+    def from_env(cls) -> ShardCache:
+        """A cache configured only by the environment."""
+        return cls()
+
+    # Picklable (DataLoader workers): runtime state is rebuilt in the receiving process.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"settings": self.settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.settings = state["settings"]
+        self.layout = CacheLayout(self.settings.scope_dir)
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return f"ShardCache({str(self.settings.scope_dir)!r})"
+
+    # -- queries ---------------------------------------------------------------------
+
+    def path_for(self, url: str) -> Path:
+        """Where ``url`` is (or would be) cached. Does not touch the network or the disk."""
+        return self.layout.data_path(self.remote.canonical_url(url), self.remote.namespace(url))
+
+    def contains(self, url: str) -> bool:
+        """True if a complete copy of ``url`` is in the cache."""
+        return _is_regular_file(self.path_for(url))
+
+    def stats(self) -> CacheStats:
+        """A snapshot of this process's counters."""
+        with self._stats_lock:
+            return CacheStats(**self._stats.as_dict())
+
+    # -- fetching --------------------------------------------------------------------
+
+    def open(self, url: str) -> BinaryIO:
+        """Fetch ``url`` if needed and open the cached copy for binary reading."""
+        return self.fetch(url).open("rb")
+
+    def fetch(self, url: str, progress: Progress | None = None) -> Path:
+        """Return the path of a complete, verified local copy of ``url``, downloading it
+        at most once across all processes sharing this cache directory."""
+        final = self.path_for(url)
+        size = _regular_file_size(final)
+        if size is not None:
+            self._count(hits=1, bytes_served=size)
+            return final
+        try:
+            return self._fetch_miss(url, final, progress)
+        except BaseException:
+            self._count(errors=1)
+            raise
+
+    def _fetch_miss(self, url: str, final: Path, progress: Progress | None) -> Path:
+        lock_path = self.layout.lock_path(
+            self.remote.canonical_url(url), self.remote.namespace(url)
+        )
+        self._ensure_dir(final.parent)
+        self._ensure_dir(lock_path.parent)
+        lock = ShardLock(lock_path, url=url, policy=self._lock_policy(), rank=self.settings.rank)
+        started = time.monotonic()
+        with lock.hold(done=lambda: _is_regular_file(final)) as held:
+            waited = time.monotonic() - started
+            size = _regular_file_size(final)
+            if size is not None:  # published by another process while we waited
+                self._count(shared=1, bytes_served=size, lock_wait_seconds=waited)
+                return final
+            if not held:  # published, then evicted before we looked: download unlocked
+                logger.debug("fetching %s without its lock", url)
+
+            def report(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+                lock.heartbeat(phase=phase, bytes_done=bytes_done, bytes_total=bytes_total)
+                if progress is not None:
+                    progress(phase=phase, bytes_done=bytes_done, bytes_total=bytes_total)
+
+            report(phase="stat", bytes_done=0, bytes_total=None)
+            info = self.remote.info(url)
+            self._check_space(final, info)
+            t0 = time.monotonic()
+            self._download_and_publish(info, final, report)
+            self._count(
+                misses=1,
+                bytes_downloaded=info.size,
+                bytes_served=info.size,
+                download_seconds=time.monotonic() - t0,
+                lock_wait_seconds=waited,
+            )
+            return final
+
+    def _download_and_publish(self, info: ObjectInfo, final: Path, report: Progress) -> None:
+        part = self.layout.temp_path(final)
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as out:
+                os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
+                self.remote.download(info, out, report)
+                out.flush()
+                os.fsync(fd)
+            report(phase="publishing", bytes_done=info.size, bytes_total=info.size)
+            os.replace(part, final)
+            _fsync_dir(final.parent)
+        except ShardCacheError:
+            _unlink_quietly(part)
+            raise
+        except OSError as exc:  # local I/O: remote errors arrive as FetchError
+            _unlink_quietly(part)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._full_error(final, info, f"the disk filled up: {exc}") from exc
+            raise CacheDirError(
+                f"cannot write {part} while caching {info.url}: {exc}. Check that "
+                f"{self.settings.scope_dir} is a writable directory (SHARDCACHE_DIR).",
+                path=str(part),
+                url=info.url,
+            ) from exc
+        except BaseException:
+            _unlink_quietly(part)
+            raise
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _check_space(self, final: Path, info: ObjectInfo) -> None:
+        free = shutil.disk_usage(final.parent).free
+        if free < info.size:
+            raise self._full_error(final, info, f"only {free} bytes are free")
+
+    def _full_error(self, final: Path, info: ObjectInfo, seen: str) -> CacheFullError:
+        free = shutil.disk_usage(final.parent).free
+        return CacheFullError(
+            f"no room to cache {info.url} ({info.size} bytes needed) in {final.parent}: "
+            f"{seen}. Free disk space, set SHARDCACHE_MAX_BYTES below the disk size, or point "
+            "SHARDCACHE_DIR at a larger node-local disk. Nothing partial was left behind.",
+            url=info.url,
+            path=str(final.parent),
+            needed=info.size,
+            free=free,
+        )
+
+    def _lock_policy(self) -> LockPolicy:
+        if self._policy is None:
+            s = self.settings
+            mode = s.lock_mode
+            mount = mount_for(s.scope_dir)
+            if mount.is_network:
+                logger.warning(
+                    "shardcache directory %s is on a network file system (%s): a node-local "
+                    "disk is much faster; set SHARDCACHE_DIR to one",
+                    s.scope_dir,
+                    mount.describe(),
+                )
+            if mode == "auto":
+                mode = "lease" if mount.is_network else "flock"
+            self._policy = LockPolicy(
+                mode=mode,
+                timeout=s.lock_timeout,
+                stuck_after=s.lock_stuck_after,
+                lease_time=s.lease_time,
+            )
+        return self._policy
+
+    def _ensure_dir(self, path: Path) -> None:
+        if path not in self._made_dirs:
+            ensure_dir(path)
+            self._made_dirs.add(path)
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+
+def _regular_file_size(path: Path) -> int | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _is_regular_file(path: Path) -> bool:
+    return _regular_file_size(path) is not None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()

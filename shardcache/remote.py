@@ -1,0 +1,318 @@
+"""Remote access through fsspec: object metadata and a verified, chunked, resumable download.
+
+Memory stays bounded by ``chunk_size`` whatever the object size. For S3 the object is
+streamed with a single GET (resumed with a ``Range`` request after a transient failure,
+guarded by ``If-Match`` on the ETag so a changed object is never stitched together);
+other protocols read sequentially through ``fs.open``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Protocol
+
+import fsspec
+from fsspec.asyn import sync
+
+from .errors import (
+    FetchError,
+    IntegrityError,
+    PermanentFetchError,
+    RemoteNotFoundError,
+    TransientFetchError,
+)
+from .retry import NOT_FOUND, TRANSIENT, RetryPolicy, TruncatedBody, classify, describe
+from .urls import url_protocol
+
+logger = logging.getLogger(__name__)
+
+_MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
+_LOCAL_PROTOCOLS = {"file", "local"}
+
+
+class Progress(Protocol):
+    """Observer of one download (the lock heartbeat, the watchdog and progress bars)."""
+
+    def __call__(self, *, phase: str, bytes_done: int, bytes_total: int | None) -> None: ...
+
+
+def _no_progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What we know of a remote object before downloading it."""
+
+    url: str
+    size: int
+    etag: str | None = None
+    version_id: str | None = None
+    md5: str | None = None  # hex MD5 of the content when the ETag is one (single-part, no KMS)
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How to reach remote stores and how hard to try."""
+
+    storage_options: dict[str, Any]
+    retry: RetryPolicy
+    io_timeout: float = 60.0
+    chunk_size: int = 8 << 20
+    verify: str = "etag"
+
+
+class Remote:
+    """Reads objects from any fsspec URL with our retry policy and verification."""
+
+    def __init__(self, options: RemoteOptions) -> None:
+        self.options = options
+        self._local = threading.local()
+
+    # -- file systems ----------------------------------------------------------------
+
+    def storage_options_for(self, protocol: str) -> dict[str, Any]:
+        """Options for ``protocol``: per-protocol (``{"s3": {...}}``) or flat (non-local only)."""
+        opts = self.options.storage_options
+        protocols = set(fsspec.available_protocols())
+        per_protocol = {k: v for k, v in opts.items() if k in protocols and isinstance(v, dict)}
+        if per_protocol:
+            chosen = dict(per_protocol.get(protocol, {}))
+        elif protocol in _LOCAL_PROTOCOLS:
+            chosen = {}
+        else:
+            chosen = dict(opts)
+        if protocol in {"s3", "s3a"}:
+            config = dict(chosen.get("config_kwargs") or {})
+            config.setdefault("connect_timeout", self.options.io_timeout)
+            config.setdefault("read_timeout", self.options.io_timeout)
+            # Our RetryPolicy owns retries: botocore's and s3fs's own would multiply them.
+            config.setdefault("retries", {"total_max_attempts": 1})
+            chosen["config_kwargs"] = config
+        return chosen
+
+    def filesystem(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        """The (cached) file system for ``url`` and the path within it."""
+        protocol = url_protocol(url)
+        fs = fsspec.filesystem(protocol, **self.storage_options_for(protocol))
+        if protocol in {"s3", "s3a"}:
+            fs.retries = 1
+        return fs, fs._strip_protocol(url)
+
+    @staticmethod
+    def canonical_url(url: str) -> str:
+        """``url`` with local paths made absolute ``file://`` URLs (one cache entry each)."""
+        if url_protocol(url) in _LOCAL_PROTOCOLS:
+            path = url.split("://", 1)[1] if "://" in url else url
+            return "file://" + os.path.abspath(os.path.expanduser(path))
+        return url
+
+    def namespace(self, url: str) -> str:
+        """Identifies the store behind ``url`` so equal keys on two endpoints never collide."""
+        protocol = url_protocol(url)
+        if protocol not in {"s3", "s3a"}:
+            return protocol
+        opts = self.storage_options_for(protocol)
+        endpoint = (
+            opts.get("endpoint_url")
+            or (opts.get("client_kwargs") or {}).get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or "aws"
+        )
+        return f"s3@{endpoint}"
+
+    # -- metadata --------------------------------------------------------------------
+
+    def info(self, url: str) -> ObjectInfo:
+        """Size and checksum of ``url``; transient errors are retried."""
+        return self._with_retries(url, "stat", lambda: self._info_once(url))
+
+    def _info_once(self, url: str) -> ObjectInfo:
+        fs, path = self.filesystem(url)
+        if url_protocol(url) in {"s3", "s3a"}:
+            bucket, key, version = fs.split_path(path)
+            kw = {"VersionId": version} if version else {}
+            head = sync(fs.loop, fs._call_s3, "head_object", Bucket=bucket, Key=key, **kw)
+            etag = str(head.get("ETag", "")).strip('"') or None
+            md5 = None
+            if (
+                etag
+                and _MD5_ETAG.match(etag)
+                and head.get("ServerSideEncryption") != "aws:kms"
+                and "SSECustomerAlgorithm" not in head
+            ):
+                md5 = etag
+            return ObjectInfo(url, int(head["ContentLength"]), etag, head.get("VersionId"), md5)
+        info = fs.info(path)
+        if info.get("type") == "directory":
+            raise PermanentFetchError(
+                f"{url} is a directory, expected a shard file; list the shards (or use a brace "
+                "pattern) instead.",
+                url=url,
+                attempts=1,
+                cause="is a directory",
+            )
+        size = info.get("size")
+        if size is None:
+            raise PermanentFetchError(
+                f"{url}: the store reports no size, so a download cannot be verified.",
+                url=url,
+                attempts=1,
+                cause="no size",
+            )
+        etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+        return ObjectInfo(url, int(size), str(etag).strip('"') if etag else None)
+
+    # -- download --------------------------------------------------------------------
+
+    def download(
+        self,
+        info: ObjectInfo,
+        out: BinaryIO,
+        progress: Progress = _no_progress,
+    ) -> ObjectInfo:
+        """Stream ``info.url`` into ``out`` (positioned at 0) and verify it.
+
+        Resumes after transient failures; raises a :class:`FetchError` subclass or
+        :class:`IntegrityError`. Returns the info the bytes were verified against.
+        """
+        attempt = 0
+        done = 0
+        md5 = hashlib.md5(usedforsecurity=False)
+        while True:
+            attempt += 1
+            phase = "downloading" if attempt == 1 else f"retry {attempt - 1}"
+            try:
+                progress(phase=phase, bytes_done=done, bytes_total=info.size)
+                for chunk in self._stream(info, done):
+                    out.write(chunk)
+                    md5.update(chunk)
+                    done += len(chunk)
+                    progress(phase="downloading", bytes_done=done, bytes_total=info.size)
+                    if done > info.size:
+                        break
+                if done < info.size:
+                    raise TruncatedBody(f"body ended at byte {done} of {info.size}")
+                self._verify(info, done, md5.hexdigest())
+                return info
+            except IntegrityError:
+                if not self.options.retry.allows(attempt):
+                    raise
+                # Corrupted in transit or changed underneath: start again from byte 0.
+                logger.warning("%s failed verification; downloading it again", info.url)
+                out.seek(0)
+                out.truncate()
+                done, md5 = 0, hashlib.md5(usedforsecurity=False)
+            except Exception as exc:
+                kind = classify(exc)
+                if kind != TRANSIENT or not self.options.retry.allows(attempt):
+                    raise self._fetch_error(info.url, attempt, exc, kind) from exc
+                logger.info("retrying %s after %s (attempt %d)", info.url, describe(exc), attempt)
+            time.sleep(self.options.retry.delay(attempt))
+
+    def _stream(self, info: ObjectInfo, offset: int) -> Iterator[bytes]:
+        fs, path = self.filesystem(info.url)
+        chunk = self.options.chunk_size
+        if url_protocol(info.url) in {"s3", "s3a"}:
+            yield from self._stream_s3(fs, path, info, offset, chunk)
+            return
+        with fs.open(path, "rb", block_size=chunk) as f:
+            if offset:
+                f.seek(offset)
+            while data := f.read(chunk):
+                yield data
+
+    @staticmethod
+    def _stream_s3(
+        fs: Any, path: str, info: ObjectInfo, offset: int, chunk: int
+    ) -> Iterator[bytes]:
+        bucket, key, version = fs.split_path(path)
+        kw: dict[str, Any] = {}
+        if version or info.version_id:
+            kw["VersionId"] = version or info.version_id
+        if offset:
+            kw["Range"] = f"bytes={offset}-"
+            if info.etag:
+                kw["IfMatch"] = f'"{info.etag}"'
+        response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
+        body = response["Body"]
+        try:
+            while data := sync(fs.loop, body.read, chunk):
+                yield data
+        finally:
+            body.close()
+
+    def _verify(self, info: ObjectInfo, size: int, md5_hex: str) -> None:
+        if size != info.size:
+            raise IntegrityError(
+                f"{info.url}: downloaded {size} bytes, expected {info.size} (the object "
+                "changed during the download, or the store misreports its size). Retry; if "
+                "it persists, check the object.",
+                url=info.url,
+                expected=info.size,
+                seen=size,
+            )
+        if self.options.verify == "etag" and info.md5 and md5_hex != info.md5:
+            raise IntegrityError(
+                f"{info.url}: MD5 of the downloaded bytes is {md5_hex}, expected {info.md5} "
+                "(the ETag). The bytes were corrupted in transit or the object changed; "
+                "nothing was published. Retry; set SHARDCACHE_VERIFY=size if this store's "
+                "ETags are not MD5s.",
+                url=info.url,
+                expected=info.md5,
+                seen=md5_hex,
+            )
+
+    # -- errors ----------------------------------------------------------------------
+
+    def _with_retries(self, url: str, what: str, call: Callable[[], ObjectInfo]) -> ObjectInfo:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return call()
+            except FetchError:
+                raise
+            except Exception as exc:
+                kind = classify(exc)
+                if kind != TRANSIENT or not self.options.retry.allows(attempt):
+                    raise self._fetch_error(url, attempt, exc, kind, what) from exc
+                logger.info("retrying %s of %s after %s", what, url, describe(exc))
+                time.sleep(self.options.retry.delay(attempt))
+
+    def _fetch_error(
+        self, url: str, attempts: int, exc: BaseException, kind: str, what: str = "download"
+    ) -> FetchError:
+        cause = describe(exc)
+        if kind == NOT_FOUND:
+            return RemoteNotFoundError(
+                f"{url} does not exist ({cause}); failed at once, without retries. Check the "
+                "bucket and key (and the endpoint: AWS_ENDPOINT_URL / storage_options).",
+                url=url,
+                attempts=attempts,
+                cause=cause,
+            )
+        if kind == TRANSIENT:
+            return TransientFetchError(
+                f"could not {what} {url}: {attempts} attempts failed with transient errors; "
+                f"last: {cause}. The store is overloaded or unreachable: retry later, or raise "
+                "SHARDCACHE_RETRIES / SHARDCACHE_IO_TIMEOUT.",
+                url=url,
+                attempts=attempts,
+                cause=cause,
+            )
+        return PermanentFetchError(
+            f"could not {what} {url}: {cause}; not retried because retrying cannot fix it. "
+            "Check credentials, permissions and the URL.",
+            url=url,
+            attempts=attempts,
+            cause=cause,
+        )

@@ -1,0 +1,212 @@
+"""Settings: parsing, precedence, launcher detection and error messages."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardcache.config import SPECS, Settings, parse_duration, parse_size
+from shardcache.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1048576", 1 << 20),
+        ("64K", 64 << 10),
+        ("500M", 500 << 20),
+        ("500G", 500 << 30),
+        ("1.5T", int(1.5 * (1 << 40))),
+        ("2TiB", 2 << 40),
+        ("10gb", 10 << 30),
+        (" 7 ", 7),
+    ],
+)
+def test_sizes(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("90s", 90), ("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("0.5", 0.5), ("2d", 172800)],
+)
+def test_durations(text: str, expected: float) -> None:
+    assert parse_duration(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "5x", "1h30", "s", "-5s", "nan", "inf", "1e400"])
+def test_bad_durations_name_the_accepted_form(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_duration(text, "SHARDCACHE_STALL_TIMEOUT")
+    assert "SHARDCACHE_STALL_TIMEOUT" in str(info.value) and "90s" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1G", "5X", "1e3", "99999999999P"])
+def test_bad_sizes(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_size(text, "SHARDCACHE_MAX_BYTES")
+    assert "SHARDCACHE_MAX_BYTES" in str(info.value)
+
+
+def test_defaults_without_any_env(tmp_path: Path) -> None:
+    s = Settings.resolve(env={"TMPDIR": str(tmp_path)})
+    assert s.scope == "rank" and s.rank == 0 and s.world_size == 1
+    assert s.cache_dir.parent == tmp_path and s.cache_dir.name.startswith("shardcache-")
+    assert s.scope_dir == s.cache_dir / "rank-0"
+    assert all(src == "default" for name, src in s.sources.items() if name != "job_id")
+
+
+def test_default_root_is_never_the_home_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Settings.resolve(env={})
+    assert not str(s.cache_dir).startswith(str(Path.home()))
+
+
+def test_torchrun_env() -> None:
+    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "GROUP_RANK": "2"}
+    s = Settings.resolve(env=env)
+    assert (s.rank, s.local_rank, s.world_size, s.node_rank) == (5, 1, 8, 2)
+    assert s.sources["rank"] == "env RANK (torchrun)"
+    assert s.scope_dir.name == "rank-5"
+
+
+def test_slurm_env() -> None:
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_ID": "777",
+    }
+    s = Settings.resolve(env=env)
+    assert (s.rank, s.local_rank, s.world_size, s.node_rank, s.job_id) == (3, 1, 4, 1, "777")
+    assert s.sources["rank"] == "env SLURM_PROCID (slurm)"
+
+
+def test_torchrun_inside_slurm_wins() -> None:
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "6", "WORLD_SIZE": "8"}
+    s = Settings.resolve(env=env)
+    assert (s.rank, s.world_size) == (6, 8)
+
+
+def test_precedence_argument_over_shardcache_env_over_launcher(tmp_path: Path) -> None:
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "SHARDCACHE_RANK": "2",
+        "SHARDCACHE_SCOPE": "node",
+        "SHARDCACHE_DIR": str(tmp_path / "env"),
+        "SHARDCACHE_THREADS": "3",
+    }
+    s = Settings.resolve(env=env, threads=9, cache_dir=tmp_path / "arg")
+    assert s.rank == 2 and s.sources["rank"] == "env SHARDCACHE_RANK"
+    assert s.threads == 9 and s.sources["threads"] == "argument"
+    assert s.cache_dir == tmp_path / "arg"
+    assert s.scope == "node" and s.scope_dir == tmp_path / "arg" / "node"
+
+
+def test_every_setting_has_an_env_variable_and_parses_its_default() -> None:
+    for name, spec in SPECS.items():
+        assert spec.env.startswith("SHARDCACHE_"), name
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "fragment"),
+    [
+        ("SHARDCACHE_SCOPE", "cluster", "rank, node"),
+        ("SHARDCACHE_LOCK_MODE", "nfs", "auto, flock, lease"),
+        ("SHARDCACHE_THREADS", "0", "between 1 and 1024"),
+        ("SHARDCACHE_THREADS", "-2", "between 1"),
+        ("SHARDCACHE_THREADS", "many", "whole number"),
+        ("SHARDCACHE_THREADS", "99999999", "between 1 and 1024"),
+        ("SHARDCACHE_PREFETCH_DEPTH", "0", "between 1"),
+        ("SHARDCACHE_RETRIES", "1000", "between 0 and 100"),
+        ("SHARDCACHE_LOCK_TIMEOUT", "0s", "between"),
+        ("SHARDCACHE_LOCK_TIMEOUT", "forever", "90s"),
+        ("SHARDCACHE_STALL_TIMEOUT", "1000d", "between 10ms and 30d"),
+        ("SHARDCACHE_CHUNK_SIZE", "1", "between 4K and 1G"),
+        ("SHARDCACHE_MAX_BYTES", "-5", "500G"),
+        ("SHARDCACHE_STORAGE_OPTIONS", "{not json", "JSON"),
+        ("SHARDCACHE_STORAGE_OPTIONS", "[1, 2]", "JSON object"),
+        ("SHARDCACHE_VERIFY", "sha", "etag, size"),
+        ("SHARDCACHE_DIR", "", "node-local"),
+        ("SHARDCACHE_RANK", "x", "whole number"),
+        ("RANK", "zero", "whole number"),
+        ("SLURM_NTASKS", "-1", "between 1"),
+    ],
+)
+def test_bad_values_name_variable_value_and_accepted_form(
+    var: str, value: str, fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.resolve(env={var: value})
+    message = str(info.value)
+    assert var in message
+    assert repr(value) in message
+    assert fragment in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_rank_beyond_world_size_is_reported() -> None:
+    with pytest.raises(ConfigError, match="inconsistent"):
+        Settings.resolve(env={"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_bad_explicit_argument_names_the_argument() -> None:
+    with pytest.raises(ConfigError, match="argument threads"):
+        Settings.resolve(env={}, threads=0)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        Settings.resolve(env={}, thread=2)
+
+
+def test_max_bytes_unlimited_spellings() -> None:
+    for text in ("0", "none", "unlimited"):
+        assert Settings.resolve(env={"SHARDCACHE_MAX_BYTES": text}).max_bytes is None
+    assert Settings.resolve(env={"SHARDCACHE_MAX_BYTES": "2G"}).max_bytes == 2 << 30
+
+
+def test_settings_pickle(tmp_path: Path) -> None:
+    s = Settings.resolve(env={"SHARDCACHE_DIR": str(tmp_path)})
+    assert pickle.loads(pickle.dumps(s)) == s
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardcache", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_config_command_json_shows_value_and_source(tmp_path: Path) -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SHARDCACHE_DIR": str(tmp_path),
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+    }
+    out = _cli("config", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["cache_dir"] == {
+        "value": str(tmp_path),
+        "env": "SHARDCACHE_DIR",
+        "source": "env SHARDCACHE_DIR",
+    }
+    assert data["rank"]["value"] == 1 and data["rank"]["source"] == "env SLURM_PROCID (slurm)"
+    assert data["scope_dir"]["value"] == str(tmp_path / "rank-1")
+    text = _cli("config", env=env)
+    assert text.returncode == 0 and "SHARDCACHE_DIR" in text.stdout
+
+
+def test_config_command_bad_env_is_one_clear_line(tmp_path: Path) -> None:
+    out = _cli("config", env={"PATH": "/usr/bin:/bin", "SHARDCACHE_THREADS": "lots"})
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "SHARDCACHE_THREADS" in out.stderr
