@@ -343,42 +343,59 @@ class Settings:
 
 def _resolve_one(name: str, spec: _Spec, env: Mapping[str, str], explicit: Any) -> tuple[Any, str]:
     if explicit is not None:
-        label = f"argument {name}"
-        value = spec.parse(explicit, label) if isinstance(explicit, str) else explicit
-        source = "argument"
+        label, raw, source = f"argument {name}", explicit, "argument"
     elif spec.env in env:
-        label = spec.env
-        value = spec.parse(env[spec.env], label)
-        source = f"env {spec.env}"
+        label, raw, source = spec.env, env[spec.env], f"env {spec.env}"
     else:
         for var, launcher in LAUNCHER_ENV.get(name, ()):
             if var in env:
-                label = f"{var} ({launcher})"
-                value = spec.parse(env[var], label)
-                source = f"env {var} ({launcher})"
+                label, raw, source = f"{var} ({launcher})", env[var], f"env {var} ({launcher})"
                 break
         else:
             return spec.default, "default"
-    _check_bounds(label, spec, value)
+    value = spec.parse(raw, label) if isinstance(raw, str) else raw
+    _check_bounds(label, raw, spec, value)
     return value, source
 
 
-def _check_bounds(label: str, spec: _Spec, value: Any) -> None:
+def _show_bound(spec: _Spec, bound: float) -> str:
+    if spec.parse is parse_duration:
+        return _format_duration(bound)
+    if spec.parse is parse_size:
+        return _format_size(int(bound))
+    return f"{bound:g}"
+
+
+def _format_duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds * 1000:g}ms"
+
+
+def _format_size(size: int) -> str:
+    for unit in ("P", "T", "G", "M", "K"):
+        if size >= _SIZE_UNITS[unit] and size % _SIZE_UNITS[unit] == 0:
+            return f"{size // _SIZE_UNITS[unit]}{unit}"
+    return str(size)
+
+
+def _check_bounds(label: str, raw: Any, spec: _Spec, value: Any) -> None:
     if spec.low is None or spec.high is None:
         return
+    low, high = _show_bound(spec, spec.low), _show_bound(spec, spec.high)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(
-            f"{label}={value!r} has the wrong type; expected a number between "
-            f"{spec.low:g} and {spec.high:g}.",
+            f"{label}={raw!r} has the wrong type; expected a number between {low} and {high}.",
             name=label,
-            value=value,
+            value=raw,
         )
     if not spec.low <= value <= spec.high:
         raise ConfigError(
-            f"{label}={value!r} is out of range; expected a value between {spec.low:g} and "
-            f"{spec.high:g} ({spec.help}).",
+            f"{label}={raw!r} is out of range; expected a value between {low} and {high} "
+            f"({spec.help}).",
             name=label,
-            value=value,
+            value=raw,
         )
 
 

@@ -1,0 +1,38 @@
+"""Shared fixtures: one moto S3 server per session, reset before each test that uses it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import fsspec
+import pytest
+import s3fs
+
+from shardcache.testing import FaultProxy, S3Server
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A moto S3 server in its own process, shared by the whole session."""
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The session server, emptied, with AWS_* pointing at it and fsspec's caches cleared."""
+    s3_server.reset()
+    fsspec.AbstractFileSystem.clear_instance_cache()
+    s3fs.S3FileSystem.clear_instance_cache()
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+@pytest.fixture
+def fault_proxy(s3: S3Server) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of the (reset) S3 server; no faults until added."""
+    with FaultProxy("127.0.0.1", s3.port) as proxy:
+        yield proxy

@@ -1,0 +1,219 @@
+"""ShardCache against a real moto S3 server (own process) reached by s3fs over HTTP."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import signal
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from shardcache import (
+    CacheDirError,
+    IntegrityError,
+    PermanentFetchError,
+    RemoteNotFoundError,
+    ShardCache,
+    TransientFetchError,
+)
+from shardcache.layout import is_temp_name
+
+BUCKET = "shards"
+CTX = mp.get_context("spawn")
+
+
+def _blob(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "data").rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def shards(s3):
+    objects = {f"train-{i:06d}.tar": _blob(300_000 + i * 1000, i) for i in range(6)}
+    s3.put_objects(BUCKET, objects)
+    return {f"s3://{BUCKET}/{k}": v for k, v in objects.items()}
+
+
+def _cache(tmp_path: Path, **kw) -> ShardCache:
+    kw.setdefault("retry_backoff", 0.01)
+    return ShardCache(tmp_path / "cache", **kw)
+
+
+def test_fetch_publishes_a_verified_private_copy_once(s3, shards, tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    url, data = next(iter(shards.items()))
+    assert not cache.contains(url)
+    path = cache.fetch(url)
+    assert path.read_bytes() == data
+    assert path == cache.path_for(url) and cache.contains(url)
+    assert path.is_relative_to(cache.settings.scope_dir)
+    assert stat.S_IMODE(path.stat().st_mode) & 0o022 == 0, (
+        "cache files must not be writable by others"
+    )
+    assert cache.fetch(url) == path
+    with cache.open(url) as f:
+        assert f.read() == data
+    key = url.split("/", 3)[3]
+    assert s3.count("GET", BUCKET, key) == 1
+    stats = cache.stats()
+    assert (stats.misses, stats.hits, stats.errors) == (1, 2, 0)
+    assert stats.bytes_downloaded == len(data)
+    assert not [p for p in _files(cache.settings.scope_dir) if is_temp_name(p.name)]
+
+
+def test_multipart_object_is_verified_by_size(s3, tmp_path: Path) -> None:
+    data = _blob(12 << 20, 99)
+    s3.put_objects(BUCKET, {"big.tar": data}, multipart_chunk=5 << 20)
+    cache = _cache(tmp_path)
+    assert cache.fetch(f"s3://{BUCKET}/big.tar").read_bytes() == data
+
+
+def test_same_key_on_two_endpoints_never_collides(s3, tmp_path: Path) -> None:
+    a = _cache(tmp_path, storage_options={"endpoint_url": "http://127.0.0.1:1"})
+    b = _cache(tmp_path, storage_options={"endpoint_url": "http://127.0.0.1:2"})
+    assert a.path_for("s3://b/k.tar") != b.path_for("s3://b/k.tar")
+
+
+def _race_worker(cache_dir: str, urls: list[str], seed: int) -> dict[str, str]:
+    cache = ShardCache(cache_dir, scope="node")
+    order = list(urls)
+    random.Random(seed).shuffle(order)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        paths = dict(zip(order, pool.map(cache.fetch, order), strict=True))
+    return {url: _sha(path.read_bytes()) for url, path in paths.items()}
+
+
+def test_eight_processes_race_and_each_shard_is_downloaded_once(s3, shards, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "shared"
+    with CTX.Pool(8) as pool:
+        results = pool.starmap(
+            _race_worker, [(str(cache_dir), list(shards), seed) for seed in range(8)]
+        )
+    expected = {url: _sha(data) for url, data in shards.items()}
+    assert all(result == expected for result in results)
+    for url in shards:
+        assert s3.count("GET", BUCKET, url.split("/", 3)[3]) == 1, url
+    leftovers = [p for p in _files(cache_dir / "node") if is_temp_name(p.name)]
+    assert not leftovers
+
+
+def _fetch_through(endpoint: str, cache_dir: str, url: str) -> None:
+    ShardCache(cache_dir, storage_options={"endpoint_url": endpoint}).fetch(url)
+
+
+def test_sigkilled_downloader_is_recovered_and_leaves_nothing_visible(
+    s3, fault_proxy, shards, tmp_path: Path
+) -> None:
+    url, data = next(iter(shards.items()))
+    cache_dir = tmp_path / "cache"
+    fault_proxy.add_fault("hang", times=1, method="GET", path_contains="train-000000")
+    holder = CTX.Process(
+        target=_fetch_through, args=(fault_proxy.endpoint_url, str(cache_dir), url)
+    )
+    holder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not fault_proxy.stats().injected and time.monotonic() < deadline:
+            holder.join(0.05)  # bounded wait for the holder's GET to hang in the proxy
+        assert fault_proxy.stats().injected, "the holder never reached its download"
+        cache = ShardCache(
+            cache_dir, storage_options={"endpoint_url": fault_proxy.endpoint_url}, lock_timeout=300
+        )
+        part_files = [p for p in _files(cache.settings.scope_dir) if is_temp_name(p.name)]
+        assert part_files, "the holder should be mid-download with a .part file"
+        assert not cache.contains(url)
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(10)
+    started = time.monotonic()
+    assert cache.fetch(url).read_bytes() == data
+    assert time.monotonic() - started < 60, "recovery must not wait for the lock timeout"
+    # The dead writer's temp file is never at the final name and is not mistaken for data.
+    finals = [p for p in _files(cache.settings.scope_dir) if not is_temp_name(p.name)]
+    assert [p.read_bytes() for p in finals] == [data]
+
+
+def test_transient_faults_are_retried_to_success(s3, fault_proxy, shards, tmp_path: Path) -> None:
+    url, data = next(iter(shards.items()))
+    for kind in ("status:503", "reset", "truncate", "status:500"):
+        fault_proxy.add_fault(kind, times=1, method="GET", path_contains="train-000000")
+    cache = _cache(tmp_path, storage_options={"endpoint_url": fault_proxy.endpoint_url}, retries=6)
+    assert cache.fetch(url).read_bytes() == data
+    assert len(fault_proxy.stats().injected) == 4
+
+
+def test_exhausted_retries_name_url_attempts_and_cause(s3, fault_proxy, shards, tmp_path) -> None:
+    url = next(iter(shards))
+    fault_proxy.add_fault("status:503", times=50, method="GET", path_contains="train-000000")
+    cache = _cache(tmp_path, storage_options={"endpoint_url": fault_proxy.endpoint_url}, retries=2)
+    with pytest.raises(TransientFetchError) as info:
+        cache.fetch(url)
+    exc = info.value
+    assert exc.url == url and exc.attempts == 3
+    assert url in str(exc) and "3 attempts" in str(exc) and "503" in str(exc)
+    assert not _files(cache.settings.scope_dir), "a failed download leaves nothing behind"
+
+
+def test_missing_key_fails_fast_without_retries(s3, shards, tmp_path: Path) -> None:
+    cache = _cache(tmp_path, retries=5, retry_backoff=5.0)
+    url = f"s3://{BUCKET}/no-such-shard.tar"
+    with pytest.raises(RemoteNotFoundError) as info:
+        cache.fetch(url)
+    assert isinstance(info.value, FileNotFoundError)
+    assert url in str(info.value) and "does not exist" in str(info.value)
+    assert info.value.attempts == 1
+    assert s3.count("HEAD", BUCKET, "no-such-shard.tar") == 1
+
+
+def test_missing_bucket_fails_fast(s3, tmp_path: Path) -> None:
+    with pytest.raises(RemoteNotFoundError, match="no-such-bucket"):
+        _cache(tmp_path, retry_backoff=5.0).fetch("s3://no-such-bucket/x.tar")
+
+
+def test_access_denied_is_permanent(s3, fault_proxy, shards, tmp_path: Path) -> None:
+    url = next(iter(shards))
+    fault_proxy.add_fault("status:403", times=10, path_contains="train-000000")
+    cache = _cache(tmp_path, storage_options={"endpoint_url": fault_proxy.endpoint_url}, retries=5)
+    with pytest.raises(PermanentFetchError) as info:
+        cache.fetch(url)
+    assert "403" in str(info.value) and "not retried" in str(info.value)
+    assert len(fault_proxy.stats().injected) == 1
+
+
+def test_corruption_in_transit_is_detected_and_never_published(
+    s3, shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = next(iter(shards))
+    cache = _cache(tmp_path, retries=1)
+    real_stream = cache.remote._stream
+
+    def flip_a_byte(info, offset):
+        for chunk in real_stream(info, offset):
+            yield bytes([chunk[0] ^ 0xFF]) + chunk[1:]
+
+    monkeypatch.setattr(cache.remote, "_stream", flip_a_byte)
+    with pytest.raises(IntegrityError) as info:
+        cache.fetch(url)
+    assert "MD5" in str(info.value) and url in str(info.value)
+    assert not cache.contains(url) and not _files(cache.settings.scope_dir)
+
+
+def test_cache_dir_that_is_a_file_is_a_clear_error(s3, shards, tmp_path: Path) -> None:
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory")
+    with pytest.raises(CacheDirError) as info:
+        ShardCache(blocker).fetch(next(iter(shards)))
+    assert str(blocker) in str(info.value)
