@@ -84,7 +84,7 @@ def mount_for(path: Path, mountinfo: str | None = None) -> Mount:
             mountinfo = MOUNTINFO.read_text()
         except OSError:
             mountinfo = ""
-    target = os.path.realpath(_existing_ancestor(path))
+    target = _resolve(path)
     best: Mount | None = None
     for mount in parse_mountinfo(mountinfo):
         point = mount.mount_point.rstrip("/") or "/"
@@ -94,8 +94,11 @@ def mount_for(path: Path, mountinfo: str | None = None) -> Mount:
     return best or Mount("/", "unknown", "unknown", "")
 
 
-def _existing_ancestor(path: Path) -> str:
+def _resolve(path: Path) -> str:
+    """Resolve symlinks in the part of ``path`` that exists; keep the rest as written."""
     path = Path(os.path.abspath(path))
+    missing: list[str] = []
     while not path.exists() and path != path.parent:
+        missing.insert(0, path.name)
         path = path.parent
-    return str(path)
+    return os.path.join(os.path.realpath(path), *missing)

@@ -10,6 +10,18 @@ import s3fs
 
 from shardcache.testing import FaultProxy, S3Server
 
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests see no SHARDCACHE_*, torchrun or SLURM settings of the machine they run on."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("SHARDCACHE_", "SLURM_")) or name in _LAUNCHER_VARS:
+            monkeypatch.delenv(name)
+
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:

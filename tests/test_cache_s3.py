@@ -87,23 +87,38 @@ def test_same_key_on_two_endpoints_never_collides(s3, tmp_path: Path) -> None:
     assert a.path_for("s3://b/k.tar") != b.path_for("s3://b/k.tar")
 
 
-def _race_worker(cache_dir: str, urls: list[str], seed: int) -> dict[str, str]:
-    cache = ShardCache(cache_dir, scope="node")
+def _race_worker(cache_dir: str, urls: list[str], seed: int, lock_mode: str, start, out) -> None:
+    cache = ShardCache(cache_dir, scope="node", lock_mode=lock_mode)
     order = list(urls)
     random.Random(seed).shuffle(order)
+    start.wait(60)  # all processes begin fetching together
     with ThreadPoolExecutor(max_workers=3) as pool:
         paths = dict(zip(order, pool.map(cache.fetch, order), strict=True))
-    return {url: _sha(path.read_bytes()) for url, path in paths.items()}
+    digests = {url: _sha(path.read_bytes()) for url, path in paths.items()}
+    out.put((digests, cache.stats().as_dict()))
 
 
-def test_eight_processes_race_and_each_shard_is_downloaded_once(s3, shards, tmp_path: Path) -> None:
-    cache_dir = tmp_path / "shared"
-    with CTX.Pool(8) as pool:
-        results = pool.starmap(
-            _race_worker, [(str(cache_dir), list(shards), seed) for seed in range(8)]
+@pytest.mark.parametrize("lock_mode", ["flock", "lease"])
+def test_eight_processes_race_and_each_shard_is_downloaded_once(
+    s3, shards, tmp_path: Path, lock_mode: str
+) -> None:
+    cache_dir, start, out = tmp_path / "shared", CTX.Barrier(8), CTX.Queue()
+    procs = [
+        CTX.Process(
+            target=_race_worker, args=(str(cache_dir), list(shards), seed, lock_mode, start, out)
         )
+        for seed in range(8)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
     expected = {url: _sha(data) for url, data in shards.items()}
-    assert all(result == expected for result in results)
+    assert all(digests == expected for digests, _ in results)
+    assert sum(stats["misses"] for _, stats in results) == len(shards)
+    assert sum(s["misses"] + s["shared"] + s["hits"] for _, s in results) == 8 * len(shards)
     for url in shards:
         assert s3.count("GET", BUCKET, url.split("/", 3)[3]) == 1, url
     leftovers = [p for p in _files(cache_dir / "node") if is_temp_name(p.name)]

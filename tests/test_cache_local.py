@@ -1,0 +1,100 @@
+"""ShardCache on local sources: file systems, disk space, lock mode choice, the demo."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from shardcache import CacheFullError, ShardCache
+from shardcache.demo import run_demo
+from shardcache.fsinfo import mount_for, parse_mountinfo
+
+MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 254:0 / / rw,relatime - ext4 /dev/vda rw,discard
+90 27 0:50 / /shared rw,relatime - nfs4 filer:/export rw,vers=4.2,local_lock=none
+91 90 0:51 / /shared/scratch rw - lustre 10.0.0.1@tcp:/fs rw,flock
+92 27 0:52 / /mnt/with\\040space rw - tmpfs tmpfs rw
+"""
+
+
+def test_mountinfo_parsing_and_network_detection() -> None:
+    mounts = {m.mount_point: m for m in parse_mountinfo(MOUNTINFO)}
+    assert mounts["/shared"].fstype == "nfs4" and mounts["/shared"].is_network
+    assert "local_lock=none" in mounts["/shared"].options
+    assert not mounts["/"].is_network
+    assert "/mnt/with space" in mounts
+    assert mount_for(Path("/shared/scratch/x/y"), MOUNTINFO).fstype == "lustre"
+    assert mount_for(Path("/shared/x"), MOUNTINFO).fstype == "nfs4"
+    assert mount_for(Path("/sharedother"), MOUNTINFO).fstype == "ext4"
+
+
+def _source(tmp_path: Path, size: int = 100_000) -> tuple[str, bytes]:
+    data = os.urandom(size)
+    src = tmp_path / "src" / "shard-000000.tar"
+    src.parent.mkdir()
+    src.write_bytes(data)
+    return str(src), data
+
+
+def test_local_paths_and_file_urls_share_one_entry(tmp_path: Path) -> None:
+    src, data = _source(tmp_path)
+    cache = ShardCache(tmp_path / "cache")
+    assert cache.fetch(src).read_bytes() == data
+    assert cache.fetch(f"file://{src}") == cache.fetch(src)
+    assert cache.stats().misses == 1
+
+
+def test_auto_lock_mode_follows_the_file_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    network = parse_mountinfo(MOUNTINFO)[2]
+    monkeypatch.setattr("shardcache.cache.mount_for", lambda path: network)
+    cache = ShardCache(tmp_path / "cache")
+    assert cache._lock_policy().mode == "lease"
+    assert "network file system" in caplog.text
+    forced = ShardCache(tmp_path / "cache", lock_mode="flock")
+    assert forced._lock_policy().mode == "flock"
+
+
+def test_not_enough_space_is_reported_before_downloading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, _ = _source(tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("shardcache.cache.shutil.disk_usage", lambda p: usage(10**6, 10**6, 10))
+    cache = ShardCache(tmp_path / "cache")
+    with pytest.raises(CacheFullError) as info:
+        cache.fetch(src)
+    assert info.value.needed == 100_000 and info.value.free == 10
+    assert "SHARDCACHE_DIR" in str(info.value) and src in str(info.value)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "data" in p.parts]
+
+
+def test_disk_filling_up_mid_download_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, _ = _source(tmp_path)
+    cache = ShardCache(tmp_path / "cache")
+
+    def full(info, out, progress):
+        out.write(b"partial")
+        out.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache.remote, "download", full)
+    with pytest.raises(CacheFullError, match="disk filled up"):
+        cache.fetch(src)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "data" in p.parts]
+
+
+def test_demo_second_run_is_all_hits(tmp_path: Path) -> None:
+    first = run_demo(cache_dir=tmp_path / "demo", shards=4)
+    assert (first.shards, first.misses, first.hits, first.failed) == (4, 4, 0, [])
+    second = run_demo(cache_dir=tmp_path / "demo", shards=4)
+    assert (second.misses, second.hits) == (0, 4)
+    assert second.bytes == first.bytes > 0
