@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardcache import CacheFullError, ShardCache
+from shardcache import CacheFullError, RemoteNotFoundError, ShardCache
 from shardcache.demo import run_demo
 from shardcache.fsinfo import mount_for, parse_mountinfo
 
@@ -98,3 +98,33 @@ def test_demo_second_run_is_all_hits(tmp_path: Path) -> None:
     second = run_demo(cache_dir=tmp_path / "demo", shards=4)
     assert (second.misses, second.hits) == (0, 4)
     assert second.bytes == first.bytes > 0
+
+
+@pytest.fixture
+def http_dir(tmp_path: Path):
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+def test_http_urls_are_cached_and_verified_by_size(http_dir, tmp_path: Path) -> None:
+    root, base = http_dir
+    data = os.urandom(200_000)
+    (root / "train-000000.tar").write_bytes(data)
+    cache = ShardCache(tmp_path / "cache", retry_backoff=0.01)
+    url = f"{base}/train-000000.tar"
+    assert cache.fetch(url).read_bytes() == data
+    assert cache.contains(url)
+    with pytest.raises(RemoteNotFoundError):
+        cache.fetch(f"{base}/missing.tar")
