@@ -27,6 +27,7 @@ from .errors import (
     StallError,
     TransientFetchError,
     UrlError,
+    WaitTimeout,
 )
 from .urls import expand_urls
 
@@ -49,5 +50,6 @@ __all__ = [
     "StallError",
     "TransientFetchError",
     "UrlError",
+    "WaitTimeout",
     "expand_urls",
 ]

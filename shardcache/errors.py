@@ -14,7 +14,8 @@
     │   ├── IntegrityError                downloaded bytes do not match size / ETag
     │   ├── CacheFullError(OSError)       out of space
     │   └── LockTimeout(TimeoutError)     a shard lock could not be acquired in time
-    └── StallError(TimeoutError)          a prefetch worker made no progress
+    ├── StallError(TimeoutError)          a prefetch worker made no progress
+    └── WaitTimeout(TimeoutError)         a cross-rank wait (directory, file) timed out
 
 Every exception carries a complete, human-readable message (what, where, what was
 expected, what was seen, what to do) plus the same facts as attributes, and pickles
@@ -105,6 +106,14 @@ class StallError(ShardCacheError, TimeoutError):
     """A prefetch worker made no progress for the stall timeout."""
 
 
+class WaitTimeout(ShardCacheError, TimeoutError):
+    """A wait for something another rank makes (a directory, a file) timed out.
+
+    Carries what was awaited, the path, host, rank and elapsed time, and says whether the
+    path exists now, its mount, its parent's listing and the last error seen.
+    """
+
+
 __all__ = [
     "CacheDirError",
     "CacheError",
@@ -119,4 +128,5 @@ __all__ = [
     "StallError",
     "TransientFetchError",
     "UrlError",
+    "WaitTimeout",
 ]
