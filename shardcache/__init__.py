@@ -29,6 +29,7 @@ from .errors import (
     UrlError,
     WaitTimeout,
 )
+from .prefetch import PrefetchedShard, Prefetcher
 from .urls import expand_urls
 
 __version__ = "0.1.0"
@@ -43,6 +44,8 @@ __all__ = [
     "IntegrityError",
     "LockTimeout",
     "PermanentFetchError",
+    "PrefetchedShard",
+    "Prefetcher",
     "RemoteNotFoundError",
     "Settings",
     "ShardCache",

@@ -19,6 +19,7 @@ import shutil
 import stat
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -28,6 +29,7 @@ from .errors import CacheDirError, CacheFullError, ShardCacheError
 from .fsinfo import mount_for
 from .layout import CacheLayout, ensure_dir
 from .locks import LockPolicy, ShardLock
+from .prefetch import Prefetcher
 from .remote import ObjectInfo, Progress, Remote, RemoteOptions
 from .retry import RetryPolicy
 
@@ -214,6 +216,25 @@ class ShardCache:
         except BaseException:
             _unlink_quietly(part)
             raise
+
+    def prefetch(
+        self,
+        urls: Iterable[str],
+        threads: int | None = None,
+        depth: int | None = None,
+        stall_timeout: float | None = None,
+    ) -> Prefetcher:
+        """Fetch ``urls`` ahead of the consumer; iterate the result for ``(url, path)`` in
+        input order. Defaults: ``SHARDCACHE_THREADS``, ``SHARDCACHE_PREFETCH_DEPTH``,
+        ``SHARDCACHE_STALL_TIMEOUT`` (see :class:`shardcache.prefetch.Prefetcher`)."""
+        s = self.settings
+        return Prefetcher(
+            self.fetch,
+            urls,
+            threads=s.threads if threads is None else threads,
+            depth=s.prefetch_depth if depth is None else depth,
+            stall_timeout=s.stall_timeout if stall_timeout is None else stall_timeout,
+        )
 
     # -- helpers ---------------------------------------------------------------------
 

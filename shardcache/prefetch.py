@@ -1,0 +1,655 @@
+"""``Prefetcher``: download shards ahead of the consumer with a small thread pool.
+
+::
+
+    with cache.prefetch(urls) as shards:        # threads/depth/stall_timeout from settings
+        for url, path in shards:                # PrefetchedShard(url, path), in input order
+            train_on(path)
+
+Invariants:
+
+- Order: shards come out in input order whatever order they finish in. A failure surfaces
+  at its shard's position, after every earlier shard was yielded.
+- Bound: ``depth`` counts every shard the prefetcher holds: queued, downloading, and
+  downloaded but not yet returned by ``next()`` (the shard ``next()`` is about to return
+  included). While the consumer works on one shard, up to ``depth - 1`` later shards
+  download; ``depth=1`` fetches on demand (still in a worker, still watched).
+- Laziness: ``urls`` is pulled in the consumer's thread, only when the window has room, so
+  an infinite iterator (webdataset's ``ResampledShards``) is fine. Threads start on the
+  first ``next()``, in the process that iterates: a fresh prefetcher pickles (DataLoader
+  spawn/fork), a started one refuses to.
+- Cancellation: ``close()``, leaving a ``for`` loop over it (``break``, exception, end), the
+  ``with`` block, or garbage collection cancel queued shards and make every in-flight
+  download raise a private ``BaseException`` from its next progress callback. That unwinds
+  ``ShardCache.fetch`` like any error: its ``.part`` file is unlinked and its lock released.
+  A read blocked in the kernel cannot be interrupted: that worker (a daemon) stops at its
+  next progress callback, which comes at the latest when ``SHARDCACHE_IO_TIMEOUT`` ends the
+  read. ``close()`` joins workers for at most ``timeout`` seconds and logs any still running.
+- Watchdog: progress is bytes (and phase changes). When the consumer waits for a shard
+  whose progress has not changed for ``stall_timeout``, ``next()`` raises ``StallError``
+  with the shard, its worker, bytes, rates, queue, every worker's state, the stuck thread's
+  stack and hints; the prefetcher is then closed.
+- Starvation: the share of time the consumer spends waiting is tracked over a recent
+  window; above ``STARVATION_SHARE`` one warning (rate-limited) names the rates and the
+  knobs, before anything becomes an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NamedTuple, NoReturn, Protocol
+
+from .errors import ConfigError, FetchError, ShardCacheError, StallError
+from .remote import Progress
+
+logger = logging.getLogger(__name__)
+
+THREAD_NAME_PREFIX = "shardcache-prefetch"
+"""Every worker thread's name starts with this (``shardcache-prefetch-<n>-<i>``)."""
+CLOSE_TIMEOUT = 10.0  # close(): seconds to wait for workers before leaving them (daemons)
+STALL_CLOSE_TIMEOUT = 1.0  # after a StallError the stuck worker is not waited for long
+RATE_WINDOW = 10.0  # "recent rate" = bytes/s over this many seconds
+STACK_LIMIT = 40  # innermost frames of the stalled worker's stack in a StallError
+
+STARVATION_SHARE = 0.3  # warn when the consumer waits more than this share of its time
+STARVATION_WINDOW_SECONDS = 30.0  # judged over the shards consumed in the last 30 s ...
+STARVATION_MIN_SHARDS = 5  # ... but never fewer than the last 5 shards
+STARVATION_MIN_SPAN = 10.0  # no verdict before the window covers 10 s (start-up bursts)
+STARVATION_WARN_INTERVAL = 60.0  # at most one warning per minute per prefetcher
+
+_SAMPLE_EVERY = 0.25  # rate meters keep one (time, bytes) sample per this many seconds
+_MAX_CYCLES = 4096  # memory bound of the starvation window (many tiny shards)
+_MAX_WAIT = 3600.0  # cap of one Condition.wait (stays below threading.TIMEOUT_MAX)
+_QUEUED, _RUNNING, _DONE = "queued", "running", "done"
+_sequence = itertools.count(1)
+
+
+class Fetch(Protocol):
+    """What the prefetcher calls in a worker: ``ShardCache.fetch`` or a test double.
+
+    It must call ``progress`` as bytes arrive; once the prefetcher is closed that call
+    raises (see the module docstring), and ``progress.cancelled`` (a ``threading.Event``)
+    is set, for fetchers that block without reporting.
+    """
+
+    def __call__(self, url: str, progress: Progress) -> Path: ...
+
+
+class PrefetchedShard(NamedTuple):
+    """One downloaded shard: unpacks as ``url, path``."""
+
+    url: str
+    path: Path
+
+
+class _Cancelled(BaseException):
+    """Raised inside a fetch by its progress callback once the prefetcher is closed.
+
+    A ``BaseException`` so retry loops that catch ``Exception`` neither retry nor wrap it.
+    """
+
+
+class _RateMeter:
+    """Cumulative bytes with coarse samples: bytes/s over the last ``RATE_WINDOW``."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        # (time, total before that time's bytes), oldest first, >= _SAMPLE_EVERY apart;
+        # at most one sample older than the window is kept, as the baseline.
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def add(self, nbytes: int, now: float) -> None:
+        samples = self._samples
+        if not samples or now - samples[-1][0] >= _SAMPLE_EVERY:
+            samples.append((now, self.total))
+        self.total += nbytes
+        while len(samples) > 1 and samples[1][0] <= now - RATE_WINDOW:
+            samples.popleft()
+
+    def rate(self, now: float) -> float:
+        if not self._samples:
+            return 0.0
+        base_time, base_total = self._samples[0]
+        for sample_time, sample_total in self._samples:
+            if sample_time > now - RATE_WINDOW:
+                break
+            base_time, base_total = sample_time, sample_total
+        elapsed = now - base_time
+        return (self.total - base_total) / elapsed if elapsed > 0 else 0.0
+
+
+class _Task:
+    """One shard in the window. Fields after ``url`` are guarded by ``_Shared.cond``."""
+
+    __slots__ = (
+        "bytes_done",
+        "bytes_total",
+        "error",
+        "from_source",
+        "index",
+        "last_change",
+        "meter",
+        "path",
+        "phase",
+        "started",
+        "state",
+        "submitted",
+        "thread_ident",
+        "thread_name",
+        "url",
+    )
+
+    def __init__(self, index: int, url: str, now: float) -> None:
+        self.index = index
+        self.url = url
+        self.state = _QUEUED
+        self.path: Path | None = None
+        self.error: BaseException | None = None
+        self.from_source = False  # the error came from iterating ``urls``, not a fetch
+        self.phase = "queued"
+        self.bytes_done = 0
+        self.bytes_total: int | None = None
+        self.submitted = now
+        self.started: float | None = None
+        self.last_change = now  # the watchdog's clock: bytes or phase last changed
+        self.thread_name: str | None = None
+        self.thread_ident: int | None = None
+        self.meter = _RateMeter()
+
+
+class _Shared:
+    """State shared by the consumer and the workers.
+
+    Workers reference only this, never the ``Prefetcher``: dropping the last reference to
+    the prefetcher therefore runs its ``__del__``, which cancels them.
+    """
+
+    def __init__(self, fetch: Fetch, clock: Callable[[], float]) -> None:
+        self.fetch = fetch
+        self.clock = clock
+        self.cond = threading.Condition()
+        self.cancelled = threading.Event()  # set once, under cond; read without it
+        self.queue: deque[_Task] = deque()  # FIFO, so the oldest shard always starts first
+        self.workers: dict[str, _Task | None] = {}  # thread name -> its shard (None: idle)
+        self.meter = _RateMeter()  # all workers' bytes
+        self.threads: list[threading.Thread] = []
+
+
+class _Reporter:
+    """The ``progress`` callable handed to ``fetch`` for one shard."""
+
+    __slots__ = ("_shared", "_task", "cancelled")
+
+    def __init__(self, shared: _Shared, task: _Task) -> None:
+        self._shared = shared
+        self._task = task
+        self.cancelled = shared.cancelled
+
+    def __call__(self, *, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+        if self.cancelled.is_set():
+            raise _Cancelled(self._task.url)
+        shared, task = self._shared, self._task
+        with shared.cond:
+            now = shared.clock()
+            if bytes_done != task.bytes_done or phase != task.phase:
+                task.last_change = now
+            if bytes_done > task.bytes_done:  # a restart from byte 0 is not negative progress
+                delta = bytes_done - task.bytes_done
+                task.meter.add(delta, now)
+                shared.meter.add(delta, now)
+            task.phase, task.bytes_done, task.bytes_total = phase, bytes_done, bytes_total
+
+
+def _work(shared: _Shared, name: str) -> None:
+    """Worker loop: take the oldest queued shard, fetch it, publish the outcome."""
+    cond = shared.cond
+    while True:
+        with cond:
+            while not shared.queue and not shared.cancelled.is_set():
+                cond.wait()
+            if shared.cancelled.is_set():
+                return
+            task = shared.queue.popleft()
+            now = shared.clock()
+            task.state, task.phase = _RUNNING, "started"
+            task.started = task.last_change = now
+            task.thread_name, task.thread_ident = name, threading.get_ident()
+            shared.workers[name] = task
+        path: Path | None = None
+        error: BaseException | None = None
+        try:
+            path = Path(shared.fetch(task.url, progress=_Reporter(shared, task)))
+        except _Cancelled:
+            with cond:  # the task stays unfinished: nobody will consume it
+                shared.workers[name] = None
+            return
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            error = exc
+        with cond:
+            shared.workers[name] = None
+            task.state, task.path, task.error = _DONE, path, error
+            cond.notify_all()
+        del error  # the task owns it now; no frame -> traceback -> frame cycle here
+
+
+class _StarvationMonitor:
+    """Share of the consumer's time spent waiting for shards, over a recent window."""
+
+    def __init__(self, threads: int, depth: int) -> None:
+        self._threads = threads
+        self._depth = depth
+        # (start, end, waited, downloaded bytes at end) per consumed shard, oldest first;
+        # cycles are contiguous: each starts where the previous one ended.
+        self._cycles: deque[tuple[float, float, float, int]] = deque()
+        self._waited = 0.0  # sum of the window's waits
+        self._last_warning: float | None = None
+
+    def record(self, start: float, end: float, waited: float, downloaded: int) -> str | None:
+        """Add one shard's cycle; returns a warning to log, or None."""
+        cycles = self._cycles
+        cycles.append((start, end, waited, downloaded))
+        self._waited += waited
+        while len(cycles) > _MAX_CYCLES or (
+            len(cycles) > STARVATION_MIN_SHARDS and cycles[0][1] < end - STARVATION_WINDOW_SECONDS
+        ):
+            self._waited -= cycles.popleft()[2]
+        span = end - cycles[0][0]
+        if len(cycles) < STARVATION_MIN_SHARDS or span < STARVATION_MIN_SPAN:
+            return None
+        share = self._waited / span
+        if share <= STARVATION_SHARE:
+            return None
+        if self._last_warning is not None and end - self._last_warning < STARVATION_WARN_INTERVAL:
+            return None
+        self._last_warning = end
+        base_end, base_bytes = cycles[0][1], cycles[0][3]
+        mbps = (downloaded - base_bytes) / (end - base_end) / 1e6 if end > base_end else 0.0
+        return (
+            f"shardcache: the consumer waited for data {share:.0%} of the time over the last "
+            f"{len(cycles)} shards ({span:.0f}s): shards were consumed at "
+            f"{len(cycles) / span:.2f}/s while downloads ran at {mbps:.1f} MB/s "
+            f"({self._threads} threads, prefetch depth {self._depth}). Data loading is the "
+            f"bottleneck: raise SHARDCACHE_THREADS (now {self._threads}) and "
+            f"SHARDCACHE_PREFETCH_DEPTH (now {self._depth}); keep the data in the compute's "
+            "region and check the network bandwidth. (Logged at most once every "
+            f"{STARVATION_WARN_INTERVAL:.0f}s.)"
+        )
+
+
+class Prefetcher:
+    """Iterate over ``urls`` as :class:`PrefetchedShard` ``(url, path)``, in input order,
+    fetching up to ``depth`` shards ahead with ``threads`` worker threads.
+
+    >>> with Prefetcher(cache.fetch, urls, threads=4, depth=8, stall_timeout=300) as it:
+    ...     for url, path in it: ...
+
+    ``fetch(url, progress=...)`` runs in a worker and must report bytes through
+    ``progress`` (:class:`Fetch`). Errors re-raise in the consumer at the shard's position:
+    a :class:`ShardCacheError` that names a ``url`` as is (its worker traceback intact),
+    anything else as :class:`FetchError` naming the URL, chained ``from`` the original.
+    ``clock`` (monotonic seconds) is injectable for tests. See the module docstring for
+    the bound, cancellation, watchdog and starvation guarantees.
+
+    Iterating with ``for`` closes the prefetcher when the loop ends, breaks or raises
+    (``__iter__`` is a generator over ``next()``); so do ``with``, ``close()`` and garbage
+    collection. Only ``min(threads, depth)`` threads are started: more could never be busy.
+    """
+
+    def __init__(
+        self,
+        fetch: Fetch,
+        urls: Iterable[str],
+        *,
+        threads: int,
+        depth: int,
+        stall_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value, low in (("threads", threads, 1), ("depth", depth, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(
+                    f"Prefetcher {name}={value!r} is not allowed; expected an integer >= {low}.",
+                    name=name,
+                    value=value,
+                )
+        if not stall_timeout > 0:
+            raise ConfigError(
+                f"Prefetcher stall_timeout={stall_timeout!r} is not allowed; expected a "
+                "number of seconds > 0.",
+                name="stall_timeout",
+                value=stall_timeout,
+            )
+        self._fetch = fetch
+        self._urls = urls
+        self.threads = threads
+        self.depth = depth
+        self.stall_timeout = float(stall_timeout)
+        self._clock = clock
+        self.name = f"{THREAD_NAME_PREFIX}-{next(_sequence)}"
+        # Runtime state: created by the first next(), in the process that iterates.
+        self._shared: _Shared | None = None
+        self._pid: int | None = None
+        self._source: Iterator[str] | None = None
+        self._window: deque[_Task] = deque()  # input order; len <= depth
+        self._next_index = 0
+        self._exhausted = False  # no more urls will be pulled
+        self._finished = False  # next() raises StopIteration from now on
+        self._last_return: float | None = None
+        self._starvation = _StarvationMonitor(threads, depth)
+
+    # -- pickling (DataLoader workers) ------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._shared is not None or self._finished:
+            raise TypeError(
+                f"cannot pickle {self!r}: it has already started iterating (it owns threads "
+                "and locks) or was closed. Pickle (or hand to DataLoader) a Prefetcher before "
+                "iterating it; its threads start lazily in the process that iterates."
+            )
+        return {
+            "fetch": self._fetch,
+            "urls": self._urls,
+            "threads": self.threads,
+            "depth": self.depth,
+            "stall_timeout": self.stall_timeout,
+            "clock": self._clock,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["fetch"],
+            state["urls"],
+            threads=state["threads"],
+            depth=state["depth"],
+            stall_timeout=state["stall_timeout"],
+            clock=state["clock"],
+        )
+
+    def __repr__(self) -> str:
+        state = "finished" if self._finished else "running" if self._shared else "not started"
+        return (
+            f"Prefetcher({self.name}, threads={self.threads}, depth={self.depth}, "
+            f"stall_timeout={self.stall_timeout:g}, {state})"
+        )
+
+    # -- iteration -------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[PrefetchedShard]:
+        """Shards in input order; closes the prefetcher when the loop ends, breaks or raises.
+
+        One consumer thread at a time: the prefetcher is not meant to be shared by consumers.
+        """
+        try:
+            while True:
+                try:
+                    shard = self.__next__()
+                except StopIteration:
+                    return
+                yield shard
+        finally:
+            self.close()
+
+    def __next__(self) -> PrefetchedShard:
+        if self._finished:
+            self._window.clear()  # only the consumer's thread touches the window
+            raise StopIteration
+        shared = self._start()
+        entered = self._clock()
+        self._fill(shared)
+        if not self._window:
+            self.close()
+            raise StopIteration
+        head = self._window[0]
+        try:
+            self._wait_for(shared, head)
+        except StallError:
+            self._shutdown(STALL_CLOSE_TIMEOUT, stuck_expected=True)
+            self._window.clear()
+            raise
+        self._window.popleft()
+        if head.error is not None:
+            error, head.error = head.error, None
+            self.close()
+            self._window.clear()  # later shards' outcomes (and errors) are dropped
+            self._raise_failure(head, error)
+        assert head.path is not None  # a done task without error has a path
+        now = self._clock()
+        if self._last_return is not None:  # the first wait is the cold start: not judged
+            warning = self._starvation.record(
+                self._last_return, now, now - entered, shared.meter.total
+            )
+            if warning is not None:
+                logger.warning(warning)
+        self._last_return = now
+        return PrefetchedShard(head.url, head.path)
+
+    def _start(self) -> _Shared:
+        if self._shared is not None:
+            if self._pid != os.getpid():
+                raise RuntimeError(
+                    f"{self!r} was started in process {self._pid} and copied into process "
+                    f"{os.getpid()} by fork; its threads do not exist here. Create or pickle "
+                    "the Prefetcher before iterating it (e.g. in the dataset's __iter__)."
+                )
+            return self._shared
+        self._source = iter(self._urls)
+        shared = _Shared(self._fetch, self._clock)
+        for i in range(min(self.threads, self.depth)):
+            name = f"{self.name}-{i}"
+            shared.workers[name] = None
+            shared.threads.append(
+                threading.Thread(target=_work, args=(shared, name), name=name, daemon=True)
+            )
+        self._shared, self._pid = shared, os.getpid()
+        for thread in shared.threads:
+            thread.start()
+        logger.debug("%r started", self)
+        return shared
+
+    def _fill(self, shared: _Shared) -> None:
+        """Top the window up to ``depth``, pulling ``urls`` only while there is room."""
+        assert self._source is not None
+        while len(self._window) < self.depth and not self._exhausted:
+            try:
+                url = next(self._source)
+            except StopIteration:
+                self._exhausted = True
+                break
+            except Exception as exc:  # surfaces in order, after the shards before it
+                task = _Task(self._next_index, "<urls>", self._clock())
+                task.state, task.error, task.from_source = _DONE, exc, True
+                self._window.append(task)
+                self._exhausted = True
+                break
+            task = _Task(self._next_index, url, self._clock())
+            self._next_index += 1
+            self._window.append(task)
+            with shared.cond:
+                shared.queue.append(task)
+                shared.cond.notify_all()
+
+    def _wait_for(self, shared: _Shared, task: _Task) -> None:
+        """Block until ``task`` is done; raise StallError once it stops progressing."""
+        with shared.cond:
+            while True:
+                if shared.cancelled.is_set():  # closed (maybe by another thread) meanwhile
+                    self._finished = True
+                    self._window.clear()
+                    raise StopIteration
+                if task.state == _DONE:
+                    return
+                now = shared.clock()
+                idle = now - task.last_change
+                if idle >= self.stall_timeout:
+                    raise self._stall_error(shared, task, now)
+                shared.cond.wait(min(self.stall_timeout - idle, _MAX_WAIT))
+
+    def _raise_failure(self, task: _Task, error: BaseException) -> NoReturn:
+        if task.from_source or (isinstance(error, ShardCacheError) and getattr(error, "url", None)):
+            raise error  # keeps its own traceback (the worker's frames) and message
+        cause = f"{type(error).__name__}: {error}"
+        raise FetchError(
+            f"prefetching {task.url} failed in {task.thread_name}: {cause}. The original "
+            "exception and its traceback are chained below.",
+            url=task.url,
+            attempts=1,
+            cause=cause,
+        ) from error
+
+    # -- the watchdog's report ----------------------------------------------------------
+
+    def _stall_error(self, shared: _Shared, task: _Task, now: float) -> StallError:
+        """Describe a stalled shard; called with ``shared.cond`` held."""
+        thread = task.thread_name or "(no worker picked it up)"
+        started = task.started if task.started is not None else task.submitted
+        elapsed = now - started
+        idle = now - task.last_change
+        total = task.bytes_total
+        if total:
+            expected = f"{total} expected ({_fmt_bytes(total)}; {task.bytes_done / total:.1%})"
+        else:
+            expected = "an unknown total (size not known yet)"
+        in_flight = sum(1 for t in self._window if t.state != _DONE)
+        unconsumed = len(self._window) - in_flight
+        workers = []
+        for name, current in sorted(shared.workers.items()):
+            if current is None:
+                workers.append(f"    {name}: idle, no shard")
+            else:
+                workers.append(
+                    f"    {name}: {current.url} phase={current.phase!r} "
+                    f"bytes {current.bytes_done}/{_fmt_total(current.bytes_total)}, "
+                    f"idle for {now - current.last_change:.1f}s"
+                )
+        frame = sys._current_frames().get(task.thread_ident) if task.thread_ident else None
+        if frame is None:
+            stack = "    (the thread is not running)\n"
+        else:
+            stack = textwrap.indent("".join(traceback.format_stack(frame, STACK_LIMIT)), "  ")
+        message = (
+            f"prefetch stalled: {task.url} made no progress for {idle:.1f}s (stall_timeout "
+            f"{self.stall_timeout:g}s) while the consumer was waiting for it.\n"
+            f"  worker thread: {thread}\n"
+            f"  elapsed since the shard started: {elapsed:.1f}s (phase {task.phase!r})\n"
+            f"  bytes: {task.bytes_done} done of {expected}\n"
+            f"  recent rate: {_fmt_rate(task.meter.rate(now))} for this shard, "
+            f"{_fmt_rate(shared.meter.rate(now))} for all workers (last {RATE_WINDOW:.0f}s); "
+            f"{_fmt_rate(task.bytes_done / elapsed if elapsed > 0 else 0.0)} since it started\n"
+            f"  queue: {in_flight} in flight, {unconsumed} done unconsumed, depth {self.depth}, "
+            f"threads {len(shared.threads)}\n"
+            "  workers:\n" + "\n".join(workers) + "\n"
+            f"  stack of {thread}:\n{stack}"
+            "  hints:\n"
+            "  - a read that hangs means the store is unreachable, overloaded or far away: "
+            "check the network and whether the data lives in another region than the "
+            "compute; SHARDCACHE_IO_TIMEOUT bounds each request so a hung read fails and "
+            "is retried\n"
+            f"  - more parallel downloads: SHARDCACHE_THREADS (now {self.threads}); more "
+            f"read-ahead: SHARDCACHE_PREFETCH_DEPTH (now {self.depth})\n"
+            "  - if shards are legitimately this slow to show progress (huge shards, another "
+            "process holding the shard's lock), raise SHARDCACHE_STALL_TIMEOUT (now "
+            f"{self.stall_timeout:g}s)"
+        )
+        return StallError(
+            message,
+            url=task.url,
+            elapsed=elapsed,
+            stalled_for=idle,
+            stall_timeout=self.stall_timeout,
+            bytes_done=task.bytes_done,
+            bytes_total=total,
+            thread=thread,
+            phase=task.phase,
+        )
+
+    # -- shutdown --------------------------------------------------------------------
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Cancel queued and in-flight shards and join the workers, waiting at most
+        ``timeout`` seconds (a worker blocked in a read is left: it is a daemon and stops
+        at its next progress report). Idempotent."""
+        self._shutdown(timeout, stuck_expected=False)
+
+    def _shutdown(self, timeout: float, *, stuck_expected: bool) -> None:
+        # May run in any thread: leaves the window to the consumer (next() clears it).
+        self._finished = True
+        shared = self._shared
+        if shared is None or self._pid != os.getpid():
+            return  # never started, or a fork's copy (its locks may be held by ghosts)
+        with shared.cond:
+            shared.cancelled.set()
+            shared.queue.clear()
+            shared.cond.notify_all()
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for thread in shared.threads:
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in shared.threads if t is not me and t.is_alive()]
+        if alive:
+            (logger.info if stuck_expected else logger.warning)(
+                "%s: %d worker(s) still running %.1fs after close, probably blocked in a read: "
+                "%s. They are daemon threads and stop at their next progress report "
+                "(SHARDCACHE_IO_TIMEOUT bounds a blocked read).",
+                self.name,
+                len(alive),
+                timeout,
+                ", ".join(alive),
+            )
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_shared", None) is not None and not getattr(self, "_finished", True):
+            # Interpreter shutdown may have torn modules down: never raise from __del__.
+            with contextlib.suppress(Exception):
+                self.close()
+
+
+def _fmt_bytes(n: float) -> str:
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB"):
+        n /= 1000
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} GB"
+
+
+def _fmt_total(total: int | None) -> str:
+    return "?" if total is None else str(total)
+
+
+def _fmt_rate(bytes_per_second: float) -> str:
+    return f"{_fmt_bytes(bytes_per_second)}/s"
+
+
+__all__ = [
+    "CLOSE_TIMEOUT",
+    "STARVATION_SHARE",
+    "THREAD_NAME_PREFIX",
+    "Fetch",
+    "PrefetchedShard",
+    "Prefetcher",
+]
