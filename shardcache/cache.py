@@ -158,7 +158,22 @@ class ShardCache:
         )
         self._ensure_dir(final.parent)
         self._ensure_dir(lock_path.parent)
-        lock = ShardLock(lock_path, url=url, policy=self._lock_policy(), rank=self.settings.rank)
+
+        def holder_progress(record: dict[str, Any] | None) -> None:
+            if progress is not None and record is not None:
+                progress(
+                    phase=f"waiting for pid {record.get('pid')} on {record.get('host')}",
+                    bytes_done=int(record.get("bytes_done") or 0),
+                    bytes_total=record.get("bytes_total"),
+                )
+
+        lock = ShardLock(
+            lock_path,
+            url=url,
+            policy=self._lock_policy(),
+            rank=self.settings.rank,
+            on_wait=holder_progress,
+        )
         started = time.monotonic()
         with lock.hold(done=lambda: _is_regular_file(final)) as held:
             waited = time.monotonic() - started

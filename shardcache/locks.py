@@ -72,8 +72,19 @@ class ShardLock:
     Create a new instance per acquisition: instances are not shared between threads.
     """
 
-    def __init__(self, path: Path, *, url: str, policy: LockPolicy, rank: int = 0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        url: str,
+        policy: LockPolicy,
+        rank: int = 0,
+        on_wait: Callable[[dict[str, Any] | None], None] | None = None,
+    ) -> None:
         self.path = Path(path)
+        # Called with the holder's record each time it changes while we wait, so observers
+        # (the prefetch watchdog) see another process's progress as progress.
+        self.on_wait = on_wait
         self.url = url
         self.policy = policy
         self.rank = rank
@@ -121,7 +132,8 @@ class ShardLock:
                 return False
             now = time.monotonic()
             raw = self._read_holder_raw()
-            watch.observe(raw, now)
+            if watch.observe(raw, now) and self.on_wait is not None:
+                self.on_wait(watch.record)
             self._judge(watch, now, start, attempts)
             if now >= next_log:
                 logger.info(
@@ -404,11 +416,14 @@ class _RecordWatch:
         self.record: dict[str, Any] | None = None
         self.changed_at = time.monotonic()
 
-    def observe(self, raw: bytes | None, now: float) -> None:
-        if raw != self.raw:
-            self.raw = raw
-            self.record = _parse_record(raw)
-            self.changed_at = now
+    def observe(self, raw: bytes | None, now: float) -> bool:
+        """Note the holder's current record; True if it changed."""
+        if raw == self.raw:
+            return False
+        self.raw = raw
+        self.record = _parse_record(raw)
+        self.changed_at = now
+        return True
 
     def reset(self, now: float) -> None:
         self.raw, self.record, self.changed_at = None, None, now

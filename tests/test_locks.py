@@ -238,3 +238,24 @@ def test_garbage_lease_record_is_treated_as_unknown_and_expires(tmp_path: Path) 
     lock = ShardLock(lock_path, url="s3://b/k", policy=_policy("lease", lease_time=0.2))
     with lock.hold() as held:
         assert held
+
+
+def test_waiter_sees_the_holders_progress(tmp_path: Path) -> None:
+    lock_path = tmp_path / "x.lock"
+    holder = _start_holder(lock_path, "flock", progress=True)
+    seen: list[int] = []
+    try:
+        enough = threading.Event()
+
+        def on_wait(record: dict | None) -> None:
+            if record is not None:
+                seen.append(record["bytes_done"])
+                if len(set(seen)) >= 3:
+                    enough.set()
+
+        lock = ShardLock(lock_path, url="s3://b/held", policy=_policy("flock"), on_wait=on_wait)
+        assert lock.acquire(done=enough.is_set) is False
+    finally:
+        holder.kill()
+        holder.join(10)
+    assert len(set(seen)) >= 3 and seen == sorted(seen)
