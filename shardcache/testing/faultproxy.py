@@ -26,12 +26,12 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
-from types import TracebackType
 from urllib.parse import unquote
+
+from shardcache.testing._service import HOST, LoopbackService
 
 logger = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 FAULT_KINDS = ("status", "reset", "truncate", "hang")
 _RECV = 64 * 1024
 _MAX_HEAD = 64 * 1024
@@ -462,7 +462,7 @@ class _Connection:
                     return
 
 
-class FaultProxy:
+class FaultProxy(LoopbackService):
     """Threaded fault-injecting HTTP proxy on 127.0.0.1 in front of ``upstream``.
 
     Faults that answer by themselves (``status``, ``reset``, ``hang``) never reach the
@@ -495,18 +495,6 @@ class FaultProxy:
         self._injected: deque[InjectedFault] = deque(maxlen=10_000)
 
     # ------------------------------------------------------------------ lifecycle
-    @property
-    def port(self) -> int:
-        """The listening port (only valid once started)."""
-        if self._port is None:
-            raise RuntimeError("FaultProxy is not running; call start() first")
-        return self._port
-
-    @property
-    def endpoint_url(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        return f"http://{HOST}:{self.port}"
-
     @property
     def stopping(self) -> bool:
         """Whether ``stop()`` has been called."""
@@ -553,17 +541,6 @@ class FaultProxy:
             logger.warning("fault proxy: threads still running after stop(): %s", alive)
         self._listener = None
         self._accept_thread = None
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _accept_loop(self) -> None:
         assert self._listener is not None

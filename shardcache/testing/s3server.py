@@ -28,13 +28,13 @@ import uuid
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 from urllib.parse import unquote
 
+from shardcache.testing._service import HOST, LoopbackService
+
 logger = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
 REGION = "us-east-1"
@@ -99,7 +99,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class S3Server:
+class S3Server(LoopbackService):
     """moto's S3 server in a child process on 127.0.0.1, with request counting.
 
     Args:
@@ -133,18 +133,6 @@ class S3Server:
         self._other_lines: deque[str] = deque(maxlen=200)
 
     # ------------------------------------------------------------------ lifecycle
-    @property
-    def port(self) -> int:
-        """The port the server listens on (only valid once started)."""
-        if self._port is None:
-            raise RuntimeError("S3Server is not running; call start() first")
-        return self._port
-
-    @property
-    def endpoint_url(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        return f"http://{HOST}:{self.port}"
-
     @property
     def running(self) -> bool:
         """Whether the server process is alive."""
@@ -186,17 +174,6 @@ class S3Server:
         with self._lifecycle_lock:
             atexit.unregister(self.stop)
             self._terminate()
-
-    def __enter__(self) -> S3Server:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _spawn(self, port: int) -> None:
         env = dict(os.environ)
