@@ -193,7 +193,7 @@ class ShardCache:
             info = self.remote.info(url)
             self._check_space(final, info)
             t0 = time.monotonic()
-            self._download_and_publish(info, final, report)
+            info = self._download_and_publish(info, final, report)
             self._count(
                 misses=1,
                 bytes_downloaded=info.size,
@@ -203,18 +203,19 @@ class ShardCache:
             )
             return final
 
-    def _download_and_publish(self, info: ObjectInfo, final: Path, report: Progress) -> None:
+    def _download_and_publish(self, info: ObjectInfo, final: Path, report: Progress) -> ObjectInfo:
         part = self.layout.temp_path(final)
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "wb") as out:
                 os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
-                self.remote.download(info, out, report)
+                info = self.remote.download(info, out, report)
                 out.flush()
                 os.fsync(fd)
             report(phase="publishing", bytes_done=info.size, bytes_total=info.size)
             os.replace(part, final)
             _fsync_dir(final.parent)
+            return info
         except ShardCacheError:
             _unlink_quietly(part)
             raise

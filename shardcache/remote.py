@@ -201,13 +201,15 @@ class Remote:
                         break
                 if done < info.size:
                     raise TruncatedBody(f"body ended at byte {done} of {info.size}")
-                self._verify(info, done, md5.hexdigest())
+                self._verify(info, done, md5.hexdigest(), attempt)
                 return info
             except IntegrityError:
                 if not self.options.retry.allows(attempt):
                     raise
-                # Corrupted in transit or changed underneath: start again from byte 0.
+                # Corrupted in transit or changed underneath: start again from byte 0 with
+                # fresh metadata (a replaced object has a new size and ETag).
                 logger.warning("%s failed verification; downloading it again", info.url)
+                info = self.info(info.url)
                 out.seek(0)
                 out.truncate()
                 done, md5 = 0, hashlib.md5(usedforsecurity=False)
@@ -250,23 +252,25 @@ class Remote:
         finally:
             body.close()
 
-    def _verify(self, info: ObjectInfo, size: int, md5_hex: str) -> None:
+    def _verify(self, info: ObjectInfo, size: int, md5_hex: str, attempt: int) -> None:
         if size != info.size:
             raise IntegrityError(
-                f"{info.url}: downloaded {size} bytes, expected {info.size} (the object "
-                "changed during the download, or the store misreports its size). Retry; if "
-                "it persists, check the object.",
+                f"{info.url}: downloaded {size} bytes, expected {info.size} on attempt "
+                f"{attempt} (the object changed during the download, or the store misreports "
+                "its size); nothing was published. Check the object, then fetch again.",
                 url=info.url,
+                attempts=attempt,
                 expected=info.size,
                 seen=size,
             )
         if self.options.verify == "etag" and info.md5 and md5_hex != info.md5:
             raise IntegrityError(
                 f"{info.url}: MD5 of the downloaded bytes is {md5_hex}, expected {info.md5} "
-                "(the ETag). The bytes were corrupted in transit or the object changed; "
-                "nothing was published. Retry; set SHARDCACHE_VERIFY=size if this store's "
-                "ETags are not MD5s.",
+                f"(the ETag) on attempt {attempt}. The bytes were corrupted in transit or the "
+                "object changed; nothing was published. Check the network path (proxies) and "
+                "the object; set SHARDCACHE_VERIFY=size if this store's ETags are not MD5s.",
                 url=info.url,
+                attempts=attempt,
                 expected=info.md5,
                 seen=md5_hex,
             )

@@ -223,6 +223,7 @@ def test_corruption_in_transit_is_detected_and_never_published(
     with pytest.raises(IntegrityError) as info:
         cache.fetch(url)
     assert "MD5" in str(info.value) and url in str(info.value)
+    assert info.value.attempts == 2  # retried once from byte 0, then reported
     assert not cache.contains(url) and not _files(cache.settings.scope_dir)
 
 
