@@ -148,7 +148,7 @@ class ShardCache:
             return final
         try:
             return self._fetch_miss(url, final, progress)
-        except BaseException:
+        except Exception:  # a cancelled prefetch (a BaseException) is not an error
             self._count(errors=1)
             raise
 
