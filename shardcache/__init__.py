@@ -34,6 +34,19 @@ from .urls import expand_urls
 
 __version__ = "0.1.0"
 
+# The WebDataset integration imports webdataset, which imports torch (over a second):
+# load it on first use only.
+_WDS_NAMES = ("split_by_node", "stage", "tarfile_to_samples")
+
+
+def __getattr__(name: str) -> object:
+    if name in _WDS_NAMES:
+        from . import wds
+
+        return getattr(wds, name)
+    raise AttributeError(f"module 'shardcache' has no attribute {name!r}")
+
+
 __all__ = [
     "CacheDirError",
     "CacheError",
@@ -55,4 +68,7 @@ __all__ = [
     "UrlError",
     "WaitTimeout",
     "expand_urls",
+    "split_by_node",
+    "stage",
+    "tarfile_to_samples",
 ]

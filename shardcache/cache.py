@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .config import Settings
+from .distributed import makedirs
 from .errors import CacheDirError, CacheFullError, ShardCacheError
 from .fsinfo import mount_for
-from .layout import CacheLayout, ensure_dir
+from .layout import CacheLayout
 from .locks import LockPolicy, ShardLock
 from .prefetch import Prefetcher
 from .remote import ObjectInfo, Progress, Remote, RemoteOptions
@@ -295,7 +296,7 @@ class ShardCache:
 
     def _ensure_dir(self, path: Path) -> None:
         if path not in self._made_dirs:
-            ensure_dir(path)
+            makedirs(path)
             self._made_dirs.add(path)
 
     def _count(self, **deltas: float) -> None:

@@ -49,10 +49,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="fetch a small WebDataset through the cache and report",
+        help="read a small WebDataset through the cache and report",
         description="Start an embedded S3 (moto server on 127.0.0.1), write a small "
-        "WebDataset, fetch it through the cache and print a report. A second run shows "
-        "all hits. With --source, run on real data instead (AWS_* env applies).",
+        "WebDataset, read it with a WebDataset pipeline and a DataLoader through the cache "
+        "(shardcache.tarfile_to_samples) and print a report. A second run shows all hits. "
+        "With --source, run on real data instead (AWS_* env applies; samples are counted, "
+        "not decoded).",
         epilog="examples:\n  shardcache demo\n"
         "  shardcache demo --source 's3://bucket/train-{000000..000015}.tar'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -62,6 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shards", type=int, default=16, help="embedded dataset: shard count")
     demo.add_argument("--threads", type=int, help="parallel downloads (SHARDCACHE_THREADS)")
     demo.add_argument("--fresh", action="store_true", help="empty the demo's cache first")
+    demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     demo.set_defaults(func=_cmd_demo)
     return parser
 
@@ -90,6 +93,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         shards=args.shards,
         threads=args.threads,
         fresh=args.fresh,
+        workers=args.workers,
     )
     sys.stdout.write(format_report(report) + "\n")
     return EXIT_OK if not report.failed else EXIT_FAILED

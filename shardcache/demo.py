@@ -1,4 +1,4 @@
-"""The demo: fetch a small WebDataset through the cache and report what happened.
+"""The demo: read a small WebDataset through the cache with WebDataset + DataLoader.
 
 Without ``source`` it starts an embedded S3 (a moto server on 127.0.0.1, from the ``test``
 extra), writes a deterministic dataset of image-like samples, and fetches it. The server
@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import shutil
 import tarfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +39,7 @@ class DemoReport:
     bytes: int = 0
     hits: int = 0
     misses: int = 0
-    shared: int = 0
+    samples: int = 0
     seconds: float = 0.0
     endpoint: str | None = None
     failed: list[tuple[str, str]] = field(default_factory=list)
@@ -49,6 +47,10 @@ class DemoReport:
     @property
     def mb_per_s(self) -> float:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
 
 
 def make_shard(index: int, samples: int = SAMPLES_PER_SHARD) -> bytes:
@@ -70,14 +72,17 @@ def make_shard(index: int, samples: int = SAMPLES_PER_SHARD) -> bytes:
 
 def run_demo(
     source: str | None = None,
+    *,
     cache_dir: Path | None = None,
     shards: int = 16,
     threads: int | None = None,
     fresh: bool = False,
+    workers: int = 2,
 ) -> DemoReport:
     """Run the demo (embedded S3 unless ``source`` is given) and return its report."""
     if source is not None:
-        return _fetch_all(source, ShardCache(cache_dir, threads=threads), fresh)
+        cache = ShardCache(cache_dir, threads=threads)
+        return _run_pipeline(source, cache, fresh=fresh, workers=workers, decode=False)
     server = _start_server(S3Server)
     try:
         server.put_objects(
@@ -85,7 +90,7 @@ def run_demo(
         )
         cache = ShardCache(cache_dir, storage_options=server.storage_options(), threads=threads)
         spec = f"s3://{DEMO_BUCKET}/train-{{000000..{shards - 1:06d}}}.tar"
-        report = _fetch_all(spec, cache, fresh)
+        report = _run_pipeline(spec, cache, fresh=fresh, workers=workers, decode=True)
         report.endpoint = server.endpoint_url
         return report
     finally:
@@ -101,22 +106,43 @@ def _start_server(server_class: type[S3Server]) -> S3Server:
         return server_class().start()
 
 
-def _fetch_all(spec: str, cache: ShardCache, fresh: bool) -> DemoReport:
+def _run_pipeline(
+    spec: str, cache: ShardCache, *, fresh: bool, workers: int, decode: bool
+) -> DemoReport:
+    """The README's pipeline (WebDataset + DataLoader) over ``spec``, through ``cache``."""
+    import torch.utils.data
+    import webdataset as wds
+
+    from .wds import split_by_node, tarfile_to_samples
+
     if fresh and cache.settings.scope_dir.exists():
         shutil.rmtree(cache.settings.scope_dir)
     urls = expand_urls(spec)
+    cached_before = {url for url in urls if cache.contains(url)}
+    tail = [wds.decode(), wds.to_tuple("npy", "cls")] if decode else [wds.to_tuple("__key__")]
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(urls),
+        split_by_node,
+        wds.split_by_worker,
+        tarfile_to_samples(cache),
+        *tail,
+    )
+    loader = torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=workers)
     report = DemoReport(source=spec, cache_dir=cache.settings.scope_dir, shards=len(urls))
     started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=cache.settings.threads) as pool:
-        futures = {url: pool.submit(cache.fetch, url) for url in urls}
-        for url, future in futures.items():
-            try:
-                report.bytes += os.stat(future.result()).st_size
-            except Exception as exc:  # reported, and the exit code says so
-                report.failed.append((url, f"{type(exc).__name__}: {exc}"))
+    try:
+        for _sample in loader:
+            report.samples += 1
+    except Exception as exc:  # reported, and the exit code says so
+        report.failed.append((spec, f"{type(exc).__name__}: {exc}"))
     report.seconds = time.monotonic() - started
-    stats = cache.stats()
-    report.hits, report.misses, report.shared = stats.hits, stats.misses, stats.shared
+    for url in urls:
+        if cache.contains(url):
+            report.bytes += cache.path_for(url).stat().st_size
+            if url in cached_before:
+                report.hits += 1
+            else:
+                report.misses += 1
     return report
 
 
@@ -131,8 +157,7 @@ def format_report(report: DemoReport) -> str:
         f"  hits       {report.hits}",
         f"  misses     {report.misses} (downloaded now)",
     ]
-    if report.shared:
-        lines.append(f"  shared     {report.shared} (downloaded by another process meanwhile)")
+    lines.append(f"  samples    {report.samples} ({report.samples_per_s:.0f} samples/s)")
     lines.append(f"  time       {report.seconds:.2f} s ({report.mb_per_s:.1f} MB/s)")
     for url, error in report.failed:
         lines.append(f"  FAILED     {url}: {error}")

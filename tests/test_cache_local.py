@@ -95,8 +95,9 @@ def test_disk_filling_up_mid_download_leaves_nothing(
 def test_demo_second_run_is_all_hits(tmp_path: Path) -> None:
     first = run_demo(cache_dir=tmp_path / "demo", shards=4)
     assert (first.shards, first.misses, first.hits, first.failed) == (4, 4, 0, [])
+    assert first.samples == 4 * 32  # every sample through WebDataset + DataLoader
     second = run_demo(cache_dir=tmp_path / "demo", shards=4)
-    assert (second.misses, second.hits) == (0, 4)
+    assert (second.misses, second.hits, second.samples) == (0, 4, 4 * 32)
     assert second.bytes == first.bytes > 0
 
 

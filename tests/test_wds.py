@@ -1,0 +1,216 @@
+"""The WebDataset stage and drop-in, through real DataLoader workers and a moto S3 server."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import multiprocessing as mp
+import pickle
+import queue
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader
+
+import shardcache
+from shardcache import ShardCache, TransientFetchError
+from shardcache.demo import make_shard
+from shardcache.prefetch import THREAD_NAME_PREFIX
+
+BUCKET = "wds"
+SHARDS = 6
+PER_SHARD = 8
+pytestmark = pytest.mark.timeout(120)
+
+
+def _key(shard: int, sample: int) -> str:
+    return f"{shard:06d}_{sample:04d}"
+
+
+@pytest.fixture
+def dataset(s3) -> str:
+    s3.put_objects(BUCKET, {f"train-{i:06d}.tar": make_shard(i, PER_SHARD) for i in range(SHARDS)})
+    return f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"
+
+
+def _all_keys(shards=range(SHARDS)) -> list[str]:
+    return sorted(_key(s, i) for s in shards for i in range(PER_SHARD))
+
+
+def _assert_no_prefetch_threads(timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    for thread in [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        assert not thread.is_alive(), f"{thread.name} still running"
+
+
+def _pipeline(spec: str, cache: ShardCache, **options) -> wds.DataPipeline:
+    return wds.DataPipeline(
+        wds.SimpleShardList(spec),
+        shardcache.split_by_node,
+        wds.split_by_worker,
+        shardcache.tarfile_to_samples(cache, threads=2, depth=2, **options),
+        wds.to_tuple("__key__", "cls"),
+    )
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_dataloader_workers_yield_every_sample_once_per_epoch(
+    s3, dataset: str, tmp_path: Path, start_method: str
+) -> None:
+    cache = ShardCache(tmp_path / "cache", retry_backoff=0.01)
+    loader = DataLoader(
+        _pipeline(dataset, cache),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=mp.get_context(start_method),
+        timeout=60,
+    )
+    for _epoch in range(2):
+        keys = [key for key, _cls in loader]
+        assert sorted(keys) == _all_keys()  # every sample, exactly once
+    for i in range(SHARDS):  # the second epoch came from the cache
+        assert s3.count("GET", BUCKET, f"train-{i:06d}.tar") == 1
+
+
+def test_stage_yields_streams_and_local_paths_and_keeps_other_keys(
+    s3, dataset: str, tmp_path: Path
+) -> None:
+    cache = ShardCache(tmp_path / "cache")
+    urls = shardcache.expand_urls(dataset)
+    stage = shardcache.stage(cache, threads=2)
+    seen = []
+    for item in stage([{"url": url, "extra": n} for n, url in enumerate(urls)]):
+        assert Path(item["local_path"]) == cache.path_for(item["url"])
+        with tarfile.open(fileobj=item["stream"], mode="r|") as tar:
+            assert len([m for m in tar if m.isfile()]) == 2 * PER_SHARD
+        seen.append((item["url"], item["extra"]))
+    assert seen == [(url, n) for n, url in enumerate(urls)]
+    _assert_no_prefetch_threads()
+
+
+def test_stages_pickle_before_iteration_without_touching_torch_state(tmp_path: Path) -> None:
+    stage = shardcache.tarfile_to_samples(ShardCache(tmp_path), threads=3, depth=4)
+    clone = pickle.loads(pickle.dumps(stage))
+    assert clone.prefetch_options == {"threads": 3, "depth": 4}
+    with pytest.raises(TypeError, match="unknown prefetch option"):
+        shardcache.stage(threds=3)
+
+
+def test_corrupt_shard_is_skipped_by_warn_and_continue(s3, dataset: str, tmp_path: Path) -> None:
+    s3.put_objects(BUCKET, {"train-000002.tar": b"this is not a tar file" * 100})
+    cache = ShardCache(tmp_path / "cache")
+    pipeline = _pipeline(dataset, cache, handler=wds.warn_and_continue)
+    with pytest.warns(UserWarning):
+        keys = [key for key, _cls in pipeline]
+    assert sorted(keys) == _all_keys([0, 1, 3, 4, 5])
+    strict = _pipeline(dataset, ShardCache(tmp_path / "strict"))
+    with pytest.raises(tarfile.ReadError):
+        list(strict)
+
+
+def test_handler_is_called_once_per_failed_shard_after_retries(
+    s3, fault_proxy, dataset: str, tmp_path: Path
+) -> None:
+    fault_proxy.add_fault("status:503", times=None, method="GET", path_contains="train-000003")
+    cache = ShardCache(
+        tmp_path / "cache",
+        storage_options={"endpoint_url": fault_proxy.endpoint_url},
+        retries=2,
+        retry_backoff=0.01,
+    )
+    failures: list[BaseException] = []
+
+    def skip(exn: BaseException) -> bool:
+        failures.append(exn)
+        return True
+
+    keys = [key for key, _cls in _pipeline(dataset, cache, handler=skip)]
+    assert sorted(keys) == _all_keys([0, 1, 2, 4, 5])
+    assert len(failures) == 1
+    assert isinstance(failures[0], TransientFetchError) and failures[0].attempts == 3
+    assert failures[0].url.endswith("train-000003.tar")
+
+
+def test_handler_returning_false_ends_the_stream(
+    s3, fault_proxy, dataset: str, tmp_path: Path
+) -> None:
+    fault_proxy.add_fault("status:403", times=None, method="GET", path_contains="train-000002")
+    cache = ShardCache(
+        tmp_path / "cache", storage_options={"endpoint_url": fault_proxy.endpoint_url}
+    )
+    keys = [key for key, _cls in _pipeline(dataset, cache, handler=lambda exn: False)]
+    assert sorted(keys) == _all_keys([0, 1])
+
+
+def test_failing_shard_raises_with_its_url_by_default(s3, dataset: str, tmp_path: Path) -> None:
+    spec = [*shardcache.expand_urls(dataset)[:2], f"s3://{BUCKET}/missing.tar"]
+    with pytest.raises(shardcache.RemoteNotFoundError, match=r"missing\.tar"):
+        list(_pipeline(spec, ShardCache(tmp_path / "cache")))
+    _assert_no_prefetch_threads()
+
+
+def test_close_and_early_break_stop_every_thread(s3, dataset: str, tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path / "cache")
+    pipeline = _pipeline(dataset, cache)
+    it = iter(pipeline)
+    next(it)
+    pipeline.close()  # wds.DataPipeline.close() calls close() on its stages
+    _assert_no_prefetch_threads()
+    del it
+    for _sample in _pipeline(dataset, cache):
+        break
+    gc.collect()
+    _assert_no_prefetch_threads()
+    leftovers = [p for p in (tmp_path / "cache").rglob("*.part")]
+    assert not leftovers
+
+
+def test_split_by_node_uses_slurm_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "3")
+    assert list(shardcache.split_by_node(range(10))) == [1, 4, 7]
+    # webdataset's own splitter ignores SLURM and would give every rank everything:
+    assert list(wds.split_by_node(range(10))) == list(range(10))
+
+
+def _split_rank(rank: int, store: str, out) -> None:
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        out.put((rank, list(shardcache.split_by_node([f"shard-{i}" for i in range(7)]))))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_split_by_node_gives_disjoint_shards_under_torch_distributed(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_split_rank, args=(rank, str(tmp_path / "store"), out))
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        parts = dict(out.get(timeout=90) for _ in procs)
+    except queue.Empty:
+        pytest.fail("the gloo ranks did not report")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert set(parts[0]).isdisjoint(parts[1])
+    assert sorted(parts[0] + parts[1]) == sorted(f"shard-{i}" for i in range(7))
+    assert parts[0] == ["shard-0", "shard-2", "shard-4", "shard-6"]
