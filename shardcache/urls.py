@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,10 +195,10 @@ def _check_url(url: str, spec: object, where: str = "") -> str:
 # ------------------------------------------------------------------------------ braces
 
 
-def _find_close(text: str, open_pos: int) -> int:
-    """Index of the brace closing the one at ``open_pos``, or -1."""
+def _scan(text: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+    """(position, character, brace depth after it) of every unescaped character."""
     depth = 0
-    pos = open_pos
+    pos = start
     while pos < len(text):
         char = text[pos]
         if char == "\\":
@@ -208,30 +208,25 @@ def _find_close(text: str, open_pos: int) -> int:
             depth += 1
         elif char == "}":
             depth -= 1
-            if depth == 0:
-                return pos
+        yield pos, char, depth
         pos += 1
+
+
+def _find_close(text: str, open_pos: int) -> int:
+    """Index of the brace closing the one at ``open_pos``, or -1."""
+    for pos, char, depth in _scan(text, open_pos):
+        if char == "}" and depth == 0:
+            return pos
     return -1
 
 
 def _split_top_commas(text: str) -> list[str]:
     parts: list[str] = []
-    depth = 0
     start = 0
-    pos = 0
-    while pos < len(text):
-        char = text[pos]
-        if char == "\\":
-            pos += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-        elif char == "," and depth == 0:
+    for pos, char, depth in _scan(text):
+        if char == "," and depth == 0:
             parts.append(text[start:pos])
             start = pos + 1
-        pos += 1
     parts.append(text[start:])
     return parts
 
