@@ -26,7 +26,18 @@ from typing import Any, BinaryIO
 
 from .config import Settings
 from .distributed import makedirs
-from .errors import CacheDirError, CacheFullError, ShardCacheError
+from .errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
+from .eviction import (
+    CacheEntry,
+    EvictReport,
+    evict_lru,
+    open_pinned,
+    pin,
+    remove,
+    scan,
+    touch,
+    write_meta,
+)
 from .fsinfo import mount_for
 from .layout import CacheLayout
 from .locks import LockPolicy, ShardLock
@@ -100,6 +111,9 @@ class ShardCache:
         self._stats_lock = threading.Lock()
         self._made_dirs: set[Path] = set()
         self._policy: LockPolicy | None = None
+        self._network_fs: bool | None = None
+        self._pins: dict[Path, list[int]] = {}  # prefetched shards not yet released
+        self._pins_lock = threading.Lock()
 
     @classmethod
     def from_env(cls) -> ShardCache:
@@ -136,16 +150,23 @@ class ShardCache:
     # -- fetching --------------------------------------------------------------------
 
     def open(self, url: str) -> BinaryIO:
-        """Fetch ``url`` if needed and open the cached copy for binary reading."""
-        return self.fetch(url).open("rb")
+        """Fetch ``url`` if needed and open the cached copy for binary reading; the shard
+        cannot be evicted while the file is open."""
+        for _ in range(3):  # evicted between fetch and open: fetch again
+            try:
+                return open_pinned(self.fetch(url))
+            except FileNotFoundError:
+                continue
+        return open_pinned(self.fetch(url))
 
     def fetch(self, url: str, progress: Progress | None = None) -> Path:
         """Return the path of a complete, verified local copy of ``url``, downloading it
         at most once across all processes sharing this cache directory."""
         final = self.path_for(url)
-        size = _regular_file_size(final)
-        if size is not None:
-            self._count(hits=1, bytes_served=size)
+        st = _regular_file_stat(final)
+        if st is not None:
+            touch(final, st.st_mtime)
+            self._count(hits=1, bytes_served=st.st_size)
             return final
         try:
             return self._fetch_miss(url, final, progress)
@@ -192,7 +213,7 @@ class ShardCache:
 
             report(phase="stat", bytes_done=0, bytes_total=None)
             info = self.remote.info(url)
-            self._check_space(final, info)
+            self._make_room(final, info)
             t0 = time.monotonic()
             info = self._download_and_publish(info, final, report)
             self._count(
@@ -210,10 +231,29 @@ class ShardCache:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "wb") as out:
                 os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
+                if info.size and not self._on_network_fs():
+                    # Reserve the space: a full disk fails now, not after the download, and
+                    # the evictor counts this download at its full size. (Not on network
+                    # file systems, where glibc would emulate it by writing zeros.)
+                    os.posix_fallocate(fd, 0, info.size)
                 info = self.remote.download(info, out, report)
+                out.truncate()  # a smaller object than reserved for (it changed): no tail
                 out.flush()
                 os.fsync(fd)
             report(phase="publishing", bytes_done=info.size, bytes_total=info.size)
+            write_meta(
+                self.layout,
+                final,
+                {
+                    "url": self.remote.canonical_url(info.url),
+                    "namespace": self.remote.namespace(info.url),
+                    "size": info.size,
+                    "etag": info.etag,
+                    "md5": info.md5,
+                    "version_id": info.version_id,
+                    "fetched_at": time.time(),
+                },
+            )
             os.replace(part, final)
             _fsync_dir(final.parent)
             return info
@@ -246,21 +286,82 @@ class ShardCache:
         ``SHARDCACHE_STALL_TIMEOUT`` (see :class:`shardcache.prefetch.Prefetcher`)."""
         s = self.settings
         return Prefetcher(
-            self.fetch,
+            self._fetch_pinned,
             urls,
             threads=s.threads if threads is None else threads,
             depth=s.prefetch_depth if depth is None else depth,
             stall_timeout=s.stall_timeout if stall_timeout is None else stall_timeout,
+            release=self._unpin,
         )
+
+    def _fetch_pinned(self, url: str, progress: Progress) -> Path:
+        """``fetch`` for the prefetcher: the shard stays pinned (not evictable) until the
+        prefetcher releases it, after its consumer is done with it."""
+        for _ in range(3):
+            path = self.fetch(url, progress=progress)
+            fd = pin(path)
+            if fd is not None:
+                with self._pins_lock:
+                    self._pins.setdefault(path, []).append(fd)
+                return path
+        raise CacheFullError(
+            f"{url} was evicted three times right after being fetched: SHARDCACHE_MAX_BYTES="
+            f"{self.settings.max_bytes} cannot hold the shards in use plus the prefetch depth. "
+            "Raise SHARDCACHE_MAX_BYTES or lower SHARDCACHE_PREFETCH_DEPTH.",
+            url=url,
+            path=str(path),
+            max_bytes=self.settings.max_bytes,
+        )
+
+    def _unpin(self, path: Path) -> None:
+        with self._pins_lock:
+            fds = self._pins.get(path)
+            fd = fds.pop() if fds else None
+            if fds == []:
+                del self._pins[path]
+        if fd is not None:
+            os.close(fd)
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _check_space(self, final: Path, info: ObjectInfo) -> None:
+    def _make_room(self, final: Path, info: ObjectInfo) -> None:
+        """Evict least-recently-used shards so ``info`` fits within SHARDCACHE_MAX_BYTES
+        and on the disk; CacheFullError (with the numbers) when it cannot."""
+        max_bytes = self.settings.max_bytes
+        if max_bytes is not None:
+            if info.size > max_bytes:
+                raise self._full_error(
+                    final, info, f"the shard alone exceeds SHARDCACHE_MAX_BYTES={max_bytes}"
+                )
+            report = evict_lru(self.layout, max_bytes, reserve=info.size)
+            if report.kept_bytes + info.size > max_bytes:
+                raise self._full_error(
+                    final,
+                    info,
+                    f"the cache holds {report.kept_bytes} of SHARDCACHE_MAX_BYTES={max_bytes} "
+                    f"bytes and nothing more is evictable ({report.in_use} shards are in use "
+                    "by live processes, the rest is downloads in progress)",
+                    in_use=report.in_use,
+                )
+        free = shutil.disk_usage(final.parent).free
+        if free >= info.size:
+            return
+        entries, partial = scan(self.layout)
+        used = partial + sum(e.size for e in entries)
+        report = evict_lru(self.layout, max(0, used - (info.size - free)))
         free = shutil.disk_usage(final.parent).free
         if free < info.size:
-            raise self._full_error(final, info, f"only {free} bytes are free")
+            raise self._full_error(
+                final,
+                info,
+                f"only {free} bytes are free on the disk after evicting {report.freed_bytes} "
+                f"bytes ({report.in_use} shards in use could not be evicted)",
+                in_use=report.in_use,
+            )
 
-    def _full_error(self, final: Path, info: ObjectInfo, seen: str) -> CacheFullError:
+    def _full_error(
+        self, final: Path, info: ObjectInfo, seen: str, in_use: int = 0
+    ) -> CacheFullError:
         free = shutil.disk_usage(final.parent).free
         return CacheFullError(
             f"no room to cache {info.url} ({info.size} bytes needed) in {final.parent}: "
@@ -270,7 +371,36 @@ class ShardCache:
             path=str(final.parent),
             needed=info.size,
             free=free,
+            max_bytes=self.settings.max_bytes,
+            in_use=in_use,
         )
+
+    # -- maintenance -----------------------------------------------------------------
+
+    def entries(self) -> list[CacheEntry]:
+        """Published shards of this scope, least recently used first, with their URLs."""
+        return scan(self.layout, with_meta=True)[0]
+
+    def evict(self, max_bytes: int | None = None) -> EvictReport:
+        """Evict least-recently-used shards (never one in use) down to ``max_bytes``
+        (default SHARDCACHE_MAX_BYTES)."""
+        limit = self.settings.max_bytes if max_bytes is None else max_bytes
+        if limit is None:
+            raise ConfigError(
+                "evict needs a size: pass max_bytes or set SHARDCACHE_MAX_BYTES (e.g. 500G).",
+                name="max_bytes",
+                value=None,
+            )
+        return evict_lru(self.layout, limit)
+
+    def remove(self, path: Path) -> bool:
+        """Remove a published shard and its metadata; False if missing or in use."""
+        return remove(self.layout, Path(path))
+
+    def _on_network_fs(self) -> bool:
+        if self._network_fs is None:
+            self._network_fs = mount_for(self.settings.scope_dir).is_network
+        return self._network_fs
 
     def _lock_policy(self) -> LockPolicy:
         if self._policy is None:
@@ -305,12 +435,17 @@ class ShardCache:
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
 
 
-def _regular_file_size(path: Path) -> int | None:
+def _regular_file_stat(path: Path) -> os.stat_result | None:
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def _regular_file_size(path: Path) -> int | None:
+    st = _regular_file_stat(path)
+    return None if st is None else st.st_size
 
 
 def _is_regular_file(path: Path) -> bool:

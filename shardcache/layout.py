@@ -146,6 +146,19 @@ class CacheLayout:
         """Where lock files live (``<scope>/.locks``); eviction never touches it."""
         return self.scope_dir / ".locks"
 
+    @property
+    def meta_dir(self) -> Path:
+        """Where each shard's metadata record lives (``<scope>/.meta``)."""
+        return self.scope_dir / ".meta"
+
+    def meta_path(self, final: Path) -> Path:
+        """The metadata record of the published file ``final``: ``.meta/<hh>/<name>.json``."""
+        return self.meta_dir / final.parent.name / f"{final.name}.json"
+
+    def data_path_of_meta(self, meta: Path) -> Path:
+        """The published file a metadata record describes (inverse of :meth:`meta_path`)."""
+        return self.data_dir / meta.parent.name / meta.name.removesuffix(".json")
+
     def data_path(self, url: str, namespace: str = "") -> Path:
         """The published file for ``url``: ``data/<hh>/<readable>-<digest20><suffix>``."""
         key = cache_key(url, namespace)

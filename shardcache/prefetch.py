@@ -87,6 +87,10 @@ class Fetch(Protocol):
     def __call__(self, url: str, progress: Progress) -> Path: ...
 
 
+Release = Callable[[Path], None]
+"""Called once for every fetched path the consumer is done with (see ``release``)."""
+
+
 class PrefetchedShard(NamedTuple):
     """One downloaded shard: unpacks as ``url, path``."""
 
@@ -138,6 +142,7 @@ class _Task:
         "bytes_total",
         "error",
         "from_source",
+        "handed_over",
         "index",
         "last_change",
         "meter",
@@ -156,6 +161,7 @@ class _Task:
         self.url = url
         self.state = _QUEUED
         self.path: Path | None = None
+        self.handed_over = False  # given to the consumer, or released: never release again
         self.error: BaseException | None = None
         self.from_source = False  # the error came from iterating ``urls``, not a fetch
         self.phase = "queued"
@@ -176,9 +182,10 @@ class _Shared:
     the prefetcher therefore runs its ``__del__``, which cancels them.
     """
 
-    def __init__(self, fetch: Fetch, clock: Callable[[], float]) -> None:
+    def __init__(self, fetch: Fetch, clock: Callable[[], float], release: Release | None) -> None:
         self.fetch = fetch
         self.clock = clock
+        self.release = release
         self.cond = threading.Condition()
         self.cancelled = threading.Event()  # set once, under cond; read without it
         self.queue: deque[_Task] = deque()  # FIFO, so the oldest shard always starts first
@@ -239,6 +246,9 @@ def _work(shared: _Shared, name: str) -> None:
             error = exc
         with cond:
             shared.workers[name] = None
+            if shared.cancelled.is_set() and path is not None and shared.release is not None:
+                task.handed_over = True  # nobody will consume it: release it now
+                shared.release(path)
             task.state, task.path, task.error = _DONE, path, error
             cond.notify_all()
         del error  # the task owns it now; no frame -> traceback -> frame cycle here
@@ -316,6 +326,7 @@ class Prefetcher:
         depth: int,
         stall_timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        release: Release | None = None,
     ) -> None:
         for name, value, low in (("threads", threads, 1), ("depth", depth, 1)):
             if not isinstance(value, int) or value < low:
@@ -337,6 +348,10 @@ class Prefetcher:
         self.depth = depth
         self.stall_timeout = float(stall_timeout)
         self._clock = clock
+        # The shard last returned by next(), released (e.g. unpinned) at the following
+        # next() or at close(): the consumer is done with it by then.
+        self._release = release
+        self._held: Path | None = None
         self.name = f"{THREAD_NAME_PREFIX}-{next(_sequence)}"
         # Runtime state: created by the first next(), in the process that iterates.
         self._shared: _Shared | None = None
@@ -365,6 +380,7 @@ class Prefetcher:
             "depth": self.depth,
             "stall_timeout": self.stall_timeout,
             "clock": self._clock,
+            "release": self._release,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -375,6 +391,7 @@ class Prefetcher:
             depth=state["depth"],
             stall_timeout=state["stall_timeout"],
             clock=state["clock"],
+            release=state["release"],
         )
 
     def __repr__(self) -> str:
@@ -402,6 +419,7 @@ class Prefetcher:
             self.close()
 
     def __next__(self) -> PrefetchedShard:
+        self._release_held()
         if self._finished:
             self._window.clear()  # only the consumer's thread touches the window
             raise StopIteration
@@ -433,6 +451,9 @@ class Prefetcher:
             if warning is not None:
                 logger.warning(warning)
         self._last_return = now
+        with shared.cond:
+            head.handed_over = True
+        self._held = head.path if self._release is not None else None
         return PrefetchedShard(head.url, head.path)
 
     def _start(self) -> _Shared:
@@ -445,7 +466,7 @@ class Prefetcher:
                 )
             return self._shared
         self._source = iter(self._urls)
-        shared = _Shared(self._fetch, self._clock)
+        shared = _Shared(self._fetch, self._clock, self._release)
         for i in range(min(self.threads, self.depth)):
             name = f"{self.name}-{i}"
             shared.workers[name] = None
@@ -592,6 +613,12 @@ class Prefetcher:
             shared.cancelled.set()
             shared.queue.clear()
             shared.cond.notify_all()
+            if self._release is not None:
+                for task in list(self._window):
+                    if task.state == _DONE and task.path is not None and not task.handed_over:
+                        task.handed_over = True
+                        self._release(task.path)
+        self._release_held()
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
         for thread in shared.threads:
@@ -608,6 +635,11 @@ class Prefetcher:
                 timeout,
                 ", ".join(alive),
             )
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and self._release is not None:
+            self._release(held)
 
     def __enter__(self) -> Prefetcher:
         return self

@@ -33,6 +33,7 @@ import webdataset as wds
 from .cache import ShardCache
 from .distributed import rank_info
 from .errors import ShardCacheError, StallError
+from .eviction import open_pinned
 from .prefetch import Prefetcher
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class CacheStage:
             try:
                 for _url, path in prefetcher:
                     sample = pending.popleft()
-                    with path.open("rb") as stream:
+                    with open_pinned(path) as stream:  # not evictable while read
                         yield {**sample, "stream": stream, "local_path": str(path)}
                 return
             except StallError:

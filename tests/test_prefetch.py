@@ -390,7 +390,7 @@ def test_cache_prefetch_takes_defaults_from_settings(tmp_path: Path) -> None:
     cache = ShardCache(tmp_path / "cache", threads=3, prefetch_depth=5, stall_timeout=7)
     shards = cache.prefetch(["s3://b/x.tar"])
     assert (shards.threads, shards.depth, shards.stall_timeout) == (3, 5, 7.0)
-    assert shards._fetch == cache.fetch
+    assert shards._fetch == cache._fetch_pinned and shards._release == cache._unpin
     assert cache.prefetch([], threads=1, depth=2, stall_timeout=9).depth == 2
     assert pickle.loads(pickle.dumps(shards)).depth == 5
 

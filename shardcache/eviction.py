@@ -1,0 +1,199 @@
+"""Cache entries, pins and least-recently-used eviction.
+
+A shard in use is *pinned*: its reader holds a shared ``flock`` on the published file (an
+open file from :meth:`ShardCache.open`, the WebDataset stage's stream, a prefetched shard
+not yet consumed). The evictor removes a file only while holding an exclusive ``flock``
+on it, taken without blocking, so it never removes a pinned shard; the kernel drops the
+pins of a process that dies. A reader that opens a file the evictor is removing gets a
+complete copy anyway (an open file outlives its name).
+
+Evictions of one scope directory are serialised by ``.locks/evict.lock`` so two processes
+never both count the same free space. "Last used" is the file's mtime, refreshed on hits
+(at most once a minute per shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import filelock
+
+from .layout import CacheLayout, is_temp_name
+
+logger = logging.getLogger(__name__)
+
+TOUCH_INTERVAL = 60.0  # refresh a hit's "last used" time at most this often
+EVICT_LOCK_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One published shard and what its metadata record says about it."""
+
+    path: Path
+    size: int
+    last_used: float
+    url: str | None = None
+    etag: str | None = None
+    md5: str | None = None
+
+
+@dataclass
+class EvictReport:
+    """What an eviction did."""
+
+    removed: list[CacheEntry] = field(default_factory=list)
+    freed_bytes: int = 0
+    kept_bytes: int = 0  # published bytes left, plus downloads in progress
+    in_use: int = 0  # candidates skipped because a process had them pinned
+
+
+def pin(path: Path) -> int | None:
+    """Open ``path`` with a shared lock; None if it is gone (evicted meanwhile)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.fstat(fd).st_nlink == 0:  # removed while we waited for the lock
+            os.close(fd)
+            return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def touch(path: Path, mtime: float) -> None:
+    """Mark a hit as recently used (rate-limited by the caller's knowledge of ``mtime``)."""
+    if time.time() - mtime > TOUCH_INTERVAL:
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+
+def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None:
+    """Write ``final``'s metadata record atomically (before ``final`` is published)."""
+    meta = layout.meta_path(final)
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    tmp = meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    tmp.write_text(json.dumps(record, sort_keys=True))
+    os.replace(tmp, meta)
+
+
+def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(layout.meta_path(final).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def open_pinned(path: Path) -> BinaryIO:
+    """Open a published shard for reading, pinned (not evictable) until closed."""
+    fd = pin(path)
+    if fd is None:
+        raise FileNotFoundError(errno.ENOENT, "evicted before it could be opened", str(path))
+    return os.fdopen(fd, "rb")
+
+
+def scan(layout: CacheLayout, with_meta: bool = False) -> tuple[list[CacheEntry], int]:
+    """Published entries (oldest first) and the bytes of downloads in progress;
+    ``with_meta`` also reads each entry's metadata record (URL, ETag)."""
+    entries: list[CacheEntry] = []
+    partial = 0
+    try:
+        buckets = list(os.scandir(layout.data_dir))
+    except FileNotFoundError:
+        return [], 0
+    for bucket in buckets:
+        try:
+            files = list(os.scandir(bucket.path))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for item in files:
+            try:
+                st = item.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if is_temp_name(item.name):
+                partial += st.st_size
+                continue
+            path = Path(item.path)
+            meta = read_meta(layout, path) if with_meta else {}
+            entries.append(
+                CacheEntry(
+                    path=path,
+                    size=st.st_size,
+                    last_used=st.st_mtime,
+                    url=meta.get("url"),
+                    etag=meta.get("etag"),
+                    md5=meta.get("md5"),
+                )
+            )
+    entries.sort(key=lambda e: e.last_used)
+    return entries, partial
+
+
+def remove(layout: CacheLayout, path: Path) -> bool:
+    """Remove a published shard and its metadata unless a process has it pinned."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # pinned by a reader
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            layout.meta_path(path).unlink()
+        return True
+    finally:
+        os.close(fd)
+
+
+def evict_lru(layout: CacheLayout, max_bytes: int, reserve: int = 0) -> EvictReport:
+    """Remove least-recently-used shards until published + in-progress + ``reserve`` bytes
+    fit in ``max_bytes`` (or nothing evictable is left)."""
+    lock_path = layout.locks_dir / "evict.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(lock_path), mode=0o644, fallback_to_soft=False)
+    with lock.acquire(timeout=EVICT_LOCK_TIMEOUT):
+        entries, partial = scan(layout)
+        used = partial + sum(e.size for e in entries)
+        report = EvictReport()
+        for entry in entries:
+            if used + reserve <= max_bytes:
+                break
+            meta = read_meta(layout, entry.path)  # for the report: which URL went
+            if remove(layout, entry.path):
+                report.removed.append(
+                    dataclasses.replace(entry, url=meta.get("url"), etag=meta.get("etag"))
+                )
+                report.freed_bytes += entry.size
+                used -= entry.size
+            else:
+                report.in_use += 1
+        report.kept_bytes = used
+    if report.removed:
+        logger.info(
+            "evicted %d shards (%d bytes) from %s to stay within %d bytes",
+            len(report.removed),
+            report.freed_bytes,
+            layout.scope_dir,
+            max_bytes,
+        )
+    return report
