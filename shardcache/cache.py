@@ -339,9 +339,10 @@ class ShardCache:
                     final,
                     info,
                     f"the cache holds {report.kept_bytes} of SHARDCACHE_MAX_BYTES={max_bytes} "
-                    f"bytes and nothing more is evictable ({report.in_use} shards are in use "
-                    "by live processes, the rest is downloads in progress)",
-                    in_use=report.in_use,
+                    f"bytes and nothing more is evictable ({report.in_use} shards, "
+                    f"{report.in_use_bytes} bytes, are in use by live processes; the rest is "
+                    "downloads in progress)",
+                    report,
                 )
         free = shutil.disk_usage(final.parent).free
         if free >= info.size:
@@ -355,12 +356,13 @@ class ShardCache:
                 final,
                 info,
                 f"only {free} bytes are free on the disk after evicting {report.freed_bytes} "
-                f"bytes ({report.in_use} shards in use could not be evicted)",
-                in_use=report.in_use,
+                f"bytes ({report.in_use} shards, {report.in_use_bytes} bytes, are in use and "
+                "could not be evicted)",
+                report,
             )
 
     def _full_error(
-        self, final: Path, info: ObjectInfo, seen: str, in_use: int = 0
+        self, final: Path, info: ObjectInfo, seen: str, report: EvictReport | None = None
     ) -> CacheFullError:
         free = shutil.disk_usage(final.parent).free
         return CacheFullError(
@@ -372,7 +374,9 @@ class ShardCache:
             needed=info.size,
             free=free,
             max_bytes=self.settings.max_bytes,
-            in_use=in_use,
+            evictable=0 if report else None,  # with a report, every evictable shard is gone
+            in_use=report.in_use if report else 0,
+            in_use_bytes=report.in_use_bytes if report else 0,
         )
 
     # -- maintenance -----------------------------------------------------------------

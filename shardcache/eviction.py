@@ -56,6 +56,7 @@ class EvictReport:
     freed_bytes: int = 0
     kept_bytes: int = 0  # published bytes left, plus downloads in progress
     in_use: int = 0  # candidates skipped because a process had them pinned
+    in_use_bytes: int = 0
 
 
 def pin(path: Path) -> int | None:
@@ -187,6 +188,7 @@ def evict_lru(layout: CacheLayout, max_bytes: int, reserve: int = 0) -> EvictRep
                 used -= entry.size
             else:
                 report.in_use += 1
+                report.in_use_bytes += entry.size
         report.kept_bytes = used
     if report.removed:
         logger.info(

@@ -161,6 +161,7 @@ def test_a_full_disk_reports_cache_full_and_leaves_nothing(
     with cache.open(sources[0]), cache.open(sources[1]), pytest.raises(CacheFullError) as info:
         cache.fetch(str(big))
     assert info.value.needed == 200_000 and info.value.in_use == 2
+    assert info.value.in_use_bytes == 2 * SIZE and info.value.evictable == 0
     assert not list(tiny_disk.rglob("*.part")), "nothing partial left on the full disk"
     assert cache.fetch(str(big)).read_bytes() == b"x" * 200_000  # unpinned: LRU makes room
     assert not cache.contains(sources[0])
