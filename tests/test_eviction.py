@@ -165,3 +165,52 @@ def test_a_full_disk_reports_cache_full_and_leaves_nothing(
     assert not list(tiny_disk.rglob("*.part")), "nothing partial left on the full disk"
     assert cache.fetch(str(big)).read_bytes() == b"x" * 200_000  # unpinned: LRU makes room
     assert not cache.contains(sources[0])
+
+
+def _reader(cache_dir: str, urls: list[str], seed: int, rounds: int, start, out) -> None:
+    import hashlib
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = ShardCache(cache_dir, scope="node", max_bytes=10 * SIZE)
+    rng = random.Random(seed)
+    picks = [rng.randrange(len(urls)) for _ in range(rounds)]
+
+    def read(i: int) -> tuple[int, str]:
+        with cache.open(urls[i]) as f:
+            return i, hashlib.sha256(f.read()).hexdigest()
+
+    start.wait(60)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        out.put(list(pool.map(read, picks)))
+
+
+def test_processes_reading_under_constant_eviction_see_only_complete_shards(
+    tmp_path: Path,
+) -> None:
+    import hashlib
+
+    src = tmp_path / "src"
+    src.mkdir()
+    urls, digests = [], []
+    for i in range(14):  # more shards than fit: eviction runs all the time
+        data = os.urandom(SIZE)
+        (src / f"s{i}.tar").write_bytes(data)
+        urls.append(str(src / f"s{i}.tar"))
+        digests.append(hashlib.sha256(data).hexdigest())
+    start, out = CTX.Barrier(4), CTX.Queue()
+    procs = [
+        CTX.Process(target=_reader, args=(str(tmp_path / "c"), urls, seed, 25, start, out))
+        for seed in range(4)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sum(len(r) for r in results) == 100
+    assert all(digest == digests[i] for r in results for i, digest in r)
+    cache = ShardCache(tmp_path / "c", scope="node")
+    assert sum(e.size for e in cache.entries()) <= 10 * SIZE
+    assert not list((tmp_path / "c").rglob("*.part"))
