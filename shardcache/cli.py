@@ -1,6 +1,8 @@
 """The ``shardcache`` command (also ``python -m shardcache``).
 
-Exit codes: 0 success, 1 a shardcache error (the message says what to do), 2 usage error.
+Exit codes: 0 success, 1 a shardcache error or a partial failure (some shards failed to
+warm, bad shards found by ``verify``; the output says which), 2 usage error (one line on
+stderr), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import Settings
+from .config import Settings, parse_size
 from .errors import ConfigError, ShardCacheError, UrlError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EVICT_LIST_LIMIT = 20  # removed shards listed by "evict" (all of them with --json)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,12 +29,80 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class UsageError(Exception):
+    """A usage error found after parsing (reported like argparse's: one line, exit 2)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "--max-bytes")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(_one_line(exc)) from None
+
+
+def _command(
+    commands: Any, name: str, help: str, description: str, examples: Sequence[str]
+) -> argparse.ArgumentParser:
+    epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples)
+    return commands.add_parser(  # type: ignore[no-any-return]
+        name,
+        help=help,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _cache_options(parser: argparse.ArgumentParser, *, rank: bool = True) -> None:
+    group = parser.add_argument_group("cache")
+    group.add_argument(
+        "--cache-dir", type=Path, help="cache root (default: SHARDCACHE_DIR, else $TMPDIR/...)"
+    )
+    group.add_argument(
+        "--scope", choices=("rank", "node"), help="rank or node cache (default: SHARDCACHE_SCOPE)"
+    )
+    if rank:
+        group.add_argument(
+            "--rank",
+            type=_non_negative_int,
+            help="with rank scope: whose rank-<N> directory (default: this process's rank)",
+        )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shardcache",
         description="Fast, safe local caching of sharded training data from S3 / fsspec URLs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  shardcache config --json\n  shardcache demo\n",
+        epilog="examples:\n"
+        "  shardcache warm 's3://bucket/train-{000000..000127}.tar' --threads 16\n"
+        "  shardcache status\n"
+        "  shardcache clean\n"
+        "  shardcache evict --max-bytes 500G\n"
+        "  shardcache verify\n"
+        "  shardcache config --json\n"
+        "  shardcache demo\n"
+        "\nexit codes: 0 ok, 1 failed (or some shards failed), 2 usage error",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -66,7 +137,131 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fresh", action="store_true", help="empty the demo's cache first")
     demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     demo.set_defaults(func=_cmd_demo)
+
+    _add_warm(commands)
+    _add_maintenance(commands)
     return parser
+
+
+def _add_warm(commands: Any) -> None:
+    warm = _command(
+        commands,
+        "warm",
+        "fetch shards into the cache ahead of training",
+        "Fetch every shard of the specs into the cache, several at a time, with a progress "
+        "bar (plain progress lines every 5 s when stderr is not a terminal). A shard that "
+        "fails does not stop the others. Prints a summary; exit code 0 when every shard is "
+        "cached, 1 when some failed (they are listed with their errors), 2 on usage errors. "
+        "Shards already cached are hits, so a second run is fast.\n\n"
+        "--split auto (the default) under torchrun or SLURM: with rank scope each rank warms "
+        "its own share, shards[RANK::WORLD_SIZE] (what shardcache.split_by_node gives it), "
+        "into its own rank-<RANK> directory; with node scope only local rank 0 of each node "
+        "works, warming the shares of all the node's ranks (ranks are assumed contiguous per "
+        "node; if the ranks per node are unknown, everything), and the other local ranks "
+        "print 'nothing to do'. --split none: every task warms every shard. Outside a "
+        "launcher the two are the same.",
+        [
+            "shardcache warm 's3://bucket/train-{000000..000127}.tar'",
+            "shardcache warm --from-file shards.txt --threads 16 --cache-dir /local/ssd/cache",
+            "srun --ntasks-per-node=8 shardcache warm 's3://b/train-{0000..1023}.tar' --scope node",
+        ],
+    )
+    warm.add_argument("specs", nargs="*", metavar="SPEC", help="URL or brace pattern")
+    warm.add_argument(
+        "--from-file",
+        action="append",
+        default=[],
+        metavar="F",
+        help="manifest: one URL or pattern per line (# comments), or a JSON list (repeatable)",
+    )
+    warm.add_argument(
+        "--threads", type=_positive_int, help="parallel downloads (default: SHARDCACHE_THREADS)"
+    )
+    warm.add_argument(
+        "--split",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: this task's share under torchrun/SLURM (default); none: every shard",
+    )
+    _cache_options(warm, rank=False)
+    warm.set_defaults(func=_cmd_warm)
+
+
+def _add_maintenance(commands: Any) -> None:
+    status = _command(
+        commands,
+        "status",
+        "show entries, disk, locks held, stale locks and orphan files",
+        "Show the cache directory's shards and bytes, the free disk, downloads in progress, "
+        "every lock held right now and by whom (host, pid, rank, phase, bytes, alive?), "
+        "stale locks (leases of dead processes) and orphan files (temp files of killed "
+        "downloads, metadata of shards that are gone). Changes nothing.",
+        [
+            "shardcache status",
+            "shardcache status --json --scope node",
+            "shardcache status --rank 3",
+        ],
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _cache_options(status)
+    status.set_defaults(func=_cmd_status)
+
+    clean = _command(
+        commands,
+        "clean",
+        "remove stale locks and orphan temp files",
+        "Remove exactly what 'status' reports as stale or orphan, checking each item again "
+        "right before removing it. Never removes a .lock file, a lock of a live holder, or "
+        "a download of a living process. Safe to run while jobs use the cache.",
+        ["shardcache clean", "shardcache clean --json --cache-dir /local/ssd/cache"],
+    )
+    clean.add_argument("--json", action="store_true", help="machine-readable output")
+    _cache_options(clean)
+    clean.set_defaults(func=_cmd_clean)
+
+    evict = _command(
+        commands,
+        "evict",
+        "evict least-recently-used shards down to a size",
+        "Remove least-recently-used shards until the cache (shards plus downloads in "
+        "progress) fits in SIZE. Shards in use by a reader are never removed. Exit code 2 "
+        "when neither --max-bytes nor SHARDCACHE_MAX_BYTES gives a size.",
+        ["shardcache evict --max-bytes 500G", "SHARDCACHE_MAX_BYTES=1.5T shardcache evict"],
+    )
+    evict.add_argument(
+        "--max-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="target size, e.g. 500G (default: SHARDCACHE_MAX_BYTES); 0 evicts all unused",
+    )
+    evict.add_argument("--json", action="store_true", help="machine-readable output")
+    _cache_options(evict)
+    evict.set_defaults(func=_cmd_evict)
+
+    verify = _command(
+        commands,
+        "verify",
+        "re-check cached shards against the remote (or a manifest); remove bad ones",
+        "Check every cached shard: its size against the remote object's, its MD5 against a "
+        "single-part object's ETag, and that the ETag has not changed since download; or, "
+        "for URLs a JSON manifest lists with size / md5 / sha256, against those. Bad shards "
+        "are removed (the next fetch downloads them again) and listed. Shards without a "
+        "metadata record are reported as of unknown origin and left alone. Exit code 1 when "
+        "a shard was bad or could not be checked, else 0.",
+        [
+            "shardcache verify",
+            "shardcache verify --manifest shards.json --threads 8",
+        ],
+    )
+    verify.add_argument(
+        "--manifest", metavar="F", help='JSON manifest of {"url", "size", "md5"/"sha256"}'
+    )
+    verify.add_argument(
+        "--threads", type=_positive_int, help="parallel checks (default: SHARDCACHE_THREADS)"
+    )
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    _cache_options(verify)
+    verify.set_defaults(func=_cmd_verify)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -99,6 +294,119 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if not report.failed else EXIT_FAILED
 
 
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {"cache_dir": args.cache_dir, "scope": args.scope}
+    if getattr(args, "rank", None) is not None:
+        overrides["rank"] = args.rank
+    return Settings.resolve(**overrides)
+
+
+def _cache(args: argparse.Namespace) -> Any:
+    from .cache import ShardCache
+
+    return ShardCache(settings=_settings(args))
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    from .distributed import rank_info
+    from .urls import expand_urls
+    from .warm import plan_warm, warm
+
+    specs = list(args.specs) + [f"@{path}" for path in args.from_file]
+    if not specs:
+        raise UsageError("give at least one SPEC or --from-file F")
+    urls = expand_urls(specs)
+    cache = _cache(args)
+    settings = cache.settings
+    info = rank_info()
+    plan = plan_warm(
+        urls,
+        split=args.split,
+        scope=settings.scope,
+        rank=info.rank,
+        world_size=info.world_size,
+        local_rank=info.local_rank,
+        local_world_size=info.local_world_size,
+    )
+    if not plan.active or not plan.urls:
+        sys.stdout.write(f"warm: nothing to do ({plan.reason})\n")
+        return EXIT_OK
+    threads = args.threads or settings.threads
+    sys.stderr.write(
+        f"warm: {len(plan.urls)} shards ({plan.reason}) into {settings.scope_dir} "
+        f"with {threads} threads\n"
+    )
+    sys.stderr.flush()
+    result = warm(cache, plan.urls, threads=threads, stream=sys.stderr)
+    sys.stdout.write(result.summary() + "\n")
+    return EXIT_FAILED if result.failed else EXIT_OK
+
+
+def _emit(report: Any, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
+    else:
+        sys.stdout.write(report.format() + "\n")
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .maintenance import status
+
+    _emit(status(_cache(args)), args.json)
+    return EXIT_OK
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    from .maintenance import clean
+
+    report = clean(_cache(args))
+    _emit(report, args.json)
+    return EXIT_FAILED if report.failed else EXIT_OK
+
+
+def _cmd_evict(args: argparse.Namespace) -> int:
+    from .warm import format_bytes
+
+    cache = _cache(args)
+    limit = args.max_bytes if args.max_bytes is not None else cache.settings.max_bytes
+    if limit is None:
+        raise UsageError("give --max-bytes SIZE (e.g. 500G) or set SHARDCACHE_MAX_BYTES")
+    report = cache.evict(limit)
+    if args.json:
+        out = {
+            "scope_dir": str(cache.settings.scope_dir),
+            "max_bytes": limit,
+            "removed": [
+                {"path": str(e.path), "url": e.url, "size": e.size, "last_used": e.last_used}
+                for e in report.removed
+            ],
+            "freed_bytes": report.freed_bytes,
+            "kept_bytes": report.kept_bytes,
+            "in_use": report.in_use,
+        }
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        return EXIT_OK
+    lines = [
+        f"evict {cache.settings.scope_dir} to {format_bytes(limit)} ({limit} bytes): removed "
+        f"{len(report.removed)} shards ({format_bytes(report.freed_bytes)} freed), "
+        f"{format_bytes(report.kept_bytes)} kept, {report.in_use} in use skipped"
+    ]
+    shown = report.removed[:EVICT_LIST_LIMIT]
+    lines += [f"  {e.url or e.path} ({format_bytes(e.size)})" for e in shown]
+    if len(report.removed) > len(shown):
+        lines.append(f"  ... and {len(report.removed) - len(shown)} more (--json lists all)")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .maintenance import verify
+
+    report = verify(_cache(args), args.manifest, threads=args.threads)
+    _emit(report, args.json)
+    return EXIT_FAILED if report.failed else EXIT_OK
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
@@ -119,6 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
+    except UsageError as exc:
+        prog = f"shardcache {args.command}"
+        sys.stderr.write(f"{prog}: error: {exc} (see {prog} --help)\n")
+        return EXIT_USAGE
     except (ConfigError, UrlError) as exc:
         sys.stderr.write(f"shardcache: {type(exc).__name__}: {_one_line(exc)}\n")
         return EXIT_USAGE

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -475,3 +476,78 @@ def _summarise(record: dict[str, Any] | None) -> str:
         f"thread {record.get('thread')}, phase {record.get('phase')}{progress}, "
         f"held for {age:.0f}s (by its clock)"
     )
+
+
+# -- inspection (``shardcache status`` / ``clean``) ---------------------------------------
+
+_CONTENTION_ERRNOS = frozenset({errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK})
+
+
+def read_record(path: Path) -> tuple[bytes | None, dict[str, Any] | None]:
+    """The raw bytes of an owner/lease/claim record and its parsed form (None if unreadable)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError:
+        return None, None
+    return raw, _parse_record(raw)
+
+
+def read_owner(lock_path: Path) -> dict[str, Any] | None:
+    """The owner record (``<hash>.owner``) beside the flock file ``lock_path``, if readable."""
+    return read_record(Path(lock_path).with_suffix(".owner"))[1]
+
+
+def holder_verdict(record: dict[str, Any] | None) -> tuple[str, str]:
+    """("alive" | "dead" | "unknown", why) for the process a lock record names."""
+    return _verdict(record)
+
+
+def describe_holder(record: dict[str, Any] | None) -> str:
+    """One line about a lock record's holder: host, pid, rank, thread, phase, bytes, age."""
+    return _summarise(record)
+
+
+def is_held(lock_path: Path) -> bool | None:
+    """Whether some process holds the flock on ``lock_path`` right now (None: cannot tell).
+
+    Probes with a non-blocking ``flock`` on a fresh descriptor, released at once; never
+    creates or deletes the file. A holder in this very process counts as holding it.
+    """
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return True if exc.errno in _CONTENTION_ERRNOS else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_lease_if_unchanged(lease_path: Path, judged: bytes) -> bool:
+    """Remove the lease ``lease_path`` only if it still holds exactly ``judged``.
+
+    Like breaking a stale lease while waiting: rename it aside, compare, and put it back
+    if its holder renewed it meanwhile. True if it was removed.
+    """
+    lease_path = Path(lease_path)
+    aside = lease_path.with_name(f"{lease_path.stem}.{secrets.token_hex(8)}.broken")
+    try:
+        os.rename(lease_path, aside)
+    except FileNotFoundError:
+        return False
+    try:
+        if aside.read_bytes() == judged:
+            return True
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, lease_path)  # renewed or replaced meanwhile: give it back
+        return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            aside.unlink()

@@ -1,0 +1,656 @@
+"""Inspecting and repairing a cache directory: ``status``, ``clean`` and ``verify``.
+
+What counts as stale (``clean`` removes exactly these, judging each again right before
+removing it):
+
+* a lease (``.locks/<hh>/<hash>.lease``) whose holder is provably dead (same host and
+  boot, pid gone or reused), or that was written on another host and has not changed
+  for ``OTHER_HOST_AGE`` (24 h);
+* leftovers of lease operations (``<hash>.<token>.claim|.broken|.released``) whose
+  process is dead (or, unreadable, older than ``OTHER_HOST_AGE``);
+* a download's temp file (``.<name>.<host>.<pid>.<token>.part``) from this host whose pid
+  no longer exists or now belongs to a process started after the file was last written;
+  from another host, one untouched for ``OTHER_HOST_AGE``;
+* a metadata record whose shard is gone and that no live download is about to publish,
+  and a half-written metadata temp file older than ``META_TMP_AGE``.
+
+Never touched: ``.lock`` files (deleting one lets two holders in), ``.owner`` records, a
+lease of a live (or unjudgeable) holder, a temp file of a living process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .cache import ShardCache
+from .errors import ShardCacheError
+from .identity import hostname, start_ticks
+from .layout import CacheLayout, host_tag, parse_temp_name
+from .locks import (
+    describe_holder,
+    holder_verdict,
+    is_held,
+    read_owner,
+    read_record,
+    remove_lease_if_unchanged,
+)
+from .urls import read_manifest
+from .warm import format_bytes
+
+logger = logging.getLogger(__name__)
+
+OTHER_HOST_AGE = 24 * 3600.0  # a file of another host untouched this long is abandoned
+META_TMP_AGE = 3600.0  # a metadata write takes milliseconds: an hour-old temp is abandoned
+_CLOCK_SLACK = 2.0  # seconds: process start times from /proc are coarse
+_HASH_CHUNK = 8 << 20
+_LEFTOVER_SUFFIXES = (".claim", ".broken", ".released")
+_META_TMP_RE = re.compile(r"^\.(?P<meta>.+\.json)\.(?P<pid>[0-9]+)\.(?P<ns>[0-9]+)\.tmp$")
+
+KIND_LABELS = {
+    "lease": "stale lease",
+    "claim": "lease leftover",
+    "broken": "lease leftover",
+    "released": "lease leftover",
+    "part": "orphan download",
+    "meta": "orphan metadata",
+    "meta-tmp": "orphan metadata temp",
+}
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+@dataclass(frozen=True)
+class HeldLock:
+    """A lock some process holds right now."""
+
+    path: Path
+    mode: str  # "flock" or "lease"
+    holder: dict[str, Any] | None
+    verdict: str  # "alive" | "dead" | "unknown" (of the recorded holder)
+    why: str
+
+    @property
+    def url(self) -> str | None:
+        return None if self.holder is None else self.holder.get("url")
+
+    def describe(self) -> str:
+        what = self.url or self.path.name
+        holder = describe_holder(self.holder) if self.holder else "no owner record yet"
+        return f"{what} ({self.mode}): {holder}; {self.verdict} ({self.why})"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "mode": self.mode,
+            "url": self.url,
+            "holder": self.holder,
+            "verdict": self.verdict,
+            "why": self.why,
+        }
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A stale lock file or an orphan temp/metadata file, and why it is one."""
+
+    path: Path
+    kind: str  # a key of KIND_LABELS
+    size: int
+    reason: str
+    raw: bytes | None = field(default=None, repr=False, compare=False)  # a judged lease
+
+    def describe(self, root: Path) -> str:
+        try:
+            shown: Path | str = self.path.relative_to(root)
+        except ValueError:
+            shown = self.path
+        return f"{KIND_LABELS[self.kind]}: {shown} ({format_bytes(self.size)}; {self.reason})"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "size": self.size,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class StatusReport:
+    """The state of one cache scope directory."""
+
+    scope_dir: Path
+    entries: int = 0
+    bytes: int = 0
+    in_use: int = 0  # shards pinned by readers right now
+    downloads: int = 0  # temp files of live downloads
+    download_bytes: int = 0
+    disk_total: int = 0
+    disk_free: int = 0
+    locks_held: list[HeldLock] = field(default_factory=list)
+    stale_locks: list[Leftover] = field(default_factory=list)
+    orphans: list[Leftover] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "scope_dir": str(self.scope_dir),
+            "entries": self.entries,
+            "bytes": self.bytes,
+            "in_use": self.in_use,
+            "downloads_in_progress": self.downloads,
+            "download_bytes": self.download_bytes,
+            "disk_total": self.disk_total,
+            "disk_free": self.disk_free,
+            "locks_held": [lock.as_json() for lock in self.locks_held],
+            "stale_locks": [item.as_json() for item in self.stale_locks],
+            "orphans": [item.as_json() for item in self.orphans],
+        }
+
+    def format(self) -> str:
+        root = self.scope_dir
+        lines = [
+            f"cache       {root}",
+            f"entries     {self.entries} shards, {format_bytes(self.bytes)}"
+            f" ({self.in_use} in use by readers)",
+            f"downloads   {self.downloads} in progress ({format_bytes(self.download_bytes)})",
+            f"disk        {format_bytes(self.disk_free)} free of {format_bytes(self.disk_total)}",
+            f"locks held  {len(self.locks_held)}",
+        ]
+        lines += [f"  {lock.describe()}" for lock in self.locks_held]
+        lines.append(f"stale locks {len(self.stale_locks)}")
+        lines += [f"  {item.describe(root)}" for item in self.stale_locks]
+        lines.append(f"orphans     {len(self.orphans)}")
+        lines += [f"  {item.describe(root)}" for item in self.orphans]
+        if self.stale_locks or self.orphans:
+            lines.append("run 'shardcache clean' to remove the stale locks and orphans")
+        return "\n".join(lines)
+
+
+@dataclass
+class CleanReport:
+    """What ``clean`` removed, and what it found no longer stale when it looked again."""
+
+    scope_dir: Path
+    removed: list[Leftover] = field(default_factory=list)
+    kept: list[tuple[Leftover, str]] = field(default_factory=list)
+    failed: list[tuple[Leftover, str]] = field(default_factory=list)
+    live_locks: int = 0
+    live_downloads: int = 0
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(item.size for item in self.removed)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "scope_dir": str(self.scope_dir),
+            "removed": [item.as_json() for item in self.removed],
+            "freed_bytes": self.freed_bytes,
+            "kept": [{**item.as_json(), "why": why} for item, why in self.kept],
+            "failed": [{**item.as_json(), "error": err} for item, err in self.failed],
+            "live_locks_left_alone": self.live_locks,
+            "live_downloads_left_alone": self.live_downloads,
+        }
+
+    def format(self) -> str:
+        root = self.scope_dir
+        lines = [f"clean {root}: removed {len(self.removed)} ({format_bytes(self.freed_bytes)})"]
+        lines += [f"  {item.describe(root)}" for item in self.removed]
+        for item, why in self.kept:
+            lines.append(f"  kept {item.describe(root)}: {why}")
+        for item, err in self.failed:
+            lines.append(f"  could not remove {item.describe(root)}: {err}")
+        lines.append(
+            f"left alone: {self.live_locks} held lock(s), {self.live_downloads} download(s) "
+            "in progress"
+        )
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ status
+
+
+def status(cache: ShardCache) -> StatusReport:
+    """Entries, disk, locks held and by whom, stale locks and orphan files of ``cache``."""
+    layout = cache.layout
+    report = StatusReport(scope_dir=layout.scope_dir)
+    entries = cache.entries()
+    report.entries = len(entries)
+    report.bytes = sum(e.size for e in entries)
+    report.in_use = sum(1 for e in entries if _pinned(e.path))
+    try:
+        usage = shutil.disk_usage(layout.scope_dir)
+        report.disk_total, report.disk_free = usage.total, usage.free
+    except OSError:
+        pass
+    _scan_locks(layout, report)
+    for path in _files(layout.data_dir):
+        if parse_temp_name(path.name) is None:
+            continue
+        orphan = _judge_temp(path)
+        if orphan is not None:
+            report.orphans.append(orphan)
+        else:
+            report.downloads += 1
+            report.download_bytes += _size(path)
+    for path in _files(layout.meta_dir):
+        orphan = _judge_meta_file(layout, path)
+        if orphan is not None:
+            report.orphans.append(orphan)
+    return report
+
+
+def _scan_locks(layout: CacheLayout, report: StatusReport) -> None:
+    for path in _files(layout.locks_dir):
+        name = path.name
+        if name.endswith(".lock"):
+            if not is_held(path):
+                continue
+            holder = read_owner(path) if _is_shard_lock(path) else None
+            verdict, why = holder_verdict(holder) if holder else ("unknown", "no owner record")
+            report.locks_held.append(HeldLock(path, "flock", holder, verdict, why))
+        elif name.endswith(".lease"):
+            stale = _judge_lease(path)
+            if stale is not None:
+                report.stale_locks.append(stale)
+                continue
+            record = read_record(path)[1]
+            verdict, why = holder_verdict(record)
+            report.locks_held.append(HeldLock(path, "lease", record, verdict, why))
+        elif name.endswith(_LEFTOVER_SUFFIXES):
+            stale = _judge_lock_leftover(path)
+            if stale is not None:
+                report.stale_locks.append(stale)
+
+
+def clean(cache: ShardCache) -> CleanReport:
+    """Remove what :func:`status` calls stale or orphan, judging each item again first."""
+    layout = cache.layout
+    found = status(cache)
+    report = CleanReport(
+        scope_dir=layout.scope_dir,
+        live_locks=len(found.locks_held),
+        live_downloads=found.downloads,
+    )
+    # Temp files first: a metadata record is an orphan only once no live download remains.
+    items = [i for i in found.orphans if i.kind == "part"] + found.stale_locks
+    items += [i for i in found.orphans if i.kind != "part"]
+    for item in items:
+        again = _rejudge(layout, item)
+        if again is None:
+            report.kept.append((item, "no longer stale when checked again"))
+            continue
+        try:
+            if again.kind == "lease":
+                assert again.raw is not None
+                removed = remove_lease_if_unchanged(again.path, again.raw)
+            else:
+                again.path.unlink()
+                removed = True
+        except FileNotFoundError:
+            removed = False
+        except OSError as exc:
+            report.failed.append((again, str(exc)))
+            continue
+        if removed:
+            logger.info("removed %s %s: %s", KIND_LABELS[again.kind], again.path, again.reason)
+            report.removed.append(again)
+        else:
+            report.kept.append((again, "changed or gone when removing it"))
+    return report
+
+
+def _rejudge(layout: CacheLayout, item: Leftover) -> Leftover | None:
+    if item.kind == "lease":
+        return _judge_lease(item.path)
+    if item.kind in ("claim", "broken", "released"):
+        return _judge_lock_leftover(item.path)
+    if item.kind == "part":
+        return _judge_temp(item.path)
+    return _judge_meta_file(layout, item.path)
+
+
+# ---------------------------------------------------------------------------- judging
+
+
+def _judge_lease(path: Path) -> Leftover | None:
+    raw, record = read_record(path)
+    if raw is None:
+        return None
+    verdict, why = holder_verdict(record)
+    if verdict == "dead":
+        assert record is not None
+        reason = f"lock of {record.get('url')}, holder pid {record.get('pid')}: {why}"
+        return Leftover(path, "lease", len(raw), reason, raw)
+    age = _age(path)
+    if record is not None and record.get("host") != hostname() and age > OTHER_HOST_AGE:
+        reason = (
+            f"lock of {record.get('url')}, holder on host {record.get('host')}, unchanged "
+            f"for {age / 3600:.0f} h"
+        )
+        return Leftover(path, "lease", len(raw), reason, raw)
+    return None
+
+
+def _judge_lock_leftover(path: Path) -> Leftover | None:
+    raw, record = read_record(path)
+    if raw is None:
+        return None
+    kind = path.suffix.lstrip(".")
+    if record is None:
+        age = _age(path)
+        if age > OTHER_HOST_AGE:
+            return Leftover(path, kind, len(raw), f"unreadable, untouched for {age / 3600:.0f} h")
+        return None
+    verdict, why = holder_verdict(record)
+    if verdict == "dead":
+        reason = f"lock of {record.get('url')}, pid {record.get('pid')}: {why}"
+        return Leftover(path, kind, len(raw), reason)
+    age = _age(path)
+    if record.get("host") != hostname() and age > OTHER_HOST_AGE:
+        return Leftover(
+            path, kind, len(raw), f"host {record.get('host')}, untouched for {age / 3600:.0f} h"
+        )
+    return None
+
+
+def _judge_temp(path: Path) -> Leftover | None:
+    """An orphan download temp file, or None while its writer may be alive."""
+    temp = parse_temp_name(path.name)
+    if temp is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if temp.host != host_tag():
+        age = time.time() - st.st_mtime
+        if age > OTHER_HOST_AGE:
+            reason = f"written on host {temp.host}, untouched for {age / 3600:.0f} h"
+            return Leftover(path, "part", st.st_size, reason)
+        return None
+    ticks = start_ticks(temp.pid)
+    if ticks is None:
+        return Leftover(path, "part", st.st_size, f"pid {temp.pid} no longer exists")
+    started = _start_time(ticks)
+    if started is not None and started > st.st_mtime + _CLOCK_SLACK:
+        reason = f"pid {temp.pid} now belongs to a process started after the file was written"
+        return Leftover(path, "part", st.st_size, reason)
+    return None
+
+
+def _judge_meta_file(layout: CacheLayout, path: Path) -> Leftover | None:
+    match = _META_TMP_RE.match(path.name)
+    if match is not None:
+        age = _age(path)
+        if age > META_TMP_AGE:
+            reason = f"unfinished metadata write of pid {match['pid']}, {age / 60:.0f} min old"
+            return Leftover(path, "meta-tmp", _size(path), reason)
+        return None
+    if not path.name.endswith(".json") or path.name.startswith("."):
+        return None
+    data = layout.data_path_of_meta(path)
+    # Order matters: a download writes the record, then renames its temp file into place.
+    if _live_download_of(data):
+        return None
+    if os.path.lexists(data) or not os.path.lexists(path):
+        return None
+    return Leftover(path, "meta", _size(path), "its shard is no longer in the cache")
+
+
+def _live_download_of(data: Path) -> bool:
+    try:
+        names = os.listdir(data.parent)
+    except OSError:
+        return False
+    for name in names:
+        temp = parse_temp_name(name)
+        if temp is not None and temp.final == data.name and _judge_temp(data.parent / name) is None:
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------ verify
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    """The outcome for one cached shard."""
+
+    path: Path
+    url: str | None
+    outcome: str  # "ok" | "bad" | "unknown-origin" | "skipped" | "error"
+    detail: str = ""
+    removed: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "url": self.url,
+            "outcome": self.outcome,
+            "detail": self.detail,
+            "removed": self.removed,
+        }
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found; ``failed`` when any shard was bad or could not be checked."""
+
+    scope_dir: Path
+    items: list[VerifyItem] = field(default_factory=list)
+
+    def of(self, outcome: str) -> list[VerifyItem]:
+        return [i for i in self.items if i.outcome == outcome]
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.of("bad") or self.of("error"))
+
+    def as_json(self) -> dict[str, Any]:
+        counts = {o: len(self.of(o)) for o in ("ok", "bad", "unknown-origin", "skipped", "error")}
+        return {
+            "scope_dir": str(self.scope_dir),
+            "counts": counts,
+            "items": [i.as_json() for i in self.items if i.outcome != "ok"],
+        }
+
+    def format(self) -> str:
+        bad, errors = self.of("bad"), self.of("error")
+        unknown, skipped = self.of("unknown-origin"), self.of("skipped")
+        lines = [
+            f"verify {self.scope_dir}: {len(self.items)} shards, {len(self.of('ok'))} ok, "
+            f"{len(bad)} bad, {len(errors)} not checkable, {len(unknown)} of unknown origin, "
+            f"{len(skipped)} skipped"
+        ]
+        for item in bad:
+            action = "removed" if item.removed else "NOT removed (in use; run again later)"
+            lines.append(f"  bad: {item.url}: {item.detail}; {action}")
+        lines += [f"  error: {i.url}: {i.detail}" for i in errors]
+        lines += [f"  unknown origin (no metadata record): {i.path}" for i in unknown]
+        lines += [f"  skipped: {i.url}: {i.detail}" for i in skipped]
+        return "\n".join(lines)
+
+
+def verify(
+    cache: ShardCache,
+    manifest: str | os.PathLike[str] | None = None,
+    *,
+    threads: int | None = None,
+) -> VerifyReport:
+    """Check every cached shard against its remote object (size, MD5 of single-part
+    objects, ETag recorded at download) or, for URLs a manifest lists with ``size`` /
+    ``md5`` / ``sha256``, against the manifest; remove bad ones with ``cache.remove``."""
+    expected: dict[str, dict[str, Any]] = {}
+    if manifest is not None:
+        for entry in read_manifest(manifest):
+            if {"size", "md5", "sha256"} & entry.meta.keys():
+                expected[entry.url] = entry.meta
+    entries = cache.entries()
+    threads = cache.settings.threads if threads is None else threads
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardcache-verify") as pool:
+        items = list(pool.map(lambda e: _verify_one(cache, e, expected), entries))
+    return VerifyReport(scope_dir=cache.layout.scope_dir, items=items)
+
+
+def _verify_one(cache: ShardCache, entry: Any, expected: dict[str, dict[str, Any]]) -> VerifyItem:
+    path, url = Path(entry.path), entry.url
+    if url is None:
+        return VerifyItem(path, None, "unknown-origin", "no metadata record")
+    if cache.path_for(url) != path:
+        return VerifyItem(
+            path, url, "skipped", "cached from another endpoint than the current configuration"
+        )
+    try:
+        problem = _check(cache, entry, expected.get(url))
+    except FileNotFoundError:
+        return VerifyItem(path, url, "skipped", "removed from the cache meanwhile")
+    except (ShardCacheError, OSError) as exc:
+        return VerifyItem(path, url, "error", f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+    if problem is None:
+        return VerifyItem(path, url, "ok")
+    removed = cache.remove(path)
+    logger.info("bad cached shard %s (%s): %s", url, path, problem)
+    return VerifyItem(path, url, "bad", problem, removed)
+
+
+def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | None:
+    """What is wrong with the cached copy, or None."""
+    size = os.lstat(entry.path).st_size
+    if meta is not None:
+        source = "the manifest"
+        want_size = meta.get("size")
+        want = {k: str(meta[k]).lower() for k in ("md5", "sha256") if meta.get(k)}
+    else:
+        source = "the remote object"
+        info = cache.remote.info(entry.url)
+        want_size = info.size
+        want = {"md5": info.md5} if info.md5 else {}
+        if not want and entry.etag and info.etag and entry.etag != info.etag:
+            return (
+                f"the remote object changed since it was cached (ETag {info.etag}, "
+                f"cached copy {entry.etag})"
+            )
+    if want_size is not None and int(want_size) != size:
+        return f"size {size} bytes, {source} has {want_size}"
+    if want:
+        got = _hashes(entry.path, want.keys())
+        for name, value in want.items():
+            if got[name] != value:
+                return f"{name} {got[name]}, {source} has {value}"
+    return None
+
+
+def _hashes(path: Path, names: Any) -> dict[str, str]:
+    hashers = {name: hashlib.new(name) for name in names}
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            for h in hashers.values():
+                h.update(chunk)
+    return {name: h.hexdigest() for name, h in hashers.items()}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _files(root: Path) -> Iterator[Path]:
+    """Files directly in ``root`` and in its subdirectories (one level: ``<hh>/``)."""
+    try:
+        top = list(os.scandir(root))
+    except OSError:
+        return
+    for item in top:
+        try:
+            if item.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    for sub in os.scandir(item.path):
+                        if sub.is_file(follow_symlinks=False):
+                            yield Path(sub.path)
+            elif item.is_file(follow_symlinks=False):
+                yield Path(item.path)
+        except OSError:
+            continue
+
+
+def _is_shard_lock(path: Path) -> bool:
+    return len(path.stem) == 64 and all(c in "0123456789abcdef" for c in path.stem)
+
+
+def _pinned(path: Path) -> bool:
+    """Whether a reader holds a shared flock on the published file ``path`` right now."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - os.lstat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+@lru_cache(maxsize=1)
+def _boot_time() -> float | None:
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _start_time(ticks: int) -> float | None:
+    """Wall-clock start time of a process from its start ticks (None if unknown)."""
+    boot = _boot_time()
+    if ticks < 0 or boot is None:
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+__all__ = [
+    "META_TMP_AGE",
+    "OTHER_HOST_AGE",
+    "CleanReport",
+    "HeldLock",
+    "Leftover",
+    "StatusReport",
+    "VerifyItem",
+    "VerifyReport",
+    "clean",
+    "status",
+    "verify",
+]

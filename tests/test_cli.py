@@ -1,0 +1,310 @@
+"""The ``shardcache`` command: warm (real runs of ``python -m shardcache`` against moto),
+the split rule, usage errors and help of every command, evict."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardcache import ShardCache
+from shardcache.cli import main
+from shardcache.warm import WarmPlan, plan_warm
+
+BUCKET = "warm"
+COMMANDS = ["warm", "status", "clean", "evict", "verify", "config", "demo"]
+
+
+def _run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m shardcache ARGS`` with the test's environment (AWS_* at moto)."""
+    full_env = {**os.environ, "SHARDCACHE_DIR": str(tmp_path / "cache"), **env}
+    return subprocess.run(
+        [sys.executable, "-m", "shardcache", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def shards(s3):
+    objects = {f"train-{i:06d}.tar": random.Random(i).randbytes(50_000 + i) for i in range(8)}
+    s3.put_objects(BUCKET, objects)
+    return {f"s3://{BUCKET}/{key}": data for key, data in objects.items()}
+
+
+SPEC = f"s3://{BUCKET}/train-{{000000..000007}}.tar"
+
+
+# ------------------------------------------------------------------------------- warm
+
+
+def test_warm_fetches_everything_and_a_second_run_is_all_hits(s3, shards, tmp_path) -> None:
+    first = _run(tmp_path, "warm", SPEC, "--threads", "3")
+    assert first.returncode == 0, first.stderr
+    assert "8 of 8 shards ok, 0 failed (hits 0, misses 8, shared 0)" in first.stdout
+    # Not a terminal: plain progress lines, no bar.
+    assert "warm: 8/8 shards (0 failed)" in first.stderr
+    assert "\r" not in first.stderr
+    for key in (url.split("/", 3)[3] for url in shards):
+        assert s3.count("GET", BUCKET, key) == 1
+    cache = ShardCache(tmp_path / "cache")
+    for url, data in shards.items():
+        assert cache.path_for(url).read_bytes() == data
+
+    s3.clear_requests()
+    second = _run(tmp_path, "warm", SPEC)
+    assert second.returncode == 0, second.stderr
+    assert "8 of 8 shards ok, 0 failed (hits 8, misses 0, shared 0)" in second.stdout
+    assert "0 B downloaded" in second.stdout
+    assert s3.count("GET", BUCKET) == 0
+
+
+def test_warm_lists_failures_and_caches_the_rest(s3, shards, tmp_path) -> None:
+    missing = f"s3://{BUCKET}/train-999999.tar"
+    manifest = tmp_path / "shards.txt"
+    manifest.write_text("# two good, one missing\n" + "\n".join([*list(shards)[:2], missing]))
+    result = _run(tmp_path, "warm", "--from-file", str(manifest), list(shards)[2])
+    assert result.returncode == 1
+    assert "3 of 4 shards ok, 1 failed" in result.stdout
+    failed = [line for line in result.stdout.splitlines() if line.startswith(f"  {missing}")]
+    assert len(failed) == 1 and "RemoteNotFoundError" in failed[0]
+    cache = ShardCache(tmp_path / "cache")
+    assert [cache.contains(url) for url in list(shards)[:3]] == [True] * 3
+    assert not cache.contains(missing)
+
+
+def test_warm_rank_scope_under_torchrun_warms_this_ranks_share(s3, shards, tmp_path) -> None:
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+    result = _run(tmp_path, "warm", SPEC, **env)
+    assert result.returncode == 0, result.stderr
+    assert "3 of 3 shards ok" in result.stdout
+    mine = list(shards)[1::3]
+    cache = ShardCache(tmp_path / "cache", rank=1)
+    assert cache.settings.scope_dir == tmp_path / "cache" / "rank-1"
+    assert [url for url in shards if cache.contains(url)] == mine
+    assert not (tmp_path / "cache" / "rank-0").exists()
+
+
+def test_warm_node_scope_only_local_rank_0_works(s3, shards, tmp_path) -> None:
+    base = {"SHARDCACHE_SCOPE": "node", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    idle = _run(tmp_path, "warm", SPEC, **base, RANK="3", LOCAL_RANK="1", GROUP_RANK="1")
+    assert idle.returncode == 0, idle.stderr
+    assert idle.stdout.startswith("warm: nothing to do (local rank 1;")
+    assert not (tmp_path / "cache" / "node").exists()
+
+    busy = _run(tmp_path, "warm", SPEC, **base, RANK="2", LOCAL_RANK="0", GROUP_RANK="1")
+    assert busy.returncode == 0, busy.stderr
+    assert "4 of 4 shards ok" in busy.stdout
+    cache = ShardCache(tmp_path / "cache", scope="node")
+    # Ranks 2 and 3 are on this node: shards 2, 3, 6, 7 of 8 over a world of 4.
+    expected = [url for i, url in enumerate(shards) if i % 4 in (2, 3)]
+    assert [url for url in shards if cache.contains(url)] == expected
+
+
+URLS = [f"u{i}" for i in range(10)]
+
+
+def _plan(**kw: object) -> WarmPlan:
+    args = {"split": "auto", "scope": "rank", "rank": 0, "world_size": 1, "local_rank": 0}
+    args.update(kw)
+    args.setdefault("local_world_size", None)
+    return plan_warm(URLS, **args)  # type: ignore[arg-type]
+
+
+def test_split_rank_scope_gives_each_rank_what_split_by_node_gives_it() -> None:
+    from shardcache.wds import split_by_node
+
+    shares = []
+    for rank in range(4):
+        plan = _plan(rank=rank, world_size=4, local_rank=rank % 2, local_world_size=2)
+        env = {"RANK": str(rank), "WORLD_SIZE": "4"}
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in env.items():
+                mp.setenv(name, value)
+            assert plan.urls == list(split_by_node(URLS))
+        assert plan.active
+        shares.append(plan.urls)
+    assert sorted(url for share in shares for url in share) == sorted(URLS)
+
+
+def test_split_node_scope_unions_the_contiguous_ranks_of_the_node() -> None:
+    node0 = _plan(scope="node", rank=0, world_size=6, local_rank=0, local_world_size=3)
+    node1 = _plan(scope="node", rank=3, world_size=6, local_rank=0, local_world_size=3)
+    assert node0.urls == ["u0", "u1", "u2", "u6", "u7", "u8"]
+    assert node1.urls == ["u3", "u4", "u5", "u9"]
+    others = _plan(scope="node", rank=4, world_size=6, local_rank=1, local_world_size=3)
+    assert (others.active, others.urls) == (False, [])
+    # Nodes of different sizes (SLURM_TASKS_PER_NODE=3,2): node 1 holds ranks 3..4.
+    uneven = _plan(scope="node", rank=3, world_size=5, local_rank=0, local_world_size=2)
+    assert uneven.urls == ["u3", "u4", "u8", "u9"]
+
+
+def test_split_node_scope_with_unknown_local_size_local_rank_0_warms_all() -> None:
+    plan = _plan(scope="node", rank=2, world_size=4, local_rank=0, local_world_size=None)
+    assert plan.active and plan.urls == URLS
+    assert not _plan(scope="node", rank=3, world_size=4, local_rank=1).active
+
+
+def test_split_none_and_world_size_1_warm_everything() -> None:
+    assert _plan(split="none", rank=2, world_size=4, local_rank=2).urls == URLS
+    assert _plan(split="none", scope="node", rank=2, world_size=4, local_rank=2).active
+    assert _plan(world_size=1).urls == URLS
+    assert _plan(scope="node", world_size=1).urls == URLS
+    with pytest.raises(ValueError, match="split"):
+        _plan(split="sometimes")
+
+
+# ------------------------------------------------------------------------ usage, help
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(command: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out
+    assert f"  shardcache {command}" in out or f" shardcache {command} " in out
+
+
+BAD_ARGS = [
+    ["warm"],
+    ["warm", "s3://b/x-{1..", "--threads", "2"],
+    ["warm", "s3://b/x.tar", "--threads", "0"],
+    ["warm", "s3://b/x.tar", "--split", "sometimes"],
+    ["warm", "--from-file", "/nonexistent/shards.txt"],
+    ["status", "--bogus"],
+    ["status", "--rank", "-1"],
+    ["clean", "extra"],
+    ["evict"],
+    ["evict", "--max-bytes", "12Q"],
+    ["verify", "--manifest", "/nonexistent/manifest.json"],
+    ["verify", "--threads", "many"],
+    ["config", "--yaml"],
+    ["demo", "--shards", "x"],
+    ["frobnicate"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_ARGS, ids=[" ".join(a) for a in BAD_ARGS])
+def test_bad_arguments_give_one_line_and_exit_2(argv: list[str], tmp_path, capsys) -> None:
+    try:
+        code = main([*argv, "--cache-dir", str(tmp_path)] if argv[0] == "verify" else argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("shardcache")
+    assert captured.out == ""
+
+
+def test_usage_error_from_a_real_process(tmp_path) -> None:
+    result = _run(tmp_path, "warm", "--threads", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "shardcache warm: error: give at least one SPEC or --from-file F "
+        "(see shardcache warm --help)"
+    ]
+
+
+# ------------------------------------------------------------------------------ evict
+
+
+def test_evict_cli_reduces_the_cache_to_the_size(s3, shards, tmp_path) -> None:
+    assert _run(tmp_path, "warm", SPEC).returncode == 0
+    cache = ShardCache(tmp_path / "cache")
+    before = sum(e.size for e in cache.entries())
+    limit = before // 2 + 100  # exactly 4 of the 8 (sizes 50000..50007) must go
+    result = _run(tmp_path, "evict", "--max-bytes", str(limit))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"evict {cache.settings.scope_dir} to ")
+    assert "removed 4 shards" in result.stdout
+    after = cache.entries()
+    assert sum(e.size for e in after) <= limit
+    assert len(after) == 4
+
+    as_json = _run(tmp_path, "evict", "--json", SHARDCACHE_MAX_BYTES="1K")
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)
+    assert (len(report["removed"]), report["kept_bytes"], report["in_use"]) == (4, 0, 0)
+    assert all(item["url"].startswith(f"s3://{BUCKET}/") for item in report["removed"])
+    assert cache.entries() == []
+
+
+def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    env = {**os.environ, "SHARDCACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardcache", "warm", SPEC],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+    )
+    os.close(follower)
+    err = b""
+    while True:  # until the child closes the terminal (EIO) or exits
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(leader)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    bar = err.decode()
+    assert "warm: 100%|" in bar and "8/8 [" in bar and "MB/s" in bar
+    assert b"8 of 8 shards ok" in out
+
+
+@pytest.mark.timeout(90)
+def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> None:
+    s3.put_objects(BUCKET, {"huge.tar": random.Random(1).randbytes(48 << 20)})
+    env = {
+        **os.environ,
+        "SHARDCACHE_DIR": str(tmp_path / "cache"),
+        "SHARDCACHE_CHUNK_SIZE": "64K",  # a progress report (and chance to stop) per 64 KiB
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardcache", "warm", f"s3://{BUCKET}/huge.tar"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    data_dir = tmp_path / "cache" / "rank-0" / "data"
+    try:
+        # The download has started once its temp file exists (bounded poll of the disk).
+        deadline = time.monotonic() + 30
+        while not list(data_dir.glob("*/*.part")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the download never started"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.rstrip().endswith("shardcache: interrupted")
+    assert [p for p in data_dir.rglob("*") if not p.is_dir()] == []  # no .part, no shard
