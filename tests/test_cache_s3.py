@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from processes import run_together
 
 from shardcache import (
     CacheDirError,
@@ -102,19 +103,10 @@ def _race_worker(cache_dir: str, urls: list[str], seed: int, lock_mode: str, sta
 def test_eight_processes_race_and_each_shard_is_downloaded_once(
     s3, shards, tmp_path: Path, lock_mode: str
 ) -> None:
-    cache_dir, start, out = tmp_path / "shared", CTX.Barrier(8), CTX.Queue()
-    procs = [
-        CTX.Process(
-            target=_race_worker, args=(str(cache_dir), list(shards), seed, lock_mode, start, out)
-        )
-        for seed in range(8)
-    ]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    cache_dir = tmp_path / "shared"
+    results = run_together(
+        _race_worker, [(str(cache_dir), list(shards), seed, lock_mode) for seed in range(8)]
+    )
     expected = {url: _sha(data) for url, data in shards.items()}
     assert all(digests == expected for digests, _ in results)
     assert sum(stats["misses"] for _, stats in results) == len(shards)

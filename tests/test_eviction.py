@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import run_together
 
 from shardcache import CacheFullError, ConfigError, ShardCache
 
@@ -198,17 +199,7 @@ def test_processes_reading_under_constant_eviction_see_only_complete_shards(
         (src / f"s{i}.tar").write_bytes(data)
         urls.append(str(src / f"s{i}.tar"))
         digests.append(hashlib.sha256(data).hexdigest())
-    start, out = CTX.Barrier(4), CTX.Queue()
-    procs = [
-        CTX.Process(target=_reader, args=(str(tmp_path / "c"), urls, seed, 25, start, out))
-        for seed in range(4)
-    ]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    results = run_together(_reader, [(str(tmp_path / "c"), urls, seed, 25) for seed in range(4)])
     assert sum(len(r) for r in results) == 100
     assert all(digest == digests[i] for r in results for i, digest in r)
     cache = ShardCache(tmp_path / "c", scope="node")

@@ -1,0 +1,30 @@
+"""Run worker functions in real (spawned) processes and collect what they report."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable, Sequence
+from typing import Any
+
+CTX = mp.get_context("spawn")
+
+
+def run_together(
+    target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]], timeout: float = 120
+) -> list[Any]:
+    """Start one process per argument tuple; each gets ``(*args, start, out)``, must wait on
+    the ``start`` barrier (so they really race) and put one result on ``out``. Returns the
+    results (in completion order) after checking every process exited cleanly."""
+    start, out = CTX.Barrier(len(arg_lists)), CTX.Queue()
+    procs = [CTX.Process(target=target, args=(*args, start, out)) for args in arg_lists]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return results
