@@ -105,6 +105,9 @@ class ShardCache:
                 io_timeout=s.io_timeout,
                 chunk_size=s.chunk_size,
                 verify=s.verify,
+                parallel_threshold=s.parallel_threshold,
+                part_size=s.part_size,
+                max_parts_in_flight=s.parallel_parts,
             )
         )
         self._stats = CacheStats()
@@ -178,8 +181,12 @@ class ShardCache:
         lock_path = self.layout.lock_path(
             self.remote.canonical_url(url), self.remote.namespace(url)
         )
-        self._ensure_dir(final.parent)
-        self._ensure_dir(lock_path.parent)
+        for directory in (final.parent, lock_path.parent):
+            # On every miss, before and after mkdir: a link planted inside the scope could
+            # otherwise redirect mkdir, the download and the rename outside the cache.
+            self.layout.check_inside(directory)
+            self._ensure_dir(directory)
+            self.layout.check_inside(directory)
 
         def holder_progress(record: dict[str, Any] | None) -> None:
             if progress is not None and record is not None:
@@ -228,7 +235,8 @@ class ShardCache:
     def _download_and_publish(self, info: ObjectInfo, final: Path, report: Progress) -> ObjectInfo:
         part = self.layout.temp_path(final)
         try:
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            # O_RDWR: a parallel download hashes the file back from disk to verify it.
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "wb") as out:
                 os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
                 if info.size and not self._on_network_fs():

@@ -219,6 +219,30 @@ SPECS: dict[str, _Spec] = {
         4096,
         1 << 30,
     ),
+    "parallel_threshold": _Spec(
+        "SHARDCACHE_PARALLEL_THRESHOLD",
+        parse_size,
+        64 << 20,
+        "S3 objects at least this big are fetched with parallel ranged GETs",
+        1,
+        1 << 50,
+    ),
+    "part_size": _Spec(
+        "SHARDCACHE_PART_SIZE",
+        parse_size,
+        16 << 20,
+        "size of one ranged GET of a parallel download",
+        4096,
+        1 << 32,
+    ),
+    "parallel_parts": _Spec(
+        "SHARDCACHE_PARALLEL_PARTS",
+        parse_int,
+        8,
+        "ranged GETs in flight per parallel download (1: never parallel)",
+        1,
+        256,
+    ),
     "verify": _Spec(
         "SHARDCACHE_VERIFY",
         _choice("etag", "size"),
@@ -278,6 +302,9 @@ class Settings:
     retry_backoff: float = 0.5
     io_timeout: float = 60.0
     chunk_size: int = 8 << 20
+    parallel_threshold: int = 64 << 20
+    part_size: int = 16 << 20
+    parallel_parts: int = 8
     verify: str = "etag"
     threads: int = 4
     prefetch_depth: int = 8

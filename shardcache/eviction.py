@@ -86,7 +86,9 @@ def touch(path: Path, mtime: float) -> None:
 def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None:
     """Write ``final``'s metadata record atomically (before ``final`` is published)."""
     meta = layout.meta_path(final)
+    layout.check_inside(meta.parent)
     meta.parent.mkdir(parents=True, exist_ok=True)
+    layout.check_inside(meta.parent)
     tmp = meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     tmp.write_text(json.dumps(record, sort_keys=True))
     os.replace(tmp, meta)

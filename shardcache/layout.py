@@ -174,6 +174,37 @@ class CacheLayout:
         key = cache_key(url, namespace)
         return self.locks_dir / key[:2] / f"{key}.lock"
 
+    def check_inside(self, directory: Path) -> None:
+        """Raise CacheDirError unless every component of ``directory`` below the scope
+        directory is a real directory, not a symbolic link: a link planted there (say
+        ``data/<hh>`` -> ``/elsewhere``) would make downloads, renames and metadata writes
+        land outside the cache root. The scope directory itself may be reached through links.
+        """
+        try:
+            below = Path(directory).relative_to(self.scope_dir)
+        except ValueError:
+            return
+        current = self.scope_dir
+        for part in below.parts:
+            current = current / part
+            try:
+                st = os.lstat(current)
+            except FileNotFoundError:
+                return  # not made yet: mkdir will make a real directory
+            except OSError as exc:
+                raise _dir_error(current, exc, "examining") from exc
+            if not stat.S_ISDIR(st.st_mode):
+                seen = f"{_kind(st)} at {current}"
+                raise CacheDirError(
+                    f"Refusing to use {current} inside the cache {self.scope_dir}: expected a "
+                    f"directory, but saw {seen} (a link there could redirect writes outside the "
+                    "cache). Remove it, or run 'shardcache clean'. " + DIR_HINT,
+                    path=str(current),
+                    expected="a directory",
+                    seen=seen,
+                    hint=DIR_HINT,
+                )
+
     @staticmethod
     def temp_path(final: Path, token: str | None = None) -> Path:
         """A unique download file beside ``final``: ``.<name>.<host>.<pid>.<token>.part``."""

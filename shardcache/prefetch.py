@@ -361,6 +361,7 @@ class Prefetcher:
         self._next_index = 0
         self._exhausted = False  # no more urls will be pulled
         self._finished = False  # next() raises StopIteration from now on
+        self._left_behind: set[threading.Thread] = set()  # stuck workers a shutdown gave up on
         self._last_return: float | None = None
         self._starvation = _StarvationMonitor(threads, depth)
 
@@ -621,10 +622,13 @@ class Prefetcher:
         self._release_held()
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
-        for thread in shared.threads:
-            if thread is not me:
-                thread.join(max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in shared.threads if t is not me and t.is_alive()]
+        # A worker an earlier shutdown already waited for (after a StallError) is not
+        # waited for again: a second close() would block the caller for nothing.
+        waited = [t for t in shared.threads if t is not me and t not in self._left_behind]
+        for thread in waited:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._left_behind.update(t for t in waited if t.is_alive())
+        alive = [t.name for t in waited if t.is_alive()]
         if alive:
             (logger.info if stuck_expected else logger.warning)(
                 "%s: %d worker(s) still running %.1fs after close, probably blocked in a read: "

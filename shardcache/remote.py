@@ -4,10 +4,18 @@ Memory stays bounded by ``chunk_size`` whatever the object size. For S3 the obje
 streamed with a single GET (resumed with a ``Range`` request after a transient failure,
 guarded by ``If-Match`` on the ETag so a changed object is never stitched together);
 other protocols read sequentially through ``fs.open``.
+
+S3 objects of at least ``parallel_threshold`` bytes are fetched with up to
+``max_parts_in_flight`` concurrent ranged GETs of ``part_size`` bytes, each written at its
+offset into the same temp file (``os.pwrite``), each retried on its own, all guarded by
+``If-Match``. Memory stays bounded by parts in flight x a 1 MiB read piece. The size is
+checked per part; the MD5 (single-part ETags) is computed afterwards from the file, which
+is then still in the page cache.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import logging
 import os
@@ -28,7 +36,15 @@ from .errors import (
     RemoteNotFoundError,
     TransientFetchError,
 )
-from .retry import NOT_FOUND, TRANSIENT, RetryPolicy, TruncatedBody, classify, describe
+from .retry import (
+    NOT_FOUND,
+    TRANSIENT,
+    RetryPolicy,
+    TruncatedBody,
+    _http_status_and_code,
+    classify,
+    describe,
+)
 from .urls import url_protocol
 
 logger = logging.getLogger(__name__)
@@ -67,6 +83,33 @@ class RemoteOptions:
     io_timeout: float = 60.0
     chunk_size: int = 8 << 20
     verify: str = "etag"
+    parallel_threshold: int = 64 << 20
+    """S3 objects at least this big are fetched with parallel ranged GETs."""
+    part_size: int = 16 << 20
+    max_parts_in_flight: int = 8
+    """Concurrent ranged GETs per download; 1 disables the parallel path."""
+
+
+_PART_PIECE = 1 << 20  # bytes read from a part's body at a time (bounds memory per part)
+_PROGRESS_EVERY = 0.1  # seconds between progress reports of a parallel download
+
+
+class _PartsCancelled(Exception):
+    """A sibling part failed (or the caller stopped): stop this part quietly."""
+
+
+class _LocalWriteError(Exception):
+    """Writing to the local temp file failed (``__cause__``): not a remote error, no retry."""
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
 
 
 class Remote:
@@ -182,8 +225,12 @@ class Remote:
         """Stream ``info.url`` into ``out`` (positioned at 0) and verify it.
 
         Resumes after transient failures; raises a :class:`FetchError` subclass or
-        :class:`IntegrityError`. Returns the info the bytes were verified against.
+        :class:`IntegrityError`. Returns the info the bytes were verified against. Large
+        S3 objects are fetched with parallel ranged GETs (``out`` must then have a
+        ``fileno()``); ``out`` is left positioned at the end of the object either way.
         """
+        if self._use_parallel(info, out):
+            return self._download_parallel(info, out, progress)
         attempt = 0
         done = 0
         md5 = hashlib.md5(usedforsecurity=False)
@@ -219,6 +266,185 @@ class Remote:
                     raise self._fetch_error(info.url, attempt, exc, kind) from exc
                 logger.info("retrying %s after %s (attempt %d)", info.url, describe(exc), attempt)
             time.sleep(self.options.retry.delay(attempt))
+
+    # -- parallel ranged download (large S3 objects) -----------------------------------
+
+    def _use_parallel(self, info: ObjectInfo, out: BinaryIO) -> bool:
+        opts = self.options
+        if url_protocol(info.url) not in {"s3", "s3a"} or opts.max_parts_in_flight < 2:
+            return False
+        if info.size < max(opts.parallel_threshold, 2 * opts.part_size):
+            return False
+        try:
+            out.fileno()
+        except (AttributeError, OSError, ValueError):
+            return False
+        return True
+
+    def _download_parallel(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._fetch_parts(info, out, progress, attempt)
+                if self.options.verify == "etag" and info.md5:
+                    progress(phase="verifying", bytes_done=info.size, bytes_total=info.size)
+                    self._verify(info, info.size, self._hash_file(out, info.size), attempt)
+                out.seek(info.size)
+                return info
+            except IntegrityError:
+                if not self.options.retry.allows(attempt):
+                    raise
+                logger.warning("%s failed verification; downloading it again", info.url)
+                time.sleep(self.options.retry.delay(attempt))
+                info = self.info(info.url)
+                out.seek(0)
+                out.truncate()
+                if not self._use_parallel(info, out):
+                    return self.download(info, out, progress)
+
+    def _fetch_parts(
+        self, info: ObjectInfo, out: BinaryIO, progress: Progress, attempt: int
+    ) -> None:
+        out.flush()
+        fd = out.fileno()
+        if os.fstat(fd).st_size < info.size:
+            os.ftruncate(fd, info.size)  # parts land at their offsets in any order
+        part = self.options.part_size
+        ranges = [(start, min(start + part, info.size)) for start in range(0, info.size, part)]
+        done = _Counter()
+        cancel = threading.Event()
+        phase = "downloading" if attempt == 1 else f"retry {attempt - 1}"
+        progress(phase=phase, bytes_done=0, bytes_total=info.size)
+        pool = cf.ThreadPoolExecutor(
+            max_workers=min(len(ranges), self.options.max_parts_in_flight),
+            thread_name_prefix="shardcache-part",
+        )
+        try:
+            futures = [
+                pool.submit(self._fetch_part, info, fd, span, done, cancel) for span in ranges
+            ]
+            pending = set(futures)
+            reported = -1
+            while pending:
+                finished, pending = cf.wait(
+                    pending, timeout=_PROGRESS_EVERY, return_when=cf.FIRST_EXCEPTION
+                )
+                for future in finished:
+                    try:
+                        future.result()  # re-raises the part's error here
+                    except _LocalWriteError as exc:
+                        raise exc.__cause__ from None  # type: ignore[misc]
+                if done.value != reported:
+                    reported = done.value
+                    progress(phase="downloading", bytes_done=reported, bytes_total=info.size)
+        finally:
+            cancel.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+        if done.value != info.size:  # every part checks its own length; belt and braces
+            raise IntegrityError(
+                f"{info.url}: parallel download wrote {done.value} bytes, expected {info.size}",
+                url=info.url,
+                attempts=attempt,
+                expected=info.size,
+                seen=done.value,
+            )
+
+    def _fetch_part(
+        self,
+        info: ObjectInfo,
+        fd: int,
+        span: tuple[int, int],
+        done: _Counter,
+        cancel: threading.Event,
+    ) -> None:
+        """Write bytes ``[start, end)`` of the object at their offset; resumes and retries."""
+        start, end = span
+        pos = start
+        attempt = 0
+        while True:
+            attempt += 1
+            if cancel.is_set():
+                raise _PartsCancelled
+            try:
+                for chunk in self._range_s3(info, pos, end):
+                    if cancel.is_set():
+                        raise _PartsCancelled
+                    if len(chunk) > end - pos:
+                        raise IntegrityError(
+                            f"{info.url}: the store sent more than the requested range "
+                            f"bytes={pos}-{end - 1}; nothing was published.",
+                            url=info.url,
+                            attempts=attempt,
+                            expected=end - pos,
+                            seen=len(chunk),
+                        )
+                    view = memoryview(chunk)
+                    while view:
+                        try:
+                            written = os.pwrite(fd, view, pos)
+                        except OSError as exc:
+                            raise _LocalWriteError from exc
+                        view = view[written:]
+                        pos += written
+                        done.add(written)
+                if pos < end:
+                    raise TruncatedBody(f"part body ended at byte {pos}, expected {end}")
+                return
+            except (_PartsCancelled, _LocalWriteError, IntegrityError):
+                raise
+            except Exception as exc:
+                self._part_failed(info, attempt, exc, cancel)
+
+    def _part_failed(
+        self, info: ObjectInfo, attempt: int, exc: Exception, cancel: threading.Event
+    ) -> None:
+        """Raise the right error for a failed part, or wait before its next attempt."""
+        for item in (exc, exc.__cause__, exc.__context__):
+            if item is not None and _http_status_and_code(item)[0] == 412:
+                raise IntegrityError(
+                    f"{info.url} changed during the download (If-Match on ETag {info.etag} "
+                    "failed); nothing was published.",
+                    url=info.url,
+                    attempts=attempt,
+                    expected=info.etag,
+                    seen="another version",
+                ) from exc
+        kind = classify(exc)
+        if kind != TRANSIENT or not self.options.retry.allows(attempt):
+            raise self._fetch_error(info.url, attempt, exc, kind) from exc
+        logger.info("retrying a part of %s after %s (attempt %d)", info.url, describe(exc), attempt)
+        if cancel.wait(self.options.retry.delay(attempt)):
+            raise _PartsCancelled from exc
+
+    def _range_s3(self, info: ObjectInfo, start: int, end: int) -> Iterator[bytes]:
+        fs, path = self.filesystem(info.url)
+        bucket, key, version = fs.split_path(path)
+        kw: dict[str, Any] = {"Range": f"bytes={start}-{end - 1}"}
+        if version or info.version_id:
+            kw["VersionId"] = version or info.version_id
+        if info.etag:
+            kw["IfMatch"] = f'"{info.etag}"'
+        response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
+        body = response["Body"]
+        piece = min(self.options.chunk_size, _PART_PIECE)
+        try:
+            while data := sync(fs.loop, body.read, piece):
+                yield data
+        finally:
+            body.close()
+
+    def _hash_file(self, out: BinaryIO, size: int) -> str:
+        md5 = hashlib.md5(usedforsecurity=False)
+        fd = out.fileno()
+        pos = 0
+        while pos < size:
+            data = os.pread(fd, min(self.options.chunk_size, size - pos), pos)
+            if not data:
+                break
+            md5.update(data)
+            pos += len(data)
+        return md5.hexdigest()
 
     def _stream(self, info: ObjectInfo, offset: int) -> Iterator[bytes]:
         fs, path = self.filesystem(info.url)

@@ -10,6 +10,15 @@ status, resets the connection, truncates the response body, or hangs::
 
 Each client connection gets one handler thread and one upstream connection; requests on
 it are handled one after another (keep-alive and chunked bodies are supported).
+
+It also shapes the link in user space (only the bytes sent *to the client*, i.e. the
+download direction)::
+
+    FaultProxy("127.0.0.1", s3.port, latency=0.04, conn_rate=10e6, total_rate=100e6)
+
+``latency`` delays the first response byte of every request (time to first byte),
+``conn_rate`` caps each client connection and ``total_rate`` all of them together
+(bytes/s, token buckets).
 """
 
 from __future__ import annotations
@@ -48,6 +57,42 @@ _S3_ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
     504: ("GatewayTimeout", "Gateway Timeout"),
 }
+
+
+_SHAPE_SLICE = 16 * 1024  # bytes sent per token-bucket reservation when shaping
+
+
+class TokenBucket:
+    """A thread-safe token bucket: :meth:`take` blocks until ``n`` bytes may pass.
+
+    Callers reserve tokens (the balance may go negative) and then sleep off the debt, so
+    concurrent takers share the rate fairly in arrival order. ``burst`` is the most that
+    can pass at once after an idle period.
+    """
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        self.rate = float(rate)
+        self.burst = float(burst) if burst is not None else max(self.rate * 0.01, 64 * 1024)
+        self._tokens = self.burst
+        self._stamp = time.monotonic()
+        self._lock = threading.Lock()
+
+    def reserve(self, n: int) -> float:
+        """Take ``n`` tokens now; returns how long the caller must wait before sending."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._tokens -= n
+            return -self._tokens / self.rate if self._tokens < 0 else 0.0
+
+    def take(self, n: int) -> None:
+        """Block until ``n`` tokens are available."""
+        wait = self.reserve(n)
+        if wait > 0:
+            time.sleep(wait)
 
 
 class _ClosedError(Exception):
@@ -277,10 +322,26 @@ class _Connection:
         self.client_in = _Reader(client)
         self.upstream: socket.socket | None = None
         self.upstream_in: _Reader | None = None
+        self.awaiting_first_byte = False  # set per request; cleared by the first reply byte
+        self.bucket = TokenBucket(proxy.conn_rate) if proxy.conn_rate else None
 
-    # All bytes to either peer go through here (a hook for later bandwidth shaping).
+    # All bytes to either peer go through here; bytes to the client are shaped.
     def send(self, sock: socket.socket, data: bytes) -> None:
-        sock.sendall(data)
+        if sock is not self.client or not self.proxy.shaping:
+            sock.sendall(data)
+            return
+        if self.awaiting_first_byte:
+            self.awaiting_first_byte = False
+            if self.proxy.latency > 0 and self.proxy._stop.wait(self.proxy.latency):
+                raise _ClosedError("proxy stopping")
+        buckets = [b for b in (self.bucket, self.proxy.total_bucket) if b is not None]
+        view = memoryview(data)
+        for start in range(0, len(view), _SHAPE_SLICE):
+            piece = view[start : start + _SHAPE_SLICE]
+            wait = max((b.reserve(len(piece)) for b in buckets), default=0.0)
+            if wait > 0:
+                time.sleep(wait)
+            sock.sendall(piece)
 
     def run(self) -> None:
         try:
@@ -305,6 +366,7 @@ class _Connection:
         """Serve one request; returns whether the connection stays open."""
         method, _, rest = req.start.partition(" ")
         target = unquote(rest.rpartition(" ")[0])
+        self.awaiting_first_byte = True
         rule = self.proxy._take(method, target)
         if rule is None:
             return self.forward(req, method)
@@ -467,6 +529,10 @@ class FaultProxy(LoopbackService):
 
     Faults that answer by themselves (``status``, ``reset``, ``hang``) never reach the
     upstream server; ``truncate`` forwards the request and cuts the response body.
+
+    Shaping (all off by default; applies to bytes sent to the client): ``latency``
+    seconds before the first response byte of each request, ``conn_rate`` bytes/s per
+    client connection, ``total_rate`` bytes/s over all connections together.
     """
 
     def __init__(
@@ -476,9 +542,18 @@ class FaultProxy(LoopbackService):
         *,
         port: int = 0,
         connect_timeout: float = 10.0,
+        latency: float = 0.0,
+        conn_rate: float | None = None,
+        total_rate: float | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.connect_timeout = connect_timeout
+        if latency < 0 or (conn_rate is not None and conn_rate <= 0):
+            raise ValueError("latency must be >= 0 and conn_rate positive")
+        self.latency = float(latency)
+        self.conn_rate = conn_rate
+        self.total_rate = total_rate
+        self.total_bucket = TokenBucket(total_rate) if total_rate else None
         self.rules = FaultRules()
         self._requested_port = port
         self._listener: socket.socket | None = None
@@ -495,6 +570,11 @@ class FaultProxy(LoopbackService):
         self._injected: deque[InjectedFault] = deque(maxlen=10_000)
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def shaping(self) -> bool:
+        """Whether any latency or rate limit is set."""
+        return bool(self.latency or self.conn_rate or self.total_bucket)
+
     @property
     def stopping(self) -> bool:
         """Whether ``stop()`` has been called."""

@@ -1,0 +1,209 @@
+"""Benchmark infrastructure: the server, the shaped link, shards, CPU accounting, peers' openers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+MB = 1_000_000
+MiB = 1 << 20
+CTX = mp.get_context("spawn")
+BUCKET = "bench"
+
+
+# ---------------------------------------------------------------------------- CPU accounting
+def _proc_cpu(pid: int) -> float:
+    """User+system CPU seconds of process ``pid`` (0.0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all cores from /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+class CpuMeter:
+    """CPU used during a block: whole machine (% of all cores) and per process group."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.result: dict[str, float] = {}
+
+    def __enter__(self) -> CpuMeter:
+        self._t = time.monotonic()
+        self._m = _machine_busy()
+        self._self = resource.getrusage(resource.RUSAGE_SELF)
+        self._kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._p = {k: _proc_cpu(p) for k, p in self.pids.items()}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(time.monotonic() - self._t, 1e-9)
+        busy, total = _machine_busy()
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        client = (me.ru_utime + me.ru_stime - self._self.ru_utime - self._self.ru_stime) + (
+            kids.ru_utime + kids.ru_stime - self._kids.ru_utime - self._kids.ru_stime
+        )
+        self.result = {
+            "machine_cpu_pct": round(100 * (busy - self._m[0]) / max(total - self._m[1], 1), 1),
+            "client_cpu_pct": round(100 * client / wall, 1),
+        }
+        for name, pid in self.pids.items():
+            self.result[f"{name}_cpu_pct"] = round(100 * (_proc_cpu(pid) - self._p[name]) / wall, 1)
+
+
+# ---------------------------------------------------------------------------- shaped link
+@dataclass(frozen=True)
+class Link:
+    latency: float = 0.0
+    conn_rate: float | None = None
+    total_rate: float | None = None
+
+    def describe(self) -> str:
+        parts = [f"{self.latency * 1000:.0f} ms first byte"]
+        if self.conn_rate:
+            parts.append(f"{self.conn_rate / MB:g} MB/s per connection")
+        if self.total_rate:
+            parts.append(f"{self.total_rate / MB:g} MB/s aggregate")
+        return ", ".join(parts)
+
+
+def _proxy_main(upstream_port: int, link: Link, conn: Any) -> None:
+    from shardcache.testing import FaultProxy
+
+    with FaultProxy(
+        "127.0.0.1",
+        upstream_port,
+        latency=link.latency,
+        conn_rate=link.conn_rate,
+        total_rate=link.total_rate,
+    ) as proxy:
+        conn.send(proxy.port)
+        conn.recv()  # block until told to stop
+
+
+@contextlib.contextmanager
+def shaped_proxy(upstream_port: int, link: Link) -> Iterator[tuple[str, int]]:
+    """A FaultProxy with ``link`` shaping in its own process; yields (endpoint, pid)."""
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_proxy_main, args=(upstream_port, link, child), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("shaping proxy did not start")
+        port = parent.recv()
+        yield f"http://127.0.0.1:{port}", proc.pid or 0
+    finally:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+
+
+# ---------------------------------------------------------------------------- data
+def make_shard(size: int, sample_size: int, seed: int) -> bytes:
+    """A WebDataset tar of about ``size`` bytes: samples of ``.bin`` (random) + ``.cls``."""
+    pool = os.urandom(sample_size + 4096)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(max(1, size // (sample_size + 1536))):
+            off = (i * 97 + seed) % 4096
+            for ext, data in (
+                ("bin", pool[off : off + sample_size]),
+                ("cls", str(i % 10).encode()),
+            ):
+                info = tarfile.TarInfo(f"s{seed:04d}-{i:06d}.{ext}")
+                info.size = len(data)
+                info.mtime = 0
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def put(s3: Any, objects: dict[str, bytes], multipart_chunk: int | None = None) -> None:
+    s3.put_objects(BUCKET, objects, multipart_chunk=multipart_chunk)
+
+
+# ---------------------------------------------------------------------------- peers' plumbing
+def install_wds_s3_opener(storage_options: dict[str, Any]) -> None:
+    """Give webdataset's gopen an ``s3://`` opener backed by fsspec (s3fs)."""
+    import fsspec
+    import webdataset as wds
+
+    def gopen_s3(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+        fs = fsspec.filesystem("s3", **storage_options)
+        return fs.open(url, mode)
+
+    wds.gopen_schemes["s3"] = gopen_s3
+
+
+def count_samples(samples: Iterator[dict[str, Any]], on_sample: Callable[[], None] | None = None):
+    n = nbytes = 0
+    for sample in samples:
+        n += 1
+        nbytes += sum(len(v) for k, v in sample.items() if isinstance(v, bytes | bytearray))
+        if on_sample is not None:
+            on_sample()
+    return n, nbytes
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    import fsspec
+    import moto
+    import s3fs
+    import webdataset
+
+    import shardcache
+
+    versions = {
+        "python": platform.python_version(),
+        "shardcache": getattr(shardcache, "__version__", "0.1.0"),
+        "webdataset": webdataset.__version__,
+        "fsspec": fsspec.__version__,
+        "s3fs": s3fs.__version__,
+        "moto": moto.__version__,
+    }
+    try:
+        import torch
+
+        versions["torch"] = torch.__version__
+    except ImportError:
+        pass
+    cpu_model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu_model,
+        "kernel": platform.release(),
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1),
+        "versions": versions,
+    }

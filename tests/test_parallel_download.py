@@ -1,0 +1,108 @@
+"""Parallel ranged GETs of large S3 objects (small thresholds so the objects stay small)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from shardcache import PermanentFetchError, ShardCache
+from shardcache.layout import is_temp_name
+
+BUCKET = "shards"
+PART = 64 * 1024
+
+
+def _blob(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _cache(tmp_path: Path, **kw) -> ShardCache:
+    kw.setdefault("retry_backoff", 0.01)
+    kw.setdefault("parallel_threshold", 2 * PART)
+    kw.setdefault("part_size", PART)
+    kw.setdefault("parallel_parts", 3)
+    return ShardCache(tmp_path / "cache", **kw)
+
+
+def _leftovers(cache: ShardCache) -> list[Path]:
+    return [p for p in cache.settings.scope_dir.rglob("*") if p.is_file() and is_temp_name(p.name)]
+
+
+def test_large_object_is_fetched_with_ranged_gets(s3, tmp_path: Path) -> None:
+    data = _blob(5 * PART + 1234, 1)  # 6 parts, the last one short
+    s3.put_objects(BUCKET, {"big.tar": data})
+    cache = _cache(tmp_path)
+    seen: list[tuple[str, int]] = []
+    path = cache.fetch(
+        f"s3://{BUCKET}/big.tar",
+        progress=lambda *, phase, bytes_done, bytes_total: seen.append((phase, bytes_done)),
+    )
+    assert path.read_bytes() == data
+    assert s3.count("GET", BUCKET, "big.tar") == 6  # one ranged GET per part
+    assert seen[-1][1] == len(data)
+    assert any(phase == "verifying" for phase, _ in seen)  # MD5 of single-part ETag
+    assert not _leftovers(cache)
+    assert cache.fetch(f"s3://{BUCKET}/big.tar") == path
+    assert s3.count("GET", BUCKET, "big.tar") == 6
+
+
+def test_small_object_keeps_the_single_stream(s3, tmp_path: Path) -> None:
+    data = _blob(PART + 10, 2)
+    s3.put_objects(BUCKET, {"small.tar": data})
+    cache = _cache(tmp_path)
+    assert cache.fetch(f"s3://{BUCKET}/small.tar").read_bytes() == data
+    assert s3.count("GET", BUCKET, "small.tar") == 1
+
+
+def test_multipart_object_is_fetched_in_parts_and_verified_by_size(s3, tmp_path: Path) -> None:
+    data = _blob(4 * PART, 3)
+    s3.put_objects(BUCKET, {"mp.tar": data}, multipart_chunk=PART)
+    cache = _cache(tmp_path)
+    assert cache.fetch(f"s3://{BUCKET}/mp.tar").read_bytes() == data
+    assert s3.count("GET", BUCKET, "mp.tar") == 4
+
+
+@pytest.mark.parametrize("fault", ["status:503", "truncate", "reset"])
+def test_a_failed_part_is_retried_alone(s3, fault_proxy, tmp_path: Path, fault: str) -> None:
+    data = _blob(4 * PART, 4)
+    s3.put_objects(BUCKET, {"big.tar": data})
+    s3.clear_requests()
+    fault_proxy.add_fault(fault, times=1, method="GET", path_contains="big.tar")
+    cache = _cache(tmp_path, storage_options=s3.storage_options(fault_proxy.endpoint_url))
+    assert cache.fetch(f"s3://{BUCKET}/big.tar").read_bytes() == data
+    assert fault_proxy.faults_injected(fault) == 1
+    gets = s3.count("GET", BUCKET, "big.tar")
+    # 4 parts; a 503 or reset never reaches the server, a truncated part resumes.
+    assert gets == (5 if fault == "truncate" else 4)
+    assert not _leftovers(cache)
+
+
+def test_a_permanently_failing_part_publishes_nothing(s3, fault_proxy, tmp_path: Path) -> None:
+    data = _blob(4 * PART, 5)
+    s3.put_objects(BUCKET, {"big.tar": data})
+    fault_proxy.add_fault("status:403", times=1, method="GET", path_contains="big.tar")
+    cache = _cache(tmp_path, storage_options=s3.storage_options(fault_proxy.endpoint_url))
+    url = f"s3://{BUCKET}/big.tar"
+    with pytest.raises(PermanentFetchError):
+        cache.fetch(url)
+    assert not cache.contains(url)
+    assert not cache.path_for(url).exists()
+    assert not _leftovers(cache)
+    assert cache.fetch(url).read_bytes() == data  # and a later fetch works
+
+
+def test_parts_that_keep_failing_give_up_with_nothing_published(
+    s3, fault_proxy, tmp_path: Path
+) -> None:
+    s3.put_objects(BUCKET, {"big.tar": _blob(4 * PART, 6)})
+    fault_proxy.add_fault("status:503", times=None, method="GET", path_contains="big.tar")
+    cache = _cache(
+        tmp_path, retries=2, storage_options=s3.storage_options(fault_proxy.endpoint_url)
+    )
+    url = f"s3://{BUCKET}/big.tar"
+    with pytest.raises(Exception, match="3 attempts"):
+        cache.fetch(url)
+    assert not cache.path_for(url).exists()
+    assert not _leftovers(cache)
