@@ -210,3 +210,9 @@ def test_config_command_bad_env_is_one_clear_line(tmp_path: Path) -> None:
     out = _cli("config", env={"PATH": "/usr/bin:/bin", "SHARDCACHE_THREADS": "lots"})
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "SHARDCACHE_THREADS" in out.stderr
+
+
+def test_readme_documents_every_variable() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [spec.env for spec in SPECS.values() if f"`{spec.env}`" not in readme]
+    assert not missing, f"README's configuration table lacks {missing}"
