@@ -166,9 +166,14 @@ class ShardLock:
                         path=str(self.path),
                         url=self.url,
                     ) from exc
+                hint = (
+                    "a symbolic link stands where the lock file belongs (lock files are never "
+                    "followed out of the cache): remove it"
+                    if exc.errno == errno.ELOOP
+                    else "check that the cache directory is writable (SHARDCACHE_DIR)"
+                )
                 raise CacheError(
-                    f"cannot create the lock file {self.path} for {self.url}: {exc}. "
-                    "Check that the cache directory is writable (SHARDCACHE_DIR).",
+                    f"cannot create the lock file {self.path} for {self.url}: {exc}; {hint}.",
                     path=str(self.path),
                     url=self.url,
                 ) from exc
@@ -211,11 +216,7 @@ class ShardLock:
     # -- judging the holder --------------------------------------------------------------
 
     def _read_holder_raw(self) -> bytes | None:
-        path = self.lease_path if self.policy.mode == "lease" else self.owner_path
-        try:
-            return path.read_bytes()
-        except OSError:
-            return None
+        return _read_raw(self.lease_path if self.policy.mode == "lease" else self.owner_path)
 
     def _judge(self, watch: _RecordWatch, now: float, start: float, attempts: int) -> None:
         verdict, why = _verdict(watch.record)
@@ -253,7 +254,7 @@ class ShardLock:
         except FileNotFoundError:
             return  # released or broken by someone else meanwhile
         try:
-            if aside.read_bytes() == judged:
+            if _read_raw(aside) == judged:
                 logger.warning("broke the stale lease of %s: %s", self.url, reason)
                 return
             # The holder renewed between our judgement and the rename: put it back.
@@ -430,6 +431,24 @@ class _RecordWatch:
         self.raw, self.record, self.changed_at = None, None, now
 
 
+_UNREADABLE = b"\0unreadable"  # a record that exists but cannot be read (a link, no access)
+
+
+def _read_raw(path: Path) -> bytes | None:
+    """A record's bytes, never following a symbolic link; None if there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _UNREADABLE  # judged like garbage: expires, then is broken by rename
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read(1 << 16)
+    except OSError:
+        return _UNREADABLE
+
+
 def _write_new(path: Path, record: dict[str, Any]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
@@ -543,7 +562,7 @@ def remove_lease_if_unchanged(lease_path: Path, judged: bytes) -> bool:
     except FileNotFoundError:
         return False
     try:
-        if aside.read_bytes() == judged:
+        if _read_raw(aside) == judged:
             return True
         with contextlib.suppress(FileExistsError):
             os.link(aside, lease_path)  # renewed or replaced meanwhile: give it back

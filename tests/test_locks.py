@@ -259,3 +259,24 @@ def test_waiter_sees_the_holders_progress(tmp_path: Path) -> None:
         holder.kill()
         holder.join(10)
     assert len(set(seen)) >= 3 and seen == sorted(seen)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_symlinked_lock_file_is_refused_without_touching_its_target(
+    tmp_path: Path, mode: str
+) -> None:
+    from shardcache.errors import CacheError
+
+    lock_path = tmp_path / "cache" / "x.lock"
+    lock_path.parent.mkdir()
+    outside = tmp_path / "outside"
+    target = lock_path if mode == "flock" else lock_path.with_suffix(".lease")
+    target.symlink_to(outside)
+    lock = ShardLock(lock_path, url="s3://b/k", policy=_policy(mode, lease_time=0.2, timeout=2))
+    if mode == "flock":
+        with pytest.raises(CacheError, match="symbolic link"):
+            lock.acquire()
+    else:  # a lease path that is a link is judged like any unreadable record, then broken
+        with lock.hold() as held:
+            assert held
+    assert not outside.exists()
