@@ -188,8 +188,10 @@ SPECS: dict[str, _Spec] = {
         "SHARDCACHE_LEASE_TIME",
         parse_duration,
         60.0,
-        "lease locks: a holder silent this long is presumed dead",
-        0.05,
+        "lease locks: a holder silent this long is presumed dead (renewed every quarter)",
+        # Below 1 s a loaded machine can delay a renewal past the lease: live holders
+        # would lose their leases.
+        1.0,
         86400,
     ),
     "retries": _Spec(

@@ -13,7 +13,8 @@
     │   ├── CacheDirError(OSError)        cache dir missing, not a dir, not writable
     │   ├── IntegrityError                downloaded bytes do not match size / ETag
     │   ├── CacheFullError(OSError)       out of space
-    │   └── LockTimeout(TimeoutError)     a shard lock could not be acquired in time
+    │   ├── LockTimeout(TimeoutError)     a shard lock could not be acquired in time
+    │   └── LockFileError(OSError)        a lock file cannot be created (path, errno)
     ├── StallError(TimeoutError)          a prefetch worker made no progress
     └── WaitTimeout(TimeoutError)         a cross-rank wait (directory, file) timed out
 
@@ -102,6 +103,10 @@ class LockTimeout(CacheError, TimeoutError):
     """A shard's lock could not be acquired in time; carries the holder and a verdict."""
 
 
+class LockFileError(CacheError, OSError):
+    """A shard's lock file cannot be created or locked (names the path and errno)."""
+
+
 class StallError(ShardCacheError, TimeoutError):
     """A prefetch worker made no progress for the stall timeout."""
 
@@ -121,6 +126,7 @@ __all__ = [
     "ConfigError",
     "FetchError",
     "IntegrityError",
+    "LockFileError",
     "LockTimeout",
     "PermanentFetchError",
     "RemoteNotFoundError",

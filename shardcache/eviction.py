@@ -21,14 +21,16 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import filelock
-
+from .errors import LockTimeout
 from .layout import CacheLayout, is_temp_name
+from .locks import lock_file_error, try_flock
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,9 @@ def scan(layout: CacheLayout, with_meta: bool = False) -> tuple[list[CacheEntry]
     ``with_meta`` also reads each entry's metadata record (URL, ETag)."""
     entries: list[CacheEntry] = []
     partial = 0
+    # A download renamed into place while we list its directory can show up under both
+    # names: count every file (inode) once.
+    seen: set[int] = set()
     try:
         buckets = list(os.scandir(layout.data_dir))
     except FileNotFoundError:
@@ -129,6 +134,9 @@ def scan(layout: CacheLayout, with_meta: bool = False) -> tuple[list[CacheEntry]
                 st = item.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            if not stat.S_ISREG(st.st_mode) or st.st_ino in seen:
+                continue
+            seen.add(st.st_ino)
             if is_temp_name(item.name):
                 partial += st.st_size
                 continue
@@ -168,30 +176,72 @@ def remove(layout: CacheLayout, path: Path) -> bool:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def evict_lock(layout: CacheLayout, timeout: float = EVICT_LOCK_TIMEOUT) -> Iterator[None]:
+    """Hold the scope's eviction lock (``.locks/evict.lock``): evictions and the space
+    reservations of new downloads are serialised by it, so no two processes count the
+    same free space. Survives its directory being removed meanwhile."""
+    path = layout.locks_dir / "evict.lock"
+    start = time.monotonic()
+    delay = 0.001
+    vanished = 0
+    while True:
+        try:
+            layout.check_inside(path.parent)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = try_flock(path)
+        except FileNotFoundError as exc:  # its directory was removed under us: make it again
+            vanished += 1
+            if vanished > 20:
+                raise lock_file_error(path, None, exc, vanished) from exc
+            continue
+        except OSError as exc:
+            raise lock_file_error(path, None, exc, 1) from exc
+        if fd is not None:
+            break
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            raise LockTimeout(
+                f"timed out after {waited:.0f}s waiting for the eviction lock {path}: another "
+                "process of this cache scope is evicting or reserving space and has not "
+                "finished. Look for a hung process ('shardcache status'), or kill it.",
+                path=str(path),
+                elapsed=waited,
+            )
+        time.sleep(min(delay, max(0.0, timeout - waited)))
+        delay = min(delay * 2, 0.05)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 def evict_lru(layout: CacheLayout, max_bytes: int, reserve: int = 0) -> EvictReport:
     """Remove least-recently-used shards until published + in-progress + ``reserve`` bytes
-    fit in ``max_bytes`` (or nothing evictable is left)."""
-    lock_path = layout.locks_dir / "evict.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = filelock.FileLock(str(lock_path), mode=0o644, fallback_to_soft=False)
-    with lock.acquire(timeout=EVICT_LOCK_TIMEOUT):
-        entries, partial = scan(layout)
-        used = partial + sum(e.size for e in entries)
-        report = EvictReport()
-        for entry in entries:
-            if used + reserve <= max_bytes:
-                break
-            meta = read_meta(layout, entry.path)  # for the report: which URL went
-            if remove(layout, entry.path):
-                report.removed.append(
-                    dataclasses.replace(entry, url=meta.get("url"), etag=meta.get("etag"))
-                )
-                report.freed_bytes += entry.size
-                used -= entry.size
-            else:
-                report.in_use += 1
-                report.in_use_bytes += entry.size
-        report.kept_bytes = used
+    fit in ``max_bytes`` (or nothing evictable is left), under the eviction lock."""
+    with evict_lock(layout):
+        return evict_locked(layout, max_bytes, reserve)
+
+
+def evict_locked(layout: CacheLayout, max_bytes: int, reserve: int = 0) -> EvictReport:
+    """:func:`evict_lru` for a caller that already holds :func:`evict_lock`."""
+    entries, partial = scan(layout)
+    used = partial + sum(e.size for e in entries)
+    report = EvictReport()
+    for entry in entries:
+        if used + reserve <= max_bytes:
+            break
+        meta = read_meta(layout, entry.path)  # for the report: which URL went
+        if remove(layout, entry.path):
+            report.removed.append(
+                dataclasses.replace(entry, url=meta.get("url"), etag=meta.get("etag"))
+            )
+            report.freed_bytes += entry.size
+            used -= entry.size
+        else:
+            report.in_use += 1
+            report.in_use_bytes += entry.size
+    report.kept_bytes = used
     if report.removed:
         logger.info(
             "evicted %d shards (%d bytes) from %s to stay within %d bytes",

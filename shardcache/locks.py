@@ -6,18 +6,28 @@ holders at once (a broken lease that was in fact alive) cost bandwidth, never da
 
 Two modes:
 
-* ``flock`` (local disks): ``filelock.FileLock`` on ``<hash>.lock``. The kernel frees the
-  lock of a dead holder at once, so "stale" here means *stuck*: the holder's owner record
-  (``<hash>.owner``) has not changed for ``stuck_after`` on the waiter's own clock. Lock
-  files are never deleted: unlinking a locked file lets the next contender lock a new
-  inode while the old holder still holds the old one (two holders).
+* ``flock`` (local disks): ``fcntl.flock`` on ``<hash>.lock``, taken directly rather than
+  through ``filelock``, whose behaviour changed across versions (lock-file removal on
+  release, a silent fallback to a soft lock): these invariants are ours to keep. The kernel
+  frees the lock of a dead holder at once, so "stale" here means *stuck*: the holder's
+  progress (phase, bytes in ``<hash>.owner``) has not changed for ``stuck_after`` on the
+  waiter's own clock. Lock files are never deleted: unlinking a locked file lets the next
+  contender lock a new inode while the old holder still holds the old one (two holders).
 * ``lease`` (network file systems, where flock may silently exclude only within a node):
   the lock *is* the file ``<hash>.lease``, created atomically with ``os.link`` from a
   private claim file holding the owner record. The holder rewrites the record as it makes
-  progress. A waiter breaks a lease whose holder is provably dead (same host and boot,
-  pid gone or reused) at once, or one whose record has not changed for ``lease_time``
-  on the waiter's clock (clocks of different hosts are never compared). Breaking renames
-  the lease to a unique name and checks that it is still the record that was judged.
+  progress, and a renewal thread rewrites it every ``lease_time / 4`` whatever the
+  progress, so a live holder on a slow link or a loaded machine keeps its lease. A waiter
+  breaks a lease whose holder is provably dead (same host and boot, pid gone or reused) at
+  once, or one whose record has not changed for ``lease_time`` on the waiter's clock
+  (clocks of different hosts are never compared). Breaking renames the lease to a unique
+  name and checks that it is still the record that was judged. A live holder that makes
+  no progress for ``stuck_after`` gives waiters a ``LockTimeout``, as in flock mode.
+
+Creating a lock file can fail transiently on network file systems (a directory another
+node just made is not visible yet, ESTALE, EIO); those are retried with backoff to a
+bound. Anything else, or a transient error that persists, raises :class:`LockFileError`
+at once with the path and errno: never a ``LockTimeout`` that blames an unknown holder.
 """
 
 from __future__ import annotations
@@ -37,17 +47,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import filelock
-
-from .errors import CacheError, LockTimeout
+from .errors import LockFileError, LockTimeout
 from .fsinfo import mount_for
 from .identity import ProcessIdentity
+from .retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
 STILL_WAITING_EVERY = 30.0
 RECORD_INTERVAL = 0.5  # seconds between progress-record writes while holding
-_RETRYABLE_ERRNOS = {errno.ENOENT, errno.ESTALE, errno.EINTR, errno.EIO, errno.EEXIST}
+RENEWALS_PER_LEASE = 4  # a lease is renewed this many times per lease_time
+# Errors that may clear by themselves while creating a lock file: a directory another
+# node just made is not visible yet (ENOENT), a stale NFS handle, an interrupted call, an
+# I/O error of a server that is failing over, a claim name that is still being removed.
+_TRANSIENT_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EINTR, errno.EIO, errno.EEXIST})
+# About 2 s in all (0.01 s doubling to 0.5 s); then the error is reported, not waited out.
+CREATE_RETRY = RetryPolicy(retries=8, backoff=0.01, max_backoff=0.5)
+_UNSUPPORTED_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
+_CONTENTION_ERRNOS = frozenset({errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +110,10 @@ class ShardLock:
         self._record: dict[str, Any] = {}
         self._record_fd: int | None = None
         self._last_write = 0.0
-        self._flock: filelock.FileLock | None = None
+        self._flock_fd: int | None = None
+        self._write_lock = threading.Lock()  # the holder's thread and the renewal thread
+        self._renewer: _Renewer | None = None
+        self.record_error: str | None = None  # why the owner record could not be written
         self.lost = False  # lease mode: True once another process broke our lease
 
     @property
@@ -149,46 +169,26 @@ class ShardLock:
             delay = min(max_delay, delay * 2)
 
     def _try_acquire(self) -> bool:
-        for _ in range(20):  # bounded: create/open races are retried, never surfaced raw
+        """One attempt at the lock. Transient creation errors are retried with backoff
+        (bounded by CREATE_RETRY); anything else raises LockFileError at once."""
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 if self.policy.mode == "lease":
                     return self._try_claim_lease()
                 return self._try_flock()
             except OSError as exc:
-                if exc.errno in _RETRYABLE_ERRNOS:
-                    continue
-                if exc.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-                    raise CacheError(
-                        f"cannot lock {self.path}: flock is not supported on "
-                        f"{mount_for(self.path).describe()} ({exc.strerror}). "
-                        "Set SHARDCACHE_LOCK_MODE=lease for this file system.",
-                        path=str(self.path),
-                        url=self.url,
-                    ) from exc
-                hint = (
-                    "a symbolic link stands where the lock file belongs (lock files are never "
-                    "followed out of the cache): remove it"
-                    if exc.errno == errno.ELOOP
-                    else "check that the cache directory is writable (SHARDCACHE_DIR)"
-                )
-                raise CacheError(
-                    f"cannot create the lock file {self.path} for {self.url}: {exc}; {hint}.",
-                    path=str(self.path),
-                    url=self.url,
-                ) from exc
-        return False
+                transient = exc.errno in _TRANSIENT_ERRNOS
+                if not transient or not CREATE_RETRY.allows(attempt):
+                    raise lock_file_error(self.path, self.url, exc, attempt) from exc
+                logger.debug("creating %s: %s (attempt %d), retrying", self.path, exc, attempt)
+                time.sleep(CREATE_RETRY.delay(attempt))
 
     def _try_flock(self) -> bool:
-        if self._flock is None:
-            self._flock = filelock.FileLock(
-                str(self.path), mode=0o644, thread_local=True, fallback_to_soft=False
-            )
-        try:
-            self._flock.acquire(blocking=False)
-        except filelock.Timeout:
-            return False
-        return True
+        self._flock_fd = try_flock(self.path)
+        return self._flock_fd is not None
 
     def _try_claim_lease(self) -> bool:
         claim = self.path.with_name(f"{self.path.stem}.{self._token}.claim")
@@ -221,20 +221,21 @@ class ShardLock:
     def _judge(self, watch: _RecordWatch, now: float, start: float, attempts: int) -> None:
         verdict, why = _verdict(watch.record)
         quiet = now - watch.changed_at
+        still = now - watch.progressed_at
         expired = verdict == "dead" or quiet >= self.policy.lease_time
         if self.policy.mode == "lease" and watch.raw is not None and expired:
             reason = why if verdict == "dead" else f"no renewal for {quiet:.1f}s"
             self._break_lease(watch.raw, reason)
             watch.reset(now)
             return
-        if self.policy.mode == "flock" and quiet >= self.policy.stuck_after and verdict != "dead":
+        if still >= self.policy.stuck_after and verdict != "dead":
             self._timeout(
                 watch=watch,
                 verdict=verdict,
                 why=why,
                 start=start,
                 attempts=attempts,
-                cause=f"the holder's progress record has not changed for {quiet:.0f}s "
+                cause=f"the holder's progress (phase, bytes) has not changed for {still:.0f}s "
                 f"(SHARDCACHE_LOCK_STUCK_AFTER={self.policy.stuck_after:g}s)",
             )
         if now - start >= self.policy.timeout:
@@ -248,21 +249,8 @@ class ShardLock:
             )
 
     def _break_lease(self, judged: bytes, reason: str) -> None:
-        aside = self.path.with_name(f"{self.path.stem}.{self._token}.broken")
-        try:
-            os.rename(self.lease_path, aside)
-        except FileNotFoundError:
-            return  # released or broken by someone else meanwhile
-        try:
-            if _read_raw(aside) == judged:
-                logger.warning("broke the stale lease of %s: %s", self.url, reason)
-                return
-            # The holder renewed between our judgement and the rename: put it back.
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, self.lease_path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                aside.unlink()
+        if remove_lease_if_unchanged(self.lease_path, judged):
+            logger.warning("broke the stale lease of %s: %s", self.url, reason)
 
     def _timeout(
         self,
@@ -299,7 +287,7 @@ class ShardLock:
             f"  lock file: {self.path} ({self.policy.mode} mode) on {mount.describe()}\n"
             f"  waiter: host {me.host} pid {me.pid} rank {self.rank} thread "
             f"{threading.current_thread().name}\n"
-            f"  holder: {_summarise(owner)}\n"
+            f"  holder: {self._describe_holder(owner)}\n"
             f"  verdict: {verdict} ({why})\n"
             f"  waited {elapsed:.1f}s over {attempts} attempts\n"
             f"  what to do: {hint}",
@@ -309,6 +297,15 @@ class ShardLock:
             verdict=verdict,
             elapsed=elapsed,
             attempts=attempts,
+        )
+
+    def _describe_holder(self, owner: dict[str, Any] | None) -> str:
+        if owner is not None:
+            return _summarise(owner)
+        record = self.lease_path if self.policy.mode == "lease" else self.owner_path
+        return (
+            f"unknown: no readable owner record at {record} (the holder may be unable to "
+            "write it: a full disk, a read-only or unwritable directory; or it has just started)"
         )
 
     # -- holding -------------------------------------------------------------------------
@@ -333,10 +330,17 @@ class ShardLock:
     def _start_record(self, attempts: int, waited: float) -> None:
         self._record = self._make_record(phase="locked", attempts=attempts, waited=waited)
         if self.policy.mode == "flock":
-            self._record_fd = os.open(
-                self.owner_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644
-            )
+            try:
+                self._record_fd = os.open(
+                    self.owner_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+                )
+            except OSError as exc:
+                # The lock is held all the same; only what waiters can tell about us suffers.
+                self._record_failed(exc)
+                return
         self._write_record()
+        if self.policy.mode == "lease":
+            self._renewer = _Renewer(self, self.policy.lease_time / RENEWALS_PER_LEASE)
 
     def heartbeat(
         self,
@@ -349,16 +353,32 @@ class ShardLock:
         if self._record_fd is None:
             return
         phase_changed = phase is not None and phase != self._record.get("phase")
-        if not phase_changed and time.monotonic() - self._last_write < RECORD_INTERVAL:
+        if not phase_changed and time.monotonic() - self._last_write < self._record_interval:
             return
-        if phase is not None:
-            self._record["phase"] = phase
-        if bytes_done is not None:
-            self._record["bytes_done"] = bytes_done
-        if bytes_total is not None:
-            self._record["bytes_total"] = bytes_total
-        self._record["seq"] += 1
-        self._write_record()
+        with self._write_lock:
+            if phase is not None:
+                self._record["phase"] = phase
+            if bytes_done is not None:
+                self._record["bytes_done"] = bytes_done
+            if bytes_total is not None:
+                self._record["bytes_total"] = bytes_total
+            self._record["seq"] += 1
+            self._write_record()
+
+    @property
+    def _record_interval(self) -> float:
+        # A lease must change well within lease_time even if renewals were late.
+        if self.policy.mode == "lease":
+            return min(RECORD_INTERVAL, self.policy.lease_time / RENEWALS_PER_LEASE)
+        return RECORD_INTERVAL
+
+    def renew(self) -> None:
+        """Rewrite the lease record without progress (the renewal thread calls this)."""
+        with self._write_lock:
+            if self._record_fd is None:
+                return
+            self._record["renewals"] = self._record.get("renewals", 0) + 1
+            self._write_record()
 
     def _write_record(self) -> None:
         fd = self._record_fd
@@ -371,28 +391,52 @@ class ShardLock:
             if self.policy.mode == "lease":
                 os.fsync(fd)  # make the renewal visible to other NFS clients
                 if os.stat(self.lease_path).st_ino != os.fstat(fd).st_ino:
-                    raise FileNotFoundError(self.lease_path)
-        except OSError:
-            if self.policy.mode == "lease" and not self.lost:
-                self.lost = True
-                logger.warning(
-                    "lost the lease of %s (broken by another process); the download "
-                    "continues and publishes atomically",
-                    self.url,
-                )
+                    self._lease_lost()
+        except FileNotFoundError:  # the lease was renamed away (broken) or its dir removed
+            self._lease_lost()
+        except OSError as exc:
+            self._record_failed(exc)
         self._last_write = time.monotonic()
+
+    def _lease_lost(self) -> None:
+        if not self.lost:
+            self.lost = True
+            logger.warning(
+                "lost the lease of %s (broken by another process, or its directory was "
+                "removed); the download continues and publishes atomically",
+                self.url,
+            )
+
+    def _record_failed(self, exc: OSError) -> None:
+        """Log once per acquisition; waiters then see an old or missing record."""
+        if self.record_error is None:
+            self.record_error = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc}"
+            logger.warning(
+                "cannot write the lock owner record of %s beside %s (%s): waiters will see "
+                "the holder as unknown or not progressing; check free space and permissions "
+                "of %s",
+                self.url,
+                self.path,
+                self.record_error,
+                self.path.parent,
+            )
 
     def release(self) -> None:
         """Release the lock (lock files stay; a lease we still own is removed)."""
-        fd, self._record_fd = self._record_fd, None
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.stop()
+        with self._write_lock:
+            fd, self._record_fd = self._record_fd, None
+        flock_fd, self._flock_fd = self._flock_fd, None
         try:
             if self.policy.mode == "lease" and fd is not None:
                 self._release_lease(fd)
         finally:
             if fd is not None:
                 os.close(fd)
-            if self._flock is not None and self._flock.is_locked:
-                self._flock.release()
+            if flock_fd is not None:
+                os.close(flock_fd)  # closing the last descriptor releases the flock
 
     def _release_lease(self, fd: int) -> None:
         # Rename first, then check: unlinking by name could delete a successor's lease.
@@ -410,13 +454,103 @@ class ShardLock:
                 aside.unlink()
 
 
+class _Renewer:
+    """Renews a held lease every ``interval`` seconds until stopped (a daemon thread), so a
+    live holder keeps its lease however slow its link or busy its machine."""
+
+    def __init__(self, lock: ShardLock, interval: float) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(lock, interval),
+            name=f"shardcache-lease-{threading.current_thread().name}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _run(self, lock: ShardLock, interval: float) -> None:
+        while not self._stopped.wait(interval):
+            lock.renew()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) -> LockFileError:
+    """The error for a lock file that cannot be created or locked: path, errno, what to do."""
+    code = exc.errno or 0
+    name = errno.errorcode.get(code, str(code))
+    where = exc.filename or path
+    if code in _UNSUPPORTED_ERRNOS:
+        what = (
+            f"flock is not supported on {mount_for(path).describe()}; set "
+            "SHARDCACHE_LOCK_MODE=lease for this file system"
+        )
+    elif code == errno.ELOOP:
+        what = (
+            "a symbolic link stands where the lock file belongs (lock files are never "
+            "followed out of the cache): remove it"
+        )
+    elif code in (errno.ENOSPC, errno.EDQUOT):
+        what = "the disk or quota is full: free space on it or move SHARDCACHE_DIR"
+    elif code in _TRANSIENT_ERRNOS:
+        what = (
+            f"the error persisted over {attempts} attempts; something keeps removing the "
+            "cache's directories, or the (network) file system is failing: check it and "
+            "the tmp cleaners of this node"
+        )
+    else:
+        what = "check that the cache directory is writable (SHARDCACHE_DIR)"
+    for_url = f" for {url}" if url else ""
+    return LockFileError(
+        f"cannot create or lock the lock file {path}{for_url}: {name} "
+        f"({exc.strerror or exc}) at {where}; expected a writable lock directory. "
+        f"What to do: {what}.",
+        path=str(path),
+        url=url,
+        errno=code,
+        attempts=attempts,
+        cause=f"{name}: {exc.strerror or exc}",
+    )
+
+
+def try_flock(path: Path) -> int | None:
+    """Take an exclusive ``flock`` on ``path`` without blocking: the descriptor (close it to
+    release), or None if another holder has it. The file is created if missing and never
+    followed through a link, never truncated, never deleted. Raises ``OSError``; ENOENT
+    means the file was removed or replaced meanwhile: try again."""
+    # No O_TRUNC: the file is shared with holders; O_NOFOLLOW: never lock a link's target.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in _CONTENTION_ERRNOS:
+                os.close(fd)
+                return None
+            raise
+        # Removed or replaced between our open and our flock (a tmp cleaner): the next
+        # contender would lock another inode, so retry on the file that is there now.
+        if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+            raise FileNotFoundError(errno.ENOENT, "lock file replaced while locking", str(path))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    return fd
+
+
 class _RecordWatch:
-    """Tracks when a holder's record last changed, on this process's monotonic clock."""
+    """Tracks, on this process's monotonic clock, when a holder's record last changed at
+    all (liveness: lease renewals count) and when its progress last changed (stuckness)."""
 
     def __init__(self) -> None:
         self.raw: bytes | None = None
         self.record: dict[str, Any] | None = None
-        self.changed_at = time.monotonic()
+        self.changed_at = self.progressed_at = time.monotonic()
+        self._progress: object = None
 
     def observe(self, raw: bytes | None, now: float) -> bool:
         """Note the holder's current record; True if it changed."""
@@ -425,10 +559,22 @@ class _RecordWatch:
         self.raw = raw
         self.record = _parse_record(raw)
         self.changed_at = now
+        progress = _progress_of(self.record, raw)
+        if progress != self._progress:
+            self._progress = progress
+            self.progressed_at = now
         return True
 
     def reset(self, now: float) -> None:
-        self.raw, self.record, self.changed_at = None, None, now
+        self.raw, self.record, self._progress = None, None, None
+        self.changed_at = self.progressed_at = now
+
+
+def _progress_of(record: dict[str, Any] | None, raw: bytes | None) -> object:
+    """What changes only when a holder makes progress (not when it merely renews)."""
+    if record is None:
+        return raw
+    return tuple(record.get(k) for k in ("token", "phase", "bytes_done", "bytes_total"))
 
 
 _UNREADABLE = b"\0unreadable"  # a record that exists but cannot be read (a link, no access)
@@ -498,8 +644,6 @@ def _summarise(record: dict[str, Any] | None) -> str:
 
 
 # -- inspection (``shardcache status`` / ``clean``) ---------------------------------------
-
-_CONTENTION_ERRNOS = frozenset({errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK})
 
 
 def read_record(path: Path) -> tuple[bytes | None, dict[str, Any] | None]:

@@ -402,7 +402,7 @@ def test_bad_lock_files_are_handled(tmp_path: Path, source, mode: str, figures) 
             tmp_path / label.replace(" ", "_"),
             scope="node",
             lock_mode=mode,
-            lease_time=0.5,
+            lease_time=1.0,
             lock_timeout=30,
         )
         lock = cache.layout.lock_path(cache.remote.canonical_url(url), "file")
@@ -418,7 +418,7 @@ def test_bad_lock_files_are_handled(tmp_path: Path, source, mode: str, figures) 
         assert cache.fetch(url).read_bytes() == data
         elapsed = time.monotonic() - started
         # flock: nobody holds the kernel lock, so the record is irrelevant; lease: a record
-        # that is never renewed is broken after lease_time (0.5 s), a dead pid at once.
+        # that is never renewed is broken after lease_time (1 s), a dead pid at once.
         assert elapsed < 10, (label, elapsed)
         with contextlib.suppress(FileNotFoundError):
             assert not target.exists() or mode == "flock"
