@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -46,6 +47,9 @@ from .remote import ObjectInfo, Progress, Remote, RemoteOptions
 from .retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
+
+VANISHED_RETRIES = 8  # a miss is made again at most this often when its files vanish
+_VANISHED_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
 
 
 @dataclass
@@ -112,7 +116,6 @@ class ShardCache:
         )
         self._stats = CacheStats()
         self._stats_lock = threading.Lock()
-        self._made_dirs: set[Path] = set()
         self._policy: LockPolicy | None = None
         self._network_fs: bool | None = None
         self._pins: dict[Path, list[int]] = {}  # prefetched shards not yet released
@@ -155,12 +158,27 @@ class ShardCache:
     def open(self, url: str) -> BinaryIO:
         """Fetch ``url`` if needed and open the cached copy for binary reading; the shard
         cannot be evicted while the file is open."""
-        for _ in range(3):  # evicted between fetch and open: fetch again
-            try:
-                return open_pinned(self.fetch(url))
-            except FileNotFoundError:
-                continue
-        return open_pinned(self.fetch(url))
+        _path, fd = self._fetch_and_pin(url, None)
+        return os.fdopen(fd, "rb")
+
+    def open_prefetched(self, path: Path) -> BinaryIO:
+        """Open a shard that :meth:`prefetch` handed over and has not released yet. It is read
+        through the prefetcher's pin, so it opens even if its file was removed meanwhile
+        (a tmp cleaner); pinned (not evictable) until closed."""
+        with self._pins_lock:
+            fds = self._pins.get(Path(path))
+            pin_fd = fds[-1] if fds else None
+        if pin_fd is None:
+            return open_pinned(Path(path))
+        # A new open file description of the same inode (its own offset), which works even
+        # when the name is gone; it carries its own shared flock.
+        fd = os.open(f"/proc/self/fd/{pin_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        return os.fdopen(fd, "rb")
 
     def fetch(self, url: str, progress: Progress | None = None) -> Path:
         """Return the path of a complete, verified local copy of ``url``, downloading it
@@ -172,10 +190,53 @@ class ShardCache:
             self._count(hits=1, bytes_served=st.st_size)
             return final
         try:
-            return self._fetch_miss(url, final, progress)
+            return self._fetch_missing(url, final, progress)
         except Exception:  # a cancelled prefetch (a BaseException) is not an error
             self._count(errors=1)
             raise
+
+    def _fetch_missing(self, url: str, final: Path, progress: Progress | None) -> Path:
+        """The miss path, made again when the cache's own directories or files vanish
+        under it (tmp cleaners, a user's ``rm -rf``): every step recreates what it needs."""
+        for attempt in range(1, VANISHED_RETRIES + 1):
+            try:
+                return self._fetch_miss(url, final, progress)
+            except _Vanished as exc:
+                if attempt == VANISHED_RETRIES:
+                    raise CacheDirError(
+                        f"cannot cache {url}: the cache's files kept disappearing while it was "
+                        f"being fetched ({attempt} attempts; last: {exc.path} vanished). "
+                        f"Something is deleting {self.settings.scope_dir} (a tmp cleaner such "
+                        "as systemd-tmpfiles, a job epilogue): exclude it, or point "
+                        "SHARDCACHE_DIR elsewhere.",
+                        path=str(exc.path),
+                        url=url,
+                        attempts=attempt,
+                    ) from exc
+                logger.warning(
+                    "%s vanished while caching %s (removed by a tmp cleaner?); fetching again",
+                    exc.path,
+                    url,
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _fetch_and_pin(self, url: str, progress: Progress | None) -> tuple[Path, int]:
+        """``fetch``, then a pin (shared flock) on the result; fetched again if the file
+        went (evicted, or removed) between the two."""
+        for _ in range(VANISHED_RETRIES):
+            path = self.fetch(url, progress=progress)
+            fd = pin(path)
+            if fd is not None:
+                return path, fd
+        raise CacheFullError(
+            f"{url} was evicted or removed {VANISHED_RETRIES} times right after being fetched. "
+            f"Either SHARDCACHE_MAX_BYTES={self.settings.max_bytes} cannot hold the shards in "
+            "use plus the prefetch depth (raise it, or lower SHARDCACHE_PREFETCH_DEPTH), or "
+            f"something keeps deleting files in {self.settings.scope_dir}.",
+            url=url,
+            path=str(path),
+            max_bytes=self.settings.max_bytes,
+        )
 
     def _fetch_miss(self, url: str, final: Path, progress: Progress | None) -> Path:
         lock_path = self.layout.lock_path(
@@ -234,20 +295,21 @@ class ShardCache:
 
     def _download_and_publish(self, info: ObjectInfo, final: Path, report: Progress) -> ObjectInfo:
         part = self.layout.temp_path(final)
+        fd: int | None = None
         try:
-            # O_RDWR: a parallel download hashes the file back from disk to verify it.
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as out:
-                os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
-                if info.size and not self._on_network_fs():
-                    # Reserve the space: a full disk fails now, not after the download, and
-                    # the evictor counts this download at its full size. (Not on network
-                    # file systems, where glibc would emulate it by writing zeros.)
-                    os.posix_fallocate(fd, 0, info.size)
+            fd = self._create_part(part)
+            os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
+            if info.size and not self._on_network_fs():
+                # Reserve the space: a full disk fails now, not after the download, and
+                # the evictor counts this download at its full size. (Not on network
+                # file systems, where glibc would emulate it by writing zeros.)
+                os.posix_fallocate(fd, 0, info.size)
+            # The descriptor outlives the file object: publishing may need the bytes again.
+            with os.fdopen(fd, "wb", closefd=False) as out:
                 info = self.remote.download(info, out, report)
                 out.truncate()  # a smaller object than reserved for (it changed): no tail
                 out.flush()
-                os.fsync(fd)
+            os.fsync(fd)
             report(phase="publishing", bytes_done=info.size, bytes_total=info.size)
             write_meta(
                 self.layout,
@@ -262,14 +324,15 @@ class ShardCache:
                     "fetched_at": time.time(),
                 },
             )
-            os.replace(part, final)
-            _fsync_dir(final.parent)
+            self._publish(fd, part, final)
             return info
         except ShardCacheError:
             _unlink_quietly(part)
             raise
         except OSError as exc:  # local I/O: remote errors arrive as FetchError
             _unlink_quietly(part)
+            if exc.errno in _VANISHED_ERRNOS:  # our directory (and the .part in it) was removed
+                raise _Vanished(Path(exc.filename or part)) from exc
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise self._full_error(final, info, f"the disk filled up: {exc}") from exc
             raise CacheDirError(
@@ -280,6 +343,47 @@ class ShardCache:
             ) from exc
         except BaseException:
             _unlink_quietly(part)
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _create_part(self, part: Path) -> int:
+        """Create the download file ``part``, making its directory again if it vanished."""
+        for _ in range(VANISHED_RETRIES):
+            try:
+                # O_RDWR: a parallel download hashes the file back from disk to verify it.
+                return os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileNotFoundError:
+                self._ensure_dir(part.parent)
+                self.layout.check_inside(part.parent)
+        raise _Vanished(part.parent)
+
+    def _publish(self, fd: int, part: Path, final: Path) -> None:
+        """Rename the verified download ``part`` (open as ``fd``) to ``final`` durably.
+
+        If the directory was removed meanwhile (a tmp cleaner), the verified bytes are
+        still ours through ``fd``: copy them into a new temp file in the recreated
+        directory and publish that, instead of downloading again."""
+        original = part
+        try:
+            for _ in range(VANISHED_RETRIES):
+                try:
+                    os.replace(part, final)
+                    _fsync_dir(final.parent)
+                    return
+                except FileNotFoundError:
+                    if os.fstat(fd).st_nlink:
+                        raise  # not our directory's removal: let the caller judge
+                logger.info("%s was removed before it was published; publishing a copy", part)
+                self._ensure_dir(final.parent)
+                self.layout.check_inside(final.parent)
+                part = self.layout.temp_path(final)
+                _copy_file(fd, part)
+            raise _Vanished(final.parent)
+        except BaseException:
+            if part != original:
+                _unlink_quietly(part)
             raise
 
     def prefetch(
@@ -305,21 +409,10 @@ class ShardCache:
     def _fetch_pinned(self, url: str, progress: Progress) -> Path:
         """``fetch`` for the prefetcher: the shard stays pinned (not evictable) until the
         prefetcher releases it, after its consumer is done with it."""
-        for _ in range(3):
-            path = self.fetch(url, progress=progress)
-            fd = pin(path)
-            if fd is not None:
-                with self._pins_lock:
-                    self._pins.setdefault(path, []).append(fd)
-                return path
-        raise CacheFullError(
-            f"{url} was evicted three times right after being fetched: SHARDCACHE_MAX_BYTES="
-            f"{self.settings.max_bytes} cannot hold the shards in use plus the prefetch depth. "
-            "Raise SHARDCACHE_MAX_BYTES or lower SHARDCACHE_PREFETCH_DEPTH.",
-            url=url,
-            path=str(path),
-            max_bytes=self.settings.max_bytes,
-        )
+        path, fd = self._fetch_and_pin(url, progress)
+        with self._pins_lock:
+            self._pins.setdefault(path, []).append(fd)
+        return path
 
     def _unpin(self, path: Path) -> None:
         with self._pins_lock:
@@ -352,13 +445,13 @@ class ShardCache:
                     "downloads in progress)",
                     report,
                 )
-        free = shutil.disk_usage(final.parent).free
+        free = _free_bytes(final.parent)
         if free >= info.size:
             return
         entries, partial = scan(self.layout)
         used = partial + sum(e.size for e in entries)
         report = evict_lru(self.layout, max(0, used - (info.size - free)))
-        free = shutil.disk_usage(final.parent).free
+        free = _free_bytes(final.parent)
         if free < info.size:
             raise self._full_error(
                 final,
@@ -372,7 +465,7 @@ class ShardCache:
     def _full_error(
         self, final: Path, info: ObjectInfo, seen: str, report: EvictReport | None = None
     ) -> CacheFullError:
-        free = shutil.disk_usage(final.parent).free
+        free = _free_bytes(final.parent)
         return CacheFullError(
             f"no room to cache {info.url} ({info.size} bytes needed) in {final.parent}: "
             f"{seen}. Free disk space, set SHARDCACHE_MAX_BYTES below the disk size, or point "
@@ -436,15 +529,33 @@ class ShardCache:
             )
         return self._policy
 
-    def _ensure_dir(self, path: Path) -> None:
-        if path not in self._made_dirs:
-            makedirs(path)
-            self._made_dirs.add(path)
+    @staticmethod
+    def _ensure_dir(path: Path) -> None:
+        # Made again on every miss, never remembered: a tmp cleaner may remove it any time.
+        makedirs(path)
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+
+class _Vanished(Exception):
+    """A directory or file of the cache vanished mid-fetch (``path``): fetch again."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system of ``path``, or of its nearest existing ancestor."""
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except FileNotFoundError:
+            continue
+    return 0
 
 
 def _regular_file_stat(path: Path) -> os.stat_result | None:
@@ -462,6 +573,26 @@ def _regular_file_size(path: Path) -> int | None:
 
 def _is_regular_file(path: Path) -> bool:
     return _regular_file_size(path) is not None
+
+
+def _copy_file(src_fd: int, dest: Path) -> None:
+    """Copy all of ``src_fd`` into the new file ``dest`` (in the kernel), durably."""
+    size = os.fstat(src_fd).st_size
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.fchmod(out, 0o644)
+        offset = 0
+        while offset < size:
+            sent = os.sendfile(out, src_fd, offset, size - offset)
+            if sent == 0:
+                raise OSError(errno.EIO, f"short copy into {dest}", str(dest))
+            offset += sent
+        os.fsync(out)
+    except BaseException:
+        os.close(out)
+        _unlink_quietly(dest)
+        raise
+    os.close(out)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import LockTimeout
-from .layout import CacheLayout, is_temp_name
+from .layout import CacheLayout, dir_error, is_temp_name
 from .locks import lock_file_error, try_flock
 
 logger = logging.getLogger(__name__)
@@ -88,12 +88,21 @@ def touch(path: Path, mtime: float) -> None:
 def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None:
     """Write ``final``'s metadata record atomically (before ``final`` is published)."""
     meta = layout.meta_path(final)
-    layout.check_inside(meta.parent)
-    meta.parent.mkdir(parents=True, exist_ok=True)
-    layout.check_inside(meta.parent)
-    tmp = meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    tmp.write_text(json.dumps(record, sort_keys=True))
-    os.replace(tmp, meta)
+    data = json.dumps(record, sort_keys=True)
+    for attempt in range(1, 4):
+        layout.check_inside(meta.parent)
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        layout.check_inside(meta.parent)
+        tmp = meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        try:
+            tmp.write_text(data)
+            os.replace(tmp, meta)
+            return
+        except FileNotFoundError:  # its directory was removed meanwhile: make it again
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if attempt == 3:
+                raise
 
 
 def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
@@ -112,24 +121,38 @@ def open_pinned(path: Path) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def scan(layout: CacheLayout, with_meta: bool = False) -> tuple[list[CacheEntry], int]:
+def list_dir(
+    path: Path, unreadable: list[tuple[Path, str]] | None = None
+) -> list[os.DirEntry[str]]:
+    """The entries of ``path``; none if it is gone (a tmp cleaner). A directory that cannot
+    be listed raises CacheDirError, or is appended to ``unreadable`` (with why)."""
+    try:
+        return list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        if unreadable is None:
+            raise dir_error(path, exc, "listing") from exc
+        unreadable.append((path, f"{errno.errorcode.get(exc.errno or 0, '?')}: {exc.strerror}"))
+        return []
+
+
+def scan(
+    layout: CacheLayout,
+    with_meta: bool = False,
+    unreadable: list[tuple[Path, str]] | None = None,
+) -> tuple[list[CacheEntry], int]:
     """Published entries (oldest first) and the bytes of downloads in progress;
-    ``with_meta`` also reads each entry's metadata record (URL, ETag)."""
+    ``with_meta`` also reads each entry's metadata record (URL, ETag). A directory that
+    cannot be listed raises CacheDirError, or is appended to ``unreadable`` (with why)."""
     entries: list[CacheEntry] = []
     partial = 0
     # A download renamed into place while we list its directory can show up under both
     # names: count every file (inode) once.
     seen: set[int] = set()
-    try:
-        buckets = list(os.scandir(layout.data_dir))
-    except FileNotFoundError:
-        return [], 0
-    for bucket in buckets:
-        try:
-            files = list(os.scandir(bucket.path))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for item in files:
+
+    for bucket in list_dir(layout.data_dir, unreadable):
+        for item in list_dir(Path(bucket.path), unreadable):
             try:
                 st = item.stat(follow_symlinks=False)
             except FileNotFoundError:

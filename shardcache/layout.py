@@ -192,7 +192,7 @@ class CacheLayout:
             except FileNotFoundError:
                 return  # not made yet: mkdir will make a real directory
             except OSError as exc:
-                raise _dir_error(current, exc, "examining") from exc
+                raise dir_error(current, exc, "examining") from exc
             if not stat.S_ISDIR(st.st_mode):
                 seen = f"{_kind(st)} at {current}"
                 raise CacheDirError(
@@ -294,8 +294,8 @@ def _not_a_dir(target: Path, blocker: Path) -> CacheDirError:
     )
 
 
-def _dir_error(target: Path, exc: OSError, action: str) -> CacheDirError:
-    """Turn an OSError met while preparing ``target`` into a CacheDirError."""
+def dir_error(target: Path, exc: OSError, action: str) -> CacheDirError:
+    """Turn an OSError met while ``action`` (e.g. "creating") ``target`` into a CacheDirError."""
     where = Path(exc.filename) if exc.filename else target
     code = exc.errno
     if code in (errno.EACCES, errno.EPERM):
@@ -390,9 +390,9 @@ def ensure_dir(path: Path | str, mode: int = 0o755, timeout: float = 30.0) -> Pa
         except OSError as exc:
             now = time.monotonic()
             if exc.errno not in _RETRY_ERRNOS:
-                raise _dir_error(target, exc, "creating") from exc
+                raise dir_error(target, exc, "creating") from exc
             if now >= deadline:
-                error = _dir_error(target, exc, "creating")
+                error = dir_error(target, exc, "creating")
                 raise CacheDirError(
                     f"{error.message} Still failing after {attempts} attempts over "
                     f"{now - start:.1f}s; on NFS a directory made on another node can take "
@@ -415,12 +415,12 @@ def check_writable(path: Path | str) -> None:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
-        raise _dir_error(directory, exc, "creating a file in") from exc
+        raise dir_error(directory, exc, "creating a file in") from exc
     try:
         # Write a byte: ENOSPC/EDQUOT may only show on write, not on create.
         os.write(fd, b"\0")
     except OSError as exc:
-        raise _dir_error(directory, exc, "writing a file in") from exc
+        raise dir_error(directory, exc, "writing a file in") from exc
     finally:
         os.close(fd)
         try:
@@ -434,6 +434,7 @@ __all__ = [
     "TempName",
     "cache_key",
     "check_writable",
+    "dir_error",
     "ensure_dir",
     "host_tag",
     "is_temp_name",

@@ -61,8 +61,8 @@ RENEWALS_PER_LEASE = 4  # a lease is renewed this many times per lease_time
 # node just made is not visible yet (ENOENT), a stale NFS handle, an interrupted call, an
 # I/O error of a server that is failing over, a claim name that is still being removed.
 _TRANSIENT_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EINTR, errno.EIO, errno.EEXIST})
-# About 2 s in all (0.01 s doubling to 0.5 s); then the error is reported, not waited out.
-CREATE_RETRY = RetryPolicy(retries=8, backoff=0.01, max_backoff=0.5)
+# At most ~2 s in all (5 ms doubling to 0.25 s); then the error is reported, not waited out.
+CREATE_RETRY = RetryPolicy(retries=12, backoff=0.005, max_backoff=0.25)
 _UNSUPPORTED_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
 _CONTENTION_ERRNOS = frozenset({errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK})
 

@@ -20,7 +20,6 @@ lease of a live (or unjudgeable) holder, a temp file of a living process.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import hashlib
@@ -38,6 +37,7 @@ from typing import Any
 
 from .cache import ShardCache
 from .errors import ShardCacheError
+from .eviction import list_dir, scan
 from .identity import hostname, start_ticks
 from .layout import CacheLayout, host_tag, parse_temp_name
 from .locks import (
@@ -145,10 +145,12 @@ class StatusReport:
     locks_held: list[HeldLock] = field(default_factory=list)
     stale_locks: list[Leftover] = field(default_factory=list)
     orphans: list[Leftover] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)  # (directory, why)
 
     def as_json(self) -> dict[str, Any]:
         return {
             "scope_dir": str(self.scope_dir),
+            "unreadable": _unreadable_json(self.unreadable),
             "entries": self.entries,
             "bytes": self.bytes,
             "in_use": self.in_use,
@@ -178,6 +180,7 @@ class StatusReport:
         lines += [f"  {item.describe(root)}" for item in self.orphans]
         if self.stale_locks or self.orphans:
             lines.append("run 'shardcache clean' to remove the stale locks and orphans")
+        lines += _unreadable_lines(self.unreadable)
         return "\n".join(lines)
 
 
@@ -229,7 +232,7 @@ def status(cache: ShardCache) -> StatusReport:
     """Entries, disk, locks held and by whom, stale locks and orphan files of ``cache``."""
     layout = cache.layout
     report = StatusReport(scope_dir=layout.scope_dir)
-    entries = cache.entries()
+    entries = scan(layout, with_meta=True, unreadable=report.unreadable)[0]
     report.entries = len(entries)
     report.bytes = sum(e.size for e in entries)
     report.in_use = sum(1 for e in entries if _pinned(e.path))
@@ -239,7 +242,7 @@ def status(cache: ShardCache) -> StatusReport:
     except OSError:
         pass
     _scan_locks(layout, report)
-    for path in _files(layout.data_dir):
+    for path in _files(layout.data_dir, report.unreadable):
         if parse_temp_name(path.name) is None:
             continue
         orphan = _judge_temp(path)
@@ -248,15 +251,16 @@ def status(cache: ShardCache) -> StatusReport:
         else:
             report.downloads += 1
             report.download_bytes += _size(path)
-    for path in _files(layout.meta_dir):
+    for path in _files(layout.meta_dir, report.unreadable):
         orphan = _judge_meta_file(layout, path)
         if orphan is not None:
             report.orphans.append(orphan)
+    report.unreadable = sorted(set(report.unreadable))
     return report
 
 
 def _scan_locks(layout: CacheLayout, report: StatusReport) -> None:
-    for path in _files(layout.locks_dir):
+    for path in _files(layout.locks_dir, report.unreadable):
         name = path.name
         if name.endswith(".lock"):
             if not is_held(path):
@@ -454,13 +458,14 @@ class VerifyReport:
 
     scope_dir: Path
     items: list[VerifyItem] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)  # (directory, why)
 
     def of(self, outcome: str) -> list[VerifyItem]:
         return [i for i in self.items if i.outcome == outcome]
 
     @property
     def failed(self) -> bool:
-        return bool(self.of("bad") or self.of("error"))
+        return bool(self.of("bad") or self.of("error") or self.unreadable)
 
     def as_json(self) -> dict[str, Any]:
         counts = {o: len(self.of(o)) for o in ("ok", "bad", "unknown-origin", "skipped", "error")}
@@ -468,6 +473,7 @@ class VerifyReport:
             "scope_dir": str(self.scope_dir),
             "counts": counts,
             "items": [i.as_json() for i in self.items if i.outcome != "ok"],
+            "unreadable": _unreadable_json(self.unreadable),
         }
 
     def format(self) -> str:
@@ -484,6 +490,7 @@ class VerifyReport:
         lines += [f"  error: {i.url}: {i.detail}" for i in errors]
         lines += [f"  unknown origin (no metadata record): {i.path}" for i in unknown]
         lines += [f"  skipped: {i.url}: {i.detail}" for i in skipped]
+        lines += _unreadable_lines(self.unreadable)
         return "\n".join(lines)
 
 
@@ -501,11 +508,12 @@ def verify(
         for entry in read_manifest(manifest):
             if {"size", "md5", "sha256"} & entry.meta.keys():
                 expected[entry.url] = entry.meta
-    entries = cache.entries()
+    report = VerifyReport(scope_dir=cache.layout.scope_dir)
+    entries = scan(cache.layout, with_meta=True, unreadable=report.unreadable)[0]
     threads = cache.settings.threads if threads is None else threads
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardcache-verify") as pool:
-        items = list(pool.map(lambda e: _verify_one(cache, e, expected), entries))
-    return VerifyReport(scope_dir=cache.layout.scope_dir, items=items)
+        report.items = list(pool.map(lambda e: _verify_one(cache, e, expected), entries))
+    return report
 
 
 def _verify_one(cache: ShardCache, entry: Any, expected: dict[str, dict[str, Any]]) -> VerifyItem:
@@ -568,23 +576,30 @@ def _hashes(path: Path, names: Any) -> dict[str, str]:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _files(root: Path) -> Iterator[Path]:
-    """Files directly in ``root`` and in its subdirectories (one level: ``<hh>/``)."""
-    try:
-        top = list(os.scandir(root))
-    except OSError:
-        return
-    for item in top:
+def _files(root: Path, unreadable: list[tuple[Path, str]]) -> Iterator[Path]:
+    """Files directly in ``root`` and in its subdirectories (one level: ``<hh>/``); a
+    directory that exists but cannot be listed is appended to ``unreadable``."""
+    for item in list_dir(root, unreadable):
         try:
             if item.is_dir(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    for sub in os.scandir(item.path):
-                        if sub.is_file(follow_symlinks=False):
-                            yield Path(sub.path)
+                for sub in list_dir(Path(item.path), unreadable):
+                    if sub.is_file(follow_symlinks=False):
+                        yield Path(sub.path)
             elif item.is_file(follow_symlinks=False):
                 yield Path(item.path)
         except OSError:
-            continue
+            continue  # removed meanwhile
+
+
+def _unreadable_json(unreadable: list[tuple[Path, str]]) -> list[dict[str, str]]:
+    return [{"path": str(path), "error": why} for path, why in unreadable]
+
+
+def _unreadable_lines(unreadable: list[tuple[Path, str]]) -> list[str]:
+    if not unreadable:
+        return []
+    lines = [f"unreadable  {len(unreadable)} directories (not examined; fix their permissions):"]
+    return lines + [f"  {path}: {why}" for path, why in unreadable]
 
 
 def _is_shard_lock(path: Path) -> bool:

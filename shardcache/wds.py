@@ -33,7 +33,6 @@ import webdataset as wds
 from .cache import ShardCache
 from .distributed import rank_info
 from .errors import ShardCacheError, StallError
-from .eviction import open_pinned
 from .prefetch import Prefetcher
 
 logger = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ class CacheStage:
             try:
                 for _url, path in prefetcher:
                     sample = pending.popleft()
-                    with open_pinned(path) as stream:  # not evictable while read
+                    with cache.open_prefetched(path) as stream:  # pinned, survives rm
                         yield {**sample, "stream": stream, "local_path": str(path)}
                 return
             except StallError:

@@ -185,6 +185,16 @@ def test_missing_key_fails_fast_without_retries(s3, shards, tmp_path: Path) -> N
     assert s3.count("HEAD", BUCKET, "no-such-shard.tar") == 1
 
 
+def test_open_of_missing_key_costs_one_request_and_one_error(s3, shards, tmp_path: Path) -> None:
+    cache = _cache(tmp_path, retries=5, retry_backoff=5.0)
+    url = f"s3://{BUCKET}/no-such-shard.tar"
+    with pytest.raises(RemoteNotFoundError) as info:
+        cache.open(url)
+    assert info.value.attempts == 1
+    assert s3.count(None, BUCKET, "no-such-shard.tar") == 1
+    assert cache.stats().errors == 1
+
+
 def test_missing_bucket_fails_fast(s3, tmp_path: Path) -> None:
     with pytest.raises(RemoteNotFoundError, match="no-such-bucket"):
         _cache(tmp_path, retry_backoff=5.0).fetch("s3://no-such-bucket/x.tar")
