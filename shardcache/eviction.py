@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import LockTimeout
-from .layout import CacheLayout, dir_error, is_temp_name
+from .errors import CacheDirError, LockTimeout
+from .layout import CacheLayout, dir_error, ensure_dir, is_temp_name
 from .locks import lock_file_error, try_flock
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None
     data = json.dumps(record, sort_keys=True)
     for attempt in range(1, 4):
         layout.check_inside(meta.parent)
-        meta.parent.mkdir(parents=True, exist_ok=True)
+        ensure_dir(meta.parent)
         layout.check_inside(meta.parent)
         tmp = meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         try:
@@ -211,8 +211,10 @@ def evict_lock(layout: CacheLayout, timeout: float = EVICT_LOCK_TIMEOUT) -> Iter
     while True:
         try:
             layout.check_inside(path.parent)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            ensure_dir(path.parent)
             fd = try_flock(path)
+        except CacheDirError:
+            raise
         except FileNotFoundError as exc:  # its directory was removed under us: make it again
             vanished += 1
             if vanished > 20:

@@ -47,9 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import LockFileError, LockTimeout
+from .errors import CacheDirError, LockFileError, LockTimeout
 from .fsinfo import mount_for
 from .identity import ProcessIdentity
+from .layout import ensure_dir
 from .retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -175,10 +176,12 @@ class ShardLock:
         while True:
             attempt += 1
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                ensure_dir(self.path.parent)
                 if self.policy.mode == "lease":
                     return self._try_claim_lease()
                 return self._try_flock()
+            except CacheDirError:
+                raise
             except OSError as exc:
                 transient = exc.errno in _TRANSIENT_ERRNOS
                 if not transient or not CREATE_RETRY.allows(attempt):

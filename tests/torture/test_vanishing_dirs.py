@@ -135,7 +135,7 @@ def test_directories_removed_under_live_readers(tmp_path: Path, s3: S3Server, fi
 
     reads = 0
     for kind, got, errors, _stats in results:
-        assert errors == [], (kind, errors)
+        assert not errors, f"{kind}: " + "\n".join(errors)
         assert len(got) == rounds * len(urls), kind
         for url, digest in got:
             assert digest == expected[url], f"{kind}: wrong bytes for {url}"
