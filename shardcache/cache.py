@@ -11,7 +11,6 @@ writer is SIGKILLed at any instant (it leaves only its ``.part``, swept later).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import logging
@@ -50,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 VANISHED_RETRIES = 8  # a miss is made again at most this often when its files vanish
 _VANISHED_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
+
+
+class _DiskFull(Exception):
+    """One download attempt stopped on a full disk (the OSError is ``__cause__``)."""
 
 
 @dataclass
@@ -294,17 +297,49 @@ class ShardCache:
             return final
 
     def _download_and_publish(self, info: ObjectInfo, final: Path, report: Progress) -> ObjectInfo:
+        """Download ``info`` into a private temp file and publish it, verified.
+
+        A disk that fills up meanwhile (ENOSPC/EDQUOT from the reservation, a write, the
+        flush, the truncate or the fsync; possible where nothing was reserved) gets one
+        eviction pass and, if that made room, one retry; then :class:`CacheFullError` with
+        the numbers. Any other local failure is a :class:`CacheDirError` at once. Either
+        way the temp file is removed and nothing is published.
+        """
+        try:
+            return self._publish_once(info, final, report)
+        except _DiskFull as exc:
+            first = exc.__cause__
+        logger.warning(
+            "the disk filled up while caching %s (%s): one eviction pass, then one retry",
+            info.url,
+            first,
+        )
+        try:
+            self._make_room(final, info)
+        except CacheFullError as full:
+            raise CacheFullError(
+                f"{full.message} (The download had stopped when the disk filled up: {first}; "
+                "one eviction pass could not make room.)",
+                **full.details,
+            ) from first
+        try:
+            return self._publish_once(info, final, report)
+        except _DiskFull as exc:
+            raise self._full_error(
+                final,
+                info,
+                f"the disk filled up again after one eviction pass and one retry ({exc.__cause__})",
+            ) from exc.__cause__
+
+    def _publish_once(self, info: ObjectInfo, final: Path, report: Progress) -> ObjectInfo:
         part = self.layout.temp_path(final)
         fd: int | None = None
         try:
             fd = self._create_part(part)
             os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
-            if info.size and not self._on_network_fs():
-                # Reserve the space: a full disk fails now, not after the download, and
-                # the evictor counts this download at its full size. (Not on network
-                # file systems, where glibc would emulate it by writing zeros.)
-                os.posix_fallocate(fd, 0, info.size)
+            self._reserve(fd, info)
             # The descriptor outlives the file object: publishing may need the bytes again.
+            # A failure to write ``out`` comes back as the OSError itself, never retried.
             with os.fdopen(fd, "wb", closefd=False) as out:
                 info = self.remote.download(info, out, report)
                 out.truncate()  # a smaller object than reserved for (it changed): no tail
@@ -334,12 +369,14 @@ class ShardCache:
             if exc.errno in _VANISHED_ERRNOS:  # our directory (and the .part in it) was removed
                 raise _Vanished(Path(exc.filename or part)) from exc
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise self._full_error(final, info, f"the disk filled up: {exc}") from exc
+                raise _DiskFull from exc
             raise CacheDirError(
                 f"cannot write {part} while caching {info.url}: {exc}. Check that "
-                f"{self.settings.scope_dir} is a writable directory (SHARDCACHE_DIR).",
+                f"{self.settings.scope_dir} is a writable directory on a healthy file system "
+                "(SHARDCACHE_DIR); nothing was published.",
                 path=str(part),
                 url=info.url,
+                errno=exc.errno,
             ) from exc
         except BaseException:
             _unlink_quietly(part)
@@ -385,6 +422,20 @@ class ShardCache:
             if part != original:
                 _unlink_quietly(part)
             raise
+
+    def _reserve(self, fd: int, info: ObjectInfo) -> None:
+        """Reserve the download's full size (SHARDCACHE_PREALLOCATE=auto, local disks): a full
+        disk then fails before any byte is fetched, and the evictor counts this download at
+        its full size. Not on network file systems, where glibc would emulate it by writing
+        zeros; a file system that cannot reserve (EOPNOTSUPP, EINVAL) downloads unreserved."""
+        if not info.size or self.settings.preallocate == "off" or self._on_network_fs():
+            return
+        try:
+            os.posix_fallocate(fd, 0, info.size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            logger.debug("cannot reserve space for %s (%s); downloading unreserved", info.url, exc)
 
     def prefetch(
         self,
@@ -604,5 +655,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    """Remove a temp file; one that cannot be removed (a read-only file system) is left for
+    ``shardcache clean`` with a warning, never raised over the error being reported."""
+    try:
         path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("cannot remove %s (%s); `shardcache clean` removes it later", path, exc)

@@ -245,6 +245,14 @@ SPECS: dict[str, _Spec] = {
         1,
         256,
     ),
+    "preallocate": _Spec(
+        "SHARDCACHE_PREALLOCATE",
+        _choice("auto", "off"),
+        "auto",
+        "auto: reserve each download's full size with posix_fallocate before fetching, "
+        "except on network file systems; off: never reserve (the disk can then fill "
+        "mid-download: CacheFullError after one eviction pass and one retry)",
+    ),
     "verify": _Spec(
         "SHARDCACHE_VERIFY",
         _choice("etag", "size"),
@@ -307,6 +315,7 @@ class Settings:
     parallel_threshold: int = 64 << 20
     part_size: int = 16 << 20
     parallel_parts: int = 8
+    preallocate: str = "auto"
     verify: str = "etag"
     threads: int = 4
     prefetch_depth: int = 8

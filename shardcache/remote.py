@@ -16,6 +16,7 @@ is then still in the page cache.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import logging
 import os
@@ -99,7 +100,18 @@ class _PartsCancelled(Exception):
 
 
 class _LocalWriteError(Exception):
-    """Writing to the local temp file failed (``__cause__``): not a remote error, no retry."""
+    """Local file I/O failed (the ``OSError`` is ``__cause__``): not a remote error, never
+    retried or classified; :meth:`Remote.download` re-raises the ``OSError`` itself."""
+
+
+@contextlib.contextmanager
+def _local_io() -> Iterator[None]:
+    """Mark writes to the caller's file: a full disk (ENOSPC, EDQUOT), a read-only or
+    failing file system (EROFS, EIO) is the cache's problem, not the store's."""
+    try:
+        yield
+    except OSError as exc:
+        raise _LocalWriteError(str(exc)) from exc
 
 
 class _Counter:
@@ -225,12 +237,21 @@ class Remote:
         """Stream ``info.url`` into ``out`` (positioned at 0) and verify it.
 
         Resumes after transient failures; raises a :class:`FetchError` subclass or
-        :class:`IntegrityError`. Returns the info the bytes were verified against. Large
-        S3 objects are fetched with parallel ranged GETs (``out`` must then have a
-        ``fileno()``); ``out`` is left positioned at the end of the object either way.
+        :class:`IntegrityError` for the remote side. A failure to write ``out`` (full disk,
+        read-only or failing file system) is raised as the ``OSError`` itself, at once and
+        without retries, whichever path fetched the bytes. Returns the info the bytes were
+        verified against. Large S3 objects are fetched with parallel ranged GETs (``out``
+        must then have a ``fileno()``); ``out`` is left positioned at the end of the object
+        either way.
         """
-        if self._use_parallel(info, out):
-            return self._download_parallel(info, out, progress)
+        try:
+            if self._use_parallel(info, out):
+                return self._download_parallel(info, out, progress)
+            return self._download_stream(info, out, progress)
+        except _LocalWriteError as exc:
+            raise exc.__cause__ from None  # type: ignore[misc]
+
+    def _download_stream(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
         attempt = 0
         done = 0
         md5 = hashlib.md5(usedforsecurity=False)
@@ -240,7 +261,8 @@ class Remote:
             try:
                 progress(phase=phase, bytes_done=done, bytes_total=info.size)
                 for chunk in self._stream(info, done):
-                    out.write(chunk)
+                    with _local_io():
+                        out.write(chunk)
                     md5.update(chunk)
                     done += len(chunk)
                     progress(phase="downloading", bytes_done=done, bytes_total=info.size)
@@ -257,9 +279,12 @@ class Remote:
                 # fresh metadata (a replaced object has a new size and ETag).
                 logger.warning("%s failed verification; downloading it again", info.url)
                 info = self.info(info.url)
-                out.seek(0)
-                out.truncate()
+                with _local_io():
+                    out.seek(0)
+                    out.truncate()
                 done, md5 = 0, hashlib.md5(usedforsecurity=False)
+            except _LocalWriteError:
+                raise
             except Exception as exc:
                 kind = classify(exc)
                 if kind != TRANSIENT or not self.options.retry.allows(attempt):
@@ -298,18 +323,20 @@ class Remote:
                 logger.warning("%s failed verification; downloading it again", info.url)
                 time.sleep(self.options.retry.delay(attempt))
                 info = self.info(info.url)
-                out.seek(0)
-                out.truncate()
+                with _local_io():
+                    out.seek(0)
+                    out.truncate()
                 if not self._use_parallel(info, out):
-                    return self.download(info, out, progress)
+                    return self._download_stream(info, out, progress)
 
     def _fetch_parts(
         self, info: ObjectInfo, out: BinaryIO, progress: Progress, attempt: int
     ) -> None:
-        out.flush()
-        fd = out.fileno()
-        if os.fstat(fd).st_size < info.size:
-            os.ftruncate(fd, info.size)  # parts land at their offsets in any order
+        with _local_io():
+            out.flush()
+            fd = out.fileno()
+            if os.fstat(fd).st_size < info.size:
+                os.ftruncate(fd, info.size)  # parts land at their offsets in any order
         part = self.options.part_size
         ranges = [(start, min(start + part, info.size)) for start in range(0, info.size, part)]
         done = _Counter()
@@ -331,10 +358,7 @@ class Remote:
                     pending, timeout=_PROGRESS_EVERY, return_when=cf.FIRST_EXCEPTION
                 )
                 for future in finished:
-                    try:
-                        future.result()  # re-raises the part's error here
-                    except _LocalWriteError as exc:
-                        raise exc.__cause__ from None  # type: ignore[misc]
+                    future.result()  # re-raises the part's error here
                 if done.value != reported:
                     reported = done.value
                     progress(phase="downloading", bytes_done=reported, bytes_total=info.size)
@@ -381,10 +405,8 @@ class Remote:
                         )
                     view = memoryview(chunk)
                     while view:
-                        try:
+                        with _local_io():
                             written = os.pwrite(fd, view, pos)
-                        except OSError as exc:
-                            raise _LocalWriteError from exc
                         view = view[written:]
                         pos += written
                         done.add(written)
@@ -439,7 +461,8 @@ class Remote:
         fd = out.fileno()
         pos = 0
         while pos < size:
-            data = os.pread(fd, min(self.options.chunk_size, size - pos), pos)
+            with _local_io():
+                data = os.pread(fd, min(self.options.chunk_size, size - pos), pos)
             if not data:
                 break
             md5.update(data)
