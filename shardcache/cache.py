@@ -30,6 +30,8 @@ from .errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
 from .eviction import (
     CacheEntry,
     EvictReport,
+    evict_lock,
+    evict_locked,
     evict_lru,
     open_pinned,
     pin,
@@ -284,7 +286,6 @@ class ShardCache:
 
             report(phase="stat", bytes_done=0, bytes_total=None)
             info = self.remote.info(url)
-            self._make_room(final, info)
             t0 = time.monotonic()
             info = self._download_and_publish(info, final, report)
             self._count(
@@ -315,7 +316,8 @@ class ShardCache:
             first,
         )
         try:
-            self._make_room(final, info)
+            with evict_lock(self.layout):
+                self._make_room(final, info)
         except CacheFullError as full:
             raise CacheFullError(
                 f"{full.message} (The download had stopped when the disk filled up: {first}; "
@@ -335,9 +337,7 @@ class ShardCache:
         part = self.layout.temp_path(final)
         fd: int | None = None
         try:
-            fd = self._create_part(part)
-            os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
-            self._reserve(fd, info)
+            fd = self._create_reserved_part(part, final, info)
             # The descriptor outlives the file object: publishing may need the bytes again.
             # A failure to write ``out`` comes back as the OSError itself, never retried.
             with os.fdopen(fd, "wb", closefd=False) as out:
@@ -385,6 +385,21 @@ class ShardCache:
             if fd is not None:
                 os.close(fd)
 
+    def _create_reserved_part(self, part: Path, final: Path, info: ObjectInfo) -> int:
+        """Make room for ``info`` (evicting), create ``part`` and reserve its size, all under
+        the scope's eviction lock: the next process's count includes this download, so
+        published + reserved in-flight bytes never exceed SHARDCACHE_MAX_BYTES."""
+        with evict_lock(self.layout):
+            self._make_room(final, info)
+            fd = self._create_part(part)
+            try:
+                os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
+                self._reserve(fd, info)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
     def _create_part(self, part: Path) -> int:
         """Create the download file ``part``, making its directory again if it vanished."""
         for _ in range(VANISHED_RETRIES):
@@ -428,7 +443,11 @@ class ShardCache:
         disk then fails before any byte is fetched, and the evictor counts this download at
         its full size. Not on network file systems, where glibc would emulate it by writing
         zeros; a file system that cannot reserve (EOPNOTSUPP, EINVAL) downloads unreserved."""
-        if not info.size or self.settings.preallocate == "off" or self._on_network_fs():
+        if not info.size:
+            return
+        # The apparent size is what the evictor counts (a sparse file takes no blocks).
+        os.ftruncate(fd, info.size)
+        if self.settings.preallocate == "off" or self._on_network_fs():
             return
         try:
             os.posix_fallocate(fd, 0, info.size)
@@ -478,14 +497,15 @@ class ShardCache:
 
     def _make_room(self, final: Path, info: ObjectInfo) -> None:
         """Evict least-recently-used shards so ``info`` fits within SHARDCACHE_MAX_BYTES
-        and on the disk; CacheFullError (with the numbers) when it cannot."""
+        and on the disk; CacheFullError (with the numbers) when it cannot. The caller
+        holds :func:`evict_lock`."""
         max_bytes = self.settings.max_bytes
         if max_bytes is not None:
             if info.size > max_bytes:
                 raise self._full_error(
                     final, info, f"the shard alone exceeds SHARDCACHE_MAX_BYTES={max_bytes}"
                 )
-            report = evict_lru(self.layout, max_bytes, reserve=info.size)
+            report = evict_locked(self.layout, max_bytes, reserve=info.size)
             if report.kept_bytes + info.size > max_bytes:
                 raise self._full_error(
                     final,
@@ -501,7 +521,7 @@ class ShardCache:
             return
         entries, partial = scan(self.layout)
         used = partial + sum(e.size for e in entries)
-        report = evict_lru(self.layout, max(0, used - (info.size - free)))
+        report = evict_locked(self.layout, max(0, used - (info.size - free)))
         free = _free_bytes(final.parent)
         if free < info.size:
             raise self._full_error(

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 from conftest import scale
 from processes import run_together
 
 from shardcache import ShardCache
+from shardcache.eviction import evict_lock, scan
+from shardcache.layout import CacheLayout
 
 SIZE = 64_000
 
@@ -46,6 +49,31 @@ def _reader(
     out.put((results, cache.stats().as_dict()))
 
 
+class _SizeSampler(threading.Thread):
+    """Measures published + reserved in-flight bytes over and over while the readers run.
+
+    Each sample is taken under the eviction lock, the lock every reservation and eviction
+    holds, so it sees a state the cache really was in (never half of an eviction)."""
+
+    def __init__(self, layout: CacheLayout) -> None:
+        super().__init__(daemon=True)
+        self.layout = layout
+        self.samples = 0
+        self.largest = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(0.01):  # pacing, not synchronisation
+            with evict_lock(self.layout):
+                entries, reserved = scan(self.layout)
+            self.largest = max(self.largest, reserved + sum(e.size for e in entries))
+            self.samples += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(30)
+
+
 def test_readers_under_constant_eviction(tmp_path: Path, figures) -> None:
     procs, threads, reads = scale(6, 16), scale(2, 4), scale(12, 40)
     # Each reader pins at most one shard (open) or downloads one: max_bytes must hold one
@@ -62,11 +90,16 @@ def test_readers_under_constant_eviction(tmp_path: Path, figures) -> None:
         urls.append(str(src / f"s{i:03d}.tar"))
         digests.append(hashlib.sha256(data).hexdigest())
     cache_dir = tmp_path / "cache"
-    results = run_together(
-        _reader,
-        [(str(cache_dir), urls, seed, threads, reads, fit) for seed in range(procs)],
-        timeout=600,
-    )
+    sampler = _SizeSampler(CacheLayout(cache_dir / "node"))
+    sampler.start()
+    try:
+        results = run_together(
+            _reader,
+            [(str(cache_dir), urls, seed, threads, reads, fit) for seed in range(procs)],
+            timeout=600,
+        )
+    finally:
+        sampler.stop()
     per_thread = [t for r, _ in results for t in r]
     errors = [e for t in per_thread for e in t["errors"]]
     total = sum(t["reads"] for t in per_thread)
@@ -78,6 +111,10 @@ def test_readers_under_constant_eviction(tmp_path: Path, figures) -> None:
     assert wrong == 0 and unlinked == 0
     cache = ShardCache(cache_dir, scope="node")
     assert sum(e.size for e in cache.entries()) <= fit * SIZE
+    # Throughout the run, published + reserved in-flight bytes stayed within max_bytes.
+    assert sampler.samples >= 10, sampler.samples
+    assert sampler.largest <= fit * SIZE, (sampler.largest, fit * SIZE)
+    assert sampler.largest > (fit - procs * threads) * SIZE, "the sampler saw a full cache"
     assert not list(cache_dir.rglob("*.part"))
     assert misses > shards, "eviction should have forced re-downloads"
     figures.add(
@@ -86,5 +123,6 @@ def test_readers_under_constant_eviction(tmp_path: Path, figures) -> None:
         f"max_bytes = {fit} shards",
         total,
         f"0 errors, 0 wrong bytes (sha256 of every read), 0 shards removed while open; "
-        f"{misses} downloads (evictions forced re-downloads), cache within max_bytes",
+        f"{misses} downloads (evictions forced re-downloads); published + reserved bytes "
+        f"within max_bytes in all {sampler.samples} samples taken during the run",
     )
