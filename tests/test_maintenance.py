@@ -385,3 +385,41 @@ def test_a_lease_renewed_since_it_was_judged_is_not_removed(tmp_path: Path) -> N
     assert [p.name for p in tmp_path.iterdir()] == ["abc.lease"]  # nothing left aside
     assert remove_lease_if_unchanged(lease, b'{"seq": 2}')
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: drops its own capabilities with setpriv")
+def test_status_and_verify_report_directories_they_cannot_read(tmp_path: Path) -> None:
+    """Run as a process without CAP_DAC_OVERRIDE (root that dropped its capabilities), a
+    mode-000 bucket directory really cannot be listed: status and verify name it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    cache = ShardCache(tmp_path / "cache", scope="node")
+    for i in range(6):
+        (src / f"s{i}.tar").write_bytes(os.urandom(1000))
+        cache.fetch(str(src / f"s{i}.tar"))
+    hidden = cache.path_for(str(src / "s0.tar")).parent
+    os.chmod(hidden, 0)
+    try:
+
+        def run(command: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [
+                    *("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--", sys.executable),
+                    *("-m", "shardcache", command, "--json"),
+                    *("--cache-dir", str(tmp_path / "cache"), "--scope", "node"),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+
+        state, checked = run("status"), run("verify")
+    finally:
+        os.chmod(hidden, 0o755)
+    assert state.returncode == 0, state.stderr
+    unreadable = json.loads(state.stdout)["unreadable"]
+    assert [u["path"] for u in unreadable] == [str(hidden)]
+    assert "EACCES" in unreadable[0]["error"]
+    assert checked.returncode == 1, "verify cannot vouch for a directory it could not read"
+    assert [u["path"] for u in json.loads(checked.stdout)["unreadable"]] == [str(hidden)]
