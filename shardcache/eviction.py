@@ -185,6 +185,8 @@ def remove(layout: CacheLayout, path: Path) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
+    except OSError as exc:  # a link planted at a shard's name, no permission, ...
+        raise dir_error(path, exc, "opening") from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
