@@ -498,6 +498,11 @@ def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) ->
         )
     elif code in (errno.ENOSPC, errno.EDQUOT):
         what = "the disk or quota is full: free space on it or move SHARDCACHE_DIR"
+    elif code == errno.EROFS:
+        what = (
+            "the file system is read-only (mounted so, or remounted read-only after errors): "
+            "check it (dmesg) or point SHARDCACHE_DIR at a writable disk"
+        )
     elif code in _TRANSIENT_ERRNOS:
         what = (
             f"the error persisted over {attempts} attempts; something keeps removing the "
