@@ -11,6 +11,7 @@ writer is SIGKILLed at any instant (it leaves only its ``.part``, swept later).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -416,7 +417,16 @@ class ShardCache:
 
         If the directory was removed meanwhile (a tmp cleaner), the verified bytes are
         still ours through ``fd``: copy them into a new temp file in the recreated
-        directory and publish that, instead of downloading again."""
+        directory and publish that, instead of downloading again.
+
+        With SHARDCACHE_MAX_BYTES this runs under the eviction lock: a rename while an
+        evictor lists the directory could hide the file under both names (readdir need
+        not return an entry renamed during the listing) and the count would fall short."""
+        bounded = self.settings.max_bytes is not None
+        with evict_lock(self.layout) if bounded else contextlib.nullcontext():
+            self._publish_locked(fd, part, final)
+
+    def _publish_locked(self, fd: int, part: Path, final: Path) -> None:
         original = part
         try:
             for _ in range(VANISHED_RETRIES):
