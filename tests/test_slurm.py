@@ -3,8 +3,8 @@
 The module fixture runs ``scripts/slurm-local`` (installs Debian's SLURM and munge when
 missing, about 10 s here; starts the daemons; under a second when they are up). The
 module is skipped, with the script's output as the reason, only when SLURM cannot be
-brought up (not root, no apt, ...); set ``SHARDCACHE_REQUIRE_SLURM=1`` to make that a
-failure instead.
+brought up (not root, no apt, ...); with ``SHARDCACHE_REQUIRE_SLURM=1`` that is a failure
+instead, and ``.ci/run`` sets it (CI runs as root with apt).
 
 Tasks run the venv's python (absolute path) with an explicit environment: PATH with the
 venv first, the moto server's ``AWS_*``, and no ``SHARDCACHE_*`` / launcher variables of
@@ -49,25 +49,6 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + 2 * JOB_TIMEOUT)
 
 
-def _warm_command_exists() -> bool:
-    try:
-        proc = subprocess.run(
-            [PYTHON, "-m", "shardcache", "warm", "--help"],
-            capture_output=True,
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return proc.returncode == 0
-
-
-WARM_EXISTS = _warm_command_exists()
-needs_warm = pytest.mark.skipif(
-    not WARM_EXISTS, reason="`shardcache warm` is not implemented yet (shardcache/cli.py)"
-)
-
-
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def slurm() -> str:
@@ -88,8 +69,9 @@ def slurm() -> str:
     except subprocess.TimeoutExpired as exc:
         unavailable(f"scripts/slurm-local did not finish in {SETUP_TIMEOUT}s: {_text(exc)}")
     if proc.returncode != 0:
+        root = "" if os.geteuid() == 0 else "needs root (to install and start SLURM): "
         unavailable(
-            f"SLURM could not be started: scripts/slurm-local exited {proc.returncode}:\n"
+            f"{root}SLURM could not be started: scripts/slurm-local exited {proc.returncode}:\n"
             f"{proc.stdout}{proc.stderr}"
         )
     for tool in ("srun", "sbatch", "scancel"):
@@ -346,7 +328,6 @@ def _urls() -> list[str]:
     return [f"s3://{BUCKET}/train-{i:06d}.tar" for i in range(NSHARDS)]
 
 
-@needs_warm
 def test_warm_split_auto_rank_scope(
     slurm: str, tmp_path: Path, s3: S3Server, data: dict[str, bytes]
 ) -> None:
@@ -367,7 +348,6 @@ def test_warm_split_auto_rank_scope(
         assert path.read_bytes() == body
 
 
-@needs_warm
 def test_warm_split_auto_node_scope(
     slurm: str, tmp_path: Path, s3: S3Server, data: dict[str, bytes]
 ) -> None:
@@ -412,7 +392,6 @@ def test_sbatch_example_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(SBATCH_EXAMPLE)], check=True, timeout=30)
 
 
-@needs_warm
 def test_sbatch_example_warms_then_trains_from_cache(
     slurm: str, tmp_path: Path, s3: S3Server, data: dict[str, bytes]
 ) -> None:
