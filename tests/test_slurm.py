@@ -201,9 +201,35 @@ def srun(args: list[str], env: Mapping[str, str], cwd: Path, ntasks: int = NTASK
     return run_job(cmd, env, cwd, name)
 
 
+# ``emit(**record)`` in a task: one JSON record on stdout, as lines ``TAG pid index count
+# part`` of at most 800 characters. srun forwards a task's output a line at a time, but
+# splits lines longer than 1 KiB, and the pieces then interleave with other tasks' lines.
+EMIT = f"""\
+import json, os, sys
+TAG = {TAG!r}
+def emit(**record):
+    text = json.dumps(record, default=str)
+    parts = [text[i : i + 800] for i in range(0, len(text), 800)]
+    sys.stdout.write("".join(
+        f"{{TAG}}{{os.getpid()}} {{i}} {{len(parts)}} {{p}}\\n" for i, p in enumerate(parts)
+    ))
+    sys.stdout.flush()
+"""
+
+
 def task_records(stdout: str, expected: int = NTASKS) -> list[dict]:
-    """The ``SHARDCACHE-TASK`` JSON records, sorted by rank; exactly ``expected`` of them."""
-    records = [json.loads(line[len(TAG) :]) for line in stdout.splitlines() if line.startswith(TAG)]
+    """The tasks' ``emit`` records, sorted by rank; exactly ``expected`` of them."""
+    parts: dict[str, dict[int, str]] = {}
+    counts: dict[str, int] = {}
+    for line in stdout.splitlines():
+        if line.startswith(TAG):
+            pid, index, count, part = line[len(TAG) :].split(" ", 3)
+            parts.setdefault(pid, {})[int(index)] = part
+            counts[pid] = int(count)
+    records = []
+    for pid, got in parts.items():
+        assert sorted(got) == list(range(counts[pid])), f"task {pid}: lines missing:\n{stdout}"
+        records.append(json.loads("".join(got[i] for i in range(counts[pid]))))
     assert len(records) == expected, f"expected {expected} task records, got:\n{stdout}"
     return sorted(records, key=lambda r: r["rank"])
 
@@ -211,13 +237,11 @@ def task_records(stdout: str, expected: int = NTASKS) -> list[dict]:
 def python_task(code: str) -> list[str]:
     """srun arguments running ``code`` in the venv's python, after a standard prelude."""
     prelude = (
-        "import hashlib, json, os, sys\n"
+        "import hashlib\n"
         "from shardcache import ShardCache\n"
         "from shardcache.config import Settings\n"
-        "def emit(**record):\n"
-        f"    print({TAG!r} + json.dumps(record, default=str), flush=True)\n"
     )
-    return [PYTHON, "-c", prelude + code]
+    return [PYTHON, "-c", EMIT + prelude + code]
 
 
 def sha256(data: bytes) -> str:
@@ -367,9 +391,9 @@ def test_warm_split_auto_node_scope(
 
 # The training command of the sbatch test: reads its split_by_node share through the cache.
 TRAIN_CHECK = (
-    f"TAG = {TAG!r}\n"
+    EMIT
     + """\
-import hashlib, json, os
+import hashlib
 import shardcache
 from shardcache import ShardCache, expand_urls
 from shardcache.distributed import rank_info
@@ -380,10 +404,10 @@ urls = [s["url"] for s in shardcache.split_by_node(shards)]
 cache = ShardCache()
 cached_before = {u: cache.contains(u) for u in urls}
 digests = {u: hashlib.sha256(cache.fetch(u).read_bytes()).hexdigest() for u in urls}
-print(TAG + json.dumps(dict(
+emit(
     rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
     scope_dir=str(cache.settings.scope_dir), cached_before=cached_before, digests=digests,
-    master=os.environ.get("MASTER_ADDR"))), flush=True)
+    master=os.environ.get("MASTER_ADDR"))
 """
 )
 
