@@ -358,7 +358,10 @@ def test_ensure_dir_error_messages(
 
 
 @pytest.mark.skipif(
-    os.geteuid() == 0, reason="root bypasses directory permissions; covered via EACCES injection"
+    os.geteuid() == 0,
+    reason="needs a non-root user: root bypasses directory permissions (as root, "
+    "tests/torture/test_hostile.py::test_cache_dir_problems_are_clear_errors drops "
+    "CAP_DAC_OVERRIDE for this case)",
 )
 def test_ensure_dir_read_only_parent(tmp_path: Path) -> None:
     parent = tmp_path / "ro"

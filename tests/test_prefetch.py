@@ -107,6 +107,7 @@ class FakeFetch:
         self.started: list[str] = []
         self.finished: list[str] = []
         self.opened: set[str] = set()
+        self.ended: dict[str, str] = {}  # url -> name of the exception that ended its fetch
         self.active = 0  # fetches started and not yet received by the consumer
         self.max_active = 0
 
@@ -123,6 +124,15 @@ class FakeFetch:
         with self.cond:
             assert self.cond.wait_for(predicate, timeout=WAIT), "fake fetch: condition not met"
 
+    def _wait_for_gate(self, url: str, progress) -> None:
+        deadline = time.monotonic() + WAIT
+        with self.cond:
+            # Wake every 10 ms to report (unchanged) progress, as a slow download does.
+            while url not in self.opened:
+                assert time.monotonic() < deadline, f"test gate of {url} never opened"
+                self.cond.wait(0.01)
+                progress(phase="downloading", bytes_done=0, bytes_total=self.size)
+
     def __call__(self, url: str, progress) -> Path:
         with self.cond:
             self.calls[url] += 1
@@ -132,13 +142,13 @@ class FakeFetch:
             self.cond.notify_all()
         progress(phase="downloading", bytes_done=0, bytes_total=self.size)
         if self.gated:
-            deadline = time.monotonic() + WAIT
-            with self.cond:
-                # Wake every 10 ms to report (unchanged) progress, as a slow download does.
-                while url not in self.opened:
-                    assert time.monotonic() < deadline, f"test gate of {url} never opened"
-                    self.cond.wait(0.01)
-                    progress(phase="downloading", bytes_done=0, bytes_total=self.size)
+            try:
+                self._wait_for_gate(url, progress)
+            except BaseException as exc:
+                with self.cond:
+                    self.ended[url] = type(exc).__name__
+                    self.cond.notify_all()
+                raise
         if self.clock is not None:
             self.clock.advance(self.seconds)
         if url in self.errors:
@@ -299,10 +309,11 @@ def test_close_cancels_fetches_blocked_in_progress(tmp_path: Path) -> None:
     consumer = Consumer(shards)
     consumer.start()
     fake.wait_until(lambda: len(fake.started) == 3)
-    started = time.monotonic()
     shards.close()
-    assert time.monotonic() - started < WAIT / 2, "cancelled fetches end at their next report"
     _assert_no_prefetch_threads()
+    # Each blocked fetch ended at its next progress report with the cancellation, not at
+    # its gate's own time limit (an AssertionError after WAIT).
+    assert fake.ended == dict.fromkeys(fake.started, "_Cancelled"), fake.ended
     assert consumer.result() == [] and fake.finished == []
 
 
@@ -476,10 +487,10 @@ def test_hung_download_raises_stall_error_with_diagnostics(s3, fault_proxy, tmp_
     cache.fetch(urls[2])  # warm the S3 client up, so the stall is the hung GET's alone
     fault_proxy.add_fault("hang", times=1, method="GET", path_contains="train-0.tar")
     shards = cache.prefetch(urls, threads=2, depth=3, stall_timeout=stall_timeout)
-    started = time.monotonic()
+    # A StallError (not the read timeout's error, which retries=0 would surface as a
+    # FetchError after io_timeout) shows the watchdog fired before the read timed out.
     with pytest.raises(StallError) as info:
         next(shards)
-    assert time.monotonic() - started < stall_timeout + 10
     assert fault_proxy.faults_injected("hang") == 1
     exc = info.value
     message = str(exc)

@@ -3,8 +3,8 @@
 The module fixture runs ``scripts/slurm-local`` (installs Debian's SLURM and munge when
 missing, about 10 s here; starts the daemons; under a second when they are up). The
 module is skipped, with the script's output as the reason, only when SLURM cannot be
-brought up (not root, no apt, ...); set ``SHARDCACHE_REQUIRE_SLURM=1`` to make that a
-failure instead.
+brought up (not root, no apt, ...); with ``SHARDCACHE_REQUIRE_SLURM=1`` that is a failure
+instead, and ``.ci/run`` sets it (CI runs as root with apt).
 
 Tasks run the venv's python (absolute path) with an explicit environment: PATH with the
 venv first, the moto server's ``AWS_*``, and no ``SHARDCACHE_*`` / launcher variables of
@@ -49,25 +49,6 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + 2 * JOB_TIMEOUT)
 
 
-def _warm_command_exists() -> bool:
-    try:
-        proc = subprocess.run(
-            [PYTHON, "-m", "shardcache", "warm", "--help"],
-            capture_output=True,
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return proc.returncode == 0
-
-
-WARM_EXISTS = _warm_command_exists()
-needs_warm = pytest.mark.skipif(
-    not WARM_EXISTS, reason="`shardcache warm` is not implemented yet (shardcache/cli.py)"
-)
-
-
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def slurm() -> str:
@@ -88,8 +69,9 @@ def slurm() -> str:
     except subprocess.TimeoutExpired as exc:
         unavailable(f"scripts/slurm-local did not finish in {SETUP_TIMEOUT}s: {_text(exc)}")
     if proc.returncode != 0:
+        root = "" if os.geteuid() == 0 else "needs root (to install and start SLURM): "
         unavailable(
-            f"SLURM could not be started: scripts/slurm-local exited {proc.returncode}:\n"
+            f"{root}SLURM could not be started: scripts/slurm-local exited {proc.returncode}:\n"
             f"{proc.stdout}{proc.stderr}"
         )
     for tool in ("srun", "sbatch", "scancel"):
@@ -219,9 +201,35 @@ def srun(args: list[str], env: Mapping[str, str], cwd: Path, ntasks: int = NTASK
     return run_job(cmd, env, cwd, name)
 
 
+# ``emit(**record)`` in a task: one JSON record on stdout, as lines ``TAG pid index count
+# part`` of at most 800 characters. srun forwards a task's output a line at a time, but
+# splits lines longer than 1 KiB, and the pieces then interleave with other tasks' lines.
+EMIT = f"""\
+import json, os, sys
+TAG = {TAG!r}
+def emit(**record):
+    text = json.dumps(record, default=str)
+    parts = [text[i : i + 800] for i in range(0, len(text), 800)]
+    sys.stdout.write("".join(
+        f"{{TAG}}{{os.getpid()}} {{i}} {{len(parts)}} {{p}}\\n" for i, p in enumerate(parts)
+    ))
+    sys.stdout.flush()
+"""
+
+
 def task_records(stdout: str, expected: int = NTASKS) -> list[dict]:
-    """The ``SHARDCACHE-TASK`` JSON records, sorted by rank; exactly ``expected`` of them."""
-    records = [json.loads(line[len(TAG) :]) for line in stdout.splitlines() if line.startswith(TAG)]
+    """The tasks' ``emit`` records, sorted by rank; exactly ``expected`` of them."""
+    parts: dict[str, dict[int, str]] = {}
+    counts: dict[str, int] = {}
+    for line in stdout.splitlines():
+        if line.startswith(TAG):
+            pid, index, count, part = line[len(TAG) :].split(" ", 3)
+            parts.setdefault(pid, {})[int(index)] = part
+            counts[pid] = int(count)
+    records = []
+    for pid, got in parts.items():
+        assert sorted(got) == list(range(counts[pid])), f"task {pid}: lines missing:\n{stdout}"
+        records.append(json.loads("".join(got[i] for i in range(counts[pid]))))
     assert len(records) == expected, f"expected {expected} task records, got:\n{stdout}"
     return sorted(records, key=lambda r: r["rank"])
 
@@ -229,13 +237,11 @@ def task_records(stdout: str, expected: int = NTASKS) -> list[dict]:
 def python_task(code: str) -> list[str]:
     """srun arguments running ``code`` in the venv's python, after a standard prelude."""
     prelude = (
-        "import hashlib, json, os, sys\n"
+        "import hashlib\n"
         "from shardcache import ShardCache\n"
         "from shardcache.config import Settings\n"
-        "def emit(**record):\n"
-        f"    print({TAG!r} + json.dumps(record, default=str), flush=True)\n"
     )
-    return [PYTHON, "-c", prelude + code]
+    return [PYTHON, "-c", EMIT + prelude + code]
 
 
 def sha256(data: bytes) -> str:
@@ -349,7 +355,6 @@ def _urls() -> list[str]:
     return [f"s3://{BUCKET}/train-{i:06d}.tar" for i in range(NSHARDS)]
 
 
-@needs_warm
 def test_warm_split_auto_rank_scope(
     slurm: str, tmp_path: Path, s3: S3Server, data: dict[str, bytes]
 ) -> None:
@@ -370,7 +375,6 @@ def test_warm_split_auto_rank_scope(
         assert path.read_bytes() == body
 
 
-@needs_warm
 def test_warm_split_auto_node_scope(
     slurm: str, tmp_path: Path, s3: S3Server, data: dict[str, bytes]
 ) -> None:
@@ -390,9 +394,9 @@ def test_warm_split_auto_node_scope(
 
 # The training command of the sbatch test: reads its split_by_node share through the cache.
 TRAIN_CHECK = (
-    f"TAG = {TAG!r}\n"
+    EMIT
     + """\
-import hashlib, json, os
+import hashlib
 import shardcache
 from shardcache import ShardCache, expand_urls
 from shardcache.distributed import rank_info
@@ -403,10 +407,10 @@ urls = [s["url"] for s in shardcache.split_by_node(shards)]
 cache = ShardCache()
 cached_before = {u: cache.contains(u) for u in urls}
 digests = {u: hashlib.sha256(cache.fetch(u).read_bytes()).hexdigest() for u in urls}
-print(TAG + json.dumps(dict(
+emit(
     rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
     scope_dir=str(cache.settings.scope_dir), cached_before=cached_before, digests=digests,
-    master=os.environ.get("MASTER_ADDR"))), flush=True)
+    master=os.environ.get("MASTER_ADDR"))
 """
 )
 
@@ -415,7 +419,6 @@ def test_sbatch_example_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(SBATCH_EXAMPLE)], check=True, timeout=30)
 
 
-@needs_warm
 def test_sbatch_example_warms_then_trains_from_cache(
     slurm: str, tmp_path: Path, s3: S3Server, data: dict[str, bytes]
 ) -> None:

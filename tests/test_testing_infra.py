@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import socket
 import threading
-import time
 from typing import Any
 
 import aiohttp
@@ -209,11 +208,10 @@ def test_hang_fault_times_out_a_client(s3: S3Server, fault_proxy: FaultProxy) ->
     s3.put_objects(BUCKET, {"a.bin": DATA})
     fault_proxy.add_fault("hang", times=1, method="GET")
     client = _no_retry_client(s3, fault_proxy, read_timeout=0.5, connect_timeout=2)
-    start = time.monotonic()
     with pytest.raises(botocore.exceptions.ReadTimeoutError):
         client.get_object(Bucket=BUCKET, Key="a.bin")
-    assert time.monotonic() - start < 5
     assert fault_proxy.faults_injected("hang") == 1
+    assert fault_proxy.stats().requests == 1  # the client's own timeout, no retry
 
 
 @pytest.mark.timeout(20)
@@ -224,9 +222,9 @@ def test_stop_is_prompt_with_a_hung_connection(s3: S3Server) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"GET /infra/a.bin HTTP/1.1\r\nHost: x\r\n\r\n")
         proxy.wait_for_faults(1, "hang", timeout=10)
-        start = time.monotonic()
+        # A hang ends only when the proxy stops: if stop() did not end it, the connection's
+        # thread would still be running when stop() gives up (its timeout, 5 s).
         proxy.stop()
-        assert time.monotonic() - start < 2
         assert sock.recv(1024) == b""  # the proxy closed the connection, sent nothing
     assert not [t for t in threading.enumerate() if t.name.endswith(f"-{port}")]
     proxy.stop()  # idempotent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import time
 from pathlib import Path
@@ -127,7 +128,8 @@ def test_permanent_errors_fail_fast(
         cache.fetch(url)
     elapsed = time.monotonic() - started
     requests = fault_proxy.stats().requests
-    assert elapsed < 2.0 and info.value.attempts == 1 and requests == 1, (elapsed, requests)
+    # No retry: one attempt, one request (a retry would also sleep >= 2.5 s first).
+    assert info.value.attempts == 1 and requests == 1, requests
     assert url in str(info.value) and "retr" in str(info.value)  # says it was not retried
     figures.add(
         "remote faults",
@@ -139,7 +141,7 @@ def test_permanent_errors_fail_fast(
 
 
 def test_a_hanging_server_gives_stall_error_within_the_stall_timeout(
-    s3, fault_proxy, objects, tmp_path: Path, figures
+    s3, fault_proxy, objects, tmp_path: Path, figures, caplog
 ) -> None:
     key = next(iter(objects))
     fault_proxy.add_fault("hang", times=None, method="GET", path_contains=key)
@@ -156,9 +158,13 @@ def test_a_hanging_server_gives_stall_error_within_the_stall_timeout(
         finally:
             raised = time.monotonic() - started
     elapsed = time.monotonic() - started
-    assert raised < stall + 3.0, raised
-    # Leaving the block must not wait again for the worker the StallError already gave up on.
-    assert elapsed - raised < 3.0, (raised, elapsed)
+    # The read could only time out after io_timeout (600 s): the StallError is the watchdog's.
+    assert fault_proxy.faults_injected("hang") == 1
+    # Leaving the block must not wait again for the worker the StallError already gave up
+    # on: such a wait would end in the "still running ... after close" warning.
+    assert not [
+        r for r in caplog.records if r.levelno >= logging.WARNING and "after close" in r.message
+    ]
     assert key in str(info.value)
     figures.add(
         "remote faults",
