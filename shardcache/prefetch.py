@@ -27,8 +27,13 @@ Invariants:
   read. ``close()`` joins workers for at most ``timeout`` seconds and logs any still running.
 - Watchdog: progress is bytes (and phase changes). When the consumer waits for a shard
   whose progress has not changed for ``stall_timeout``, ``next()`` raises ``StallError``
-  with the shard, its worker, bytes, rates, queue, every worker's state, the stuck thread's
-  stack and hints; the prefetcher is then closed.
+  with the shard, where it ran (pid, host, rank, DataLoader worker), its worker thread and
+  phase, bytes, rates, queue, every worker's state, the stuck thread's stack and hints, all
+  in the message (DataLoader re-raises a worker's exception from its message alone); the
+  prefetcher is then closed. Progress is whatever the fetch reports: a slow link reports
+  every read (an S3 body read returns as bytes arrive), and a shard another process is
+  downloading reports that process's lock record (``ShardCache`` forwards it), so neither
+  is a stall as long as bytes keep moving.
 - Starvation: the share of time the consumer spends waiting is tracked over a recent
   window; above ``STARVATION_SHARE`` one warning (rate-limited) names the rates and the
   knobs, before anything becomes an error.
@@ -40,6 +45,7 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import sys
 import textwrap
 import threading
@@ -51,6 +57,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn, Protocol
 
+from .distributed import rank_info
 from .errors import ConfigError, FetchError, ShardCacheError, StallError
 from .remote import Progress
 
@@ -560,9 +567,11 @@ class Prefetcher:
             stack = "    (the thread is not running)\n"
         else:
             stack = textwrap.indent("".join(traceback.format_stack(frame, STACK_LIMIT)), "  ")
+        where = _where()
         message = (
             f"prefetch stalled: {task.url} made no progress for {idle:.1f}s (stall_timeout "
             f"{self.stall_timeout:g}s) while the consumer was waiting for it.\n"
+            f"  where: {where}\n"
             f"  worker thread: {thread}\n"
             f"  elapsed since the shard started: {elapsed:.1f}s (phase {task.phase!r})\n"
             f"  bytes: {task.bytes_done} done of {expected}\n"
@@ -594,6 +603,7 @@ class Prefetcher:
             bytes_total=total,
             thread=thread,
             phase=task.phase,
+            where=where,
         )
 
     # -- shutdown --------------------------------------------------------------------
@@ -661,6 +671,29 @@ class Prefetcher:
             # Interpreter shutdown may have torn modules down: never raise from __del__.
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def _where() -> str:
+    """This process in the job: pid, host, rank and DataLoader worker, for a StallError.
+
+    DataLoader re-raises a worker's exception in the training process from its message
+    alone, so these facts go into the message, not only into attributes.
+    """
+    try:
+        rank = rank_info().describe()
+    except ShardCacheError as exc:  # malformed launcher variables must not hide the stall
+        rank = f"rank unknown ({exc})"
+    data = sys.modules.get("torch.utils.data")  # imported by the program if it uses torch
+    worker = None
+    if data is not None:
+        with contextlib.suppress(Exception):  # a partially imported or broken torch
+            worker = data.get_worker_info()
+    in_loader = (
+        "not in a DataLoader worker"
+        if worker is None
+        else f"DataLoader worker {worker.id} of {worker.num_workers}"
+    )
+    return f"pid {os.getpid()} on {socket.gethostname()}, {rank}, {in_loader}"
 
 
 def _fmt_bytes(n: float) -> str:

@@ -11,6 +11,7 @@ import functools
 import gc
 import itertools
 import logging
+import os
 import pickle
 import random
 import threading
@@ -499,6 +500,9 @@ def test_hung_download_raises_stall_error_with_diagnostics(s3, fault_proxy, tmp_
     assert (exc.bytes_done, exc.bytes_total) == (0, 200_000) and "bytes" in message
     assert exc.elapsed >= stall_timeout
     assert 'File "' in message and "in fetch" in message, "the stalled thread's stack"
+    # Where it ran, in the message itself (DataLoader rebuilds exceptions from it).
+    assert exc.where in message and f"pid {os.getpid()} on " in exc.where
+    assert "rank 0/1" in exc.where and "not in a DataLoader worker" in exc.where
     for hint in ("SHARDCACHE_THREADS", "SHARDCACHE_PREFETCH_DEPTH", "SHARDCACHE_STALL_TIMEOUT"):
         assert hint in message
     assert pickle.loads(pickle.dumps(exc)).url == urls[0]
