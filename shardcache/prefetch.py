@@ -80,6 +80,7 @@ _SAMPLE_EVERY = 0.25  # rate meters keep one (time, bytes) sample per this many 
 _MAX_CYCLES = 4096  # memory bound of the starvation window (many tiny shards)
 _MAX_WAIT = 3600.0  # cap of one Condition.wait (stays below threading.TIMEOUT_MAX)
 _QUEUED, _RUNNING, _DONE = "queued", "running", "done"
+_WAITING_FOR_HOLDER = "waiting for "  # phase prefix while another process downloads it
 _sequence = itertools.count(1)
 
 
@@ -568,6 +569,14 @@ class Prefetcher:
         else:
             stack = textwrap.indent("".join(traceback.format_stack(frame, STACK_LIMIT)), "  ")
         where = _where()
+        holder_hint = ""
+        if task.phase.startswith(_WAITING_FOR_HOLDER):  # ShardCache's lock-wait phase
+            holder_hint = (
+                f"  - this process was {task.phase}, which holds the shard's lock and whose "
+                "download made no progress either (its progress counts as ours while it "
+                "moves): look at that process; `shardcache status` lists every lock holder "
+                "with its phase and bytes\n"
+            )
         message = (
             f"prefetch stalled: {task.url} made no progress for {idle:.1f}s (stall_timeout "
             f"{self.stall_timeout:g}s) while the consumer was waiting for it.\n"
@@ -583,14 +592,15 @@ class Prefetcher:
             "  workers:\n" + "\n".join(workers) + "\n"
             f"  stack of {thread}:\n{stack}"
             "  hints:\n"
-            "  - a read that hangs means the store is unreachable, overloaded or far away: "
+            + holder_hint
+            + "  - a read that hangs means the store is unreachable, overloaded or far away: "
             "check the network and whether the data lives in another region than the "
             "compute; SHARDCACHE_IO_TIMEOUT bounds each request so a hung read fails and "
             "is retried\n"
             f"  - more parallel downloads: SHARDCACHE_THREADS (now {self.threads}); more "
             f"read-ahead: SHARDCACHE_PREFETCH_DEPTH (now {self.depth})\n"
-            "  - if shards are legitimately this slow to show progress (huge shards, another "
-            "process holding the shard's lock), raise SHARDCACHE_STALL_TIMEOUT (now "
+            "  - if shards are legitimately this slow to show progress (a very slow link, a "
+            "store that answers in large blocks), raise SHARDCACHE_STALL_TIMEOUT (now "
             f"{self.stall_timeout:g}s)"
         )
         return StallError(

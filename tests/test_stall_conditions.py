@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -122,13 +123,14 @@ def _node_cache(cache_dir: str, endpoint: str) -> ShardCache:
 def _slow_holder(
     cache_dir: str, endpoint: str, url: str, waiter_ready: Any, downloading: Any, out: Any
 ) -> None:
-    """Downloads ``url`` through the slow proxy, holding its lock throughout."""
+    """Downloads ``url`` through the proxy, holding its lock throughout; sets
+    ``downloading`` when the GET is about to start (the lock is held by then)."""
     cache = _node_cache(cache_dir, endpoint)
     if not waiter_ready.wait(WAIT):
         raise TimeoutError("the waiting process never became ready")
 
     def report(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
-        if phase == "downloading" and bytes_done > 0:
+        if phase == "downloading":
             downloading.set()
 
     path = cache.fetch(url, progress=report)
@@ -144,7 +146,7 @@ def _waiter(
     downloading: Any,
     out: Any,
 ) -> None:
-    """Prefetches ``url`` once the holder is mid-download; reports what it got."""
+    """Prefetches ``url`` once the holder is downloading it; reports what it got."""
     cache = _node_cache(cache_dir, endpoint)
     waiter_ready.set()
     if not downloading.wait(WAIT):
@@ -157,6 +159,37 @@ def _waiter(
     out.put(("waiter", "ok", got, cache.stats().as_dict()))
 
 
+def _holder_and_waiter(
+    cache_dir: str, endpoint: str, url: str, stall_timeout: float, reports: int
+) -> tuple[dict[str, tuple[Any, ...]], list[Any]]:
+    """Run the holder and the waiter; collect ``reports`` results, then stop both."""
+    waiter_ready, downloading, out = CTX.Event(), CTX.Event(), CTX.Queue()
+    waiter = CTX.Process(
+        target=_waiter,
+        args=(cache_dir, endpoint, url, stall_timeout, waiter_ready, downloading, out),
+    )
+    holder = CTX.Process(
+        target=_slow_holder, args=(cache_dir, endpoint, url, waiter_ready, downloading, out)
+    )
+    procs = [waiter, holder]
+    for p in procs:
+        p.start()
+    try:
+        results = {r[0]: r[1:] for r in (out.get(timeout=WAIT) for _ in range(reports))}
+    except queue.Empty:
+        pytest.fail("a process did not report")
+    finally:
+        waiter.join(WAIT)
+        if reports < len(procs):
+            holder.kill()  # stuck in its hung GET by design
+        holder.join(WAIT)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(WAIT)
+    return results, procs
+
+
 def test_a_shard_another_process_is_downloading_keeps_the_watchdog_quiet(
     s3, slow_proxy: FaultProxy, tmp_path: Path
 ) -> None:
@@ -166,28 +199,9 @@ def test_a_shard_another_process_is_downloading_keeps_the_watchdog_quiet(
     s3.put_objects(BUCKET, {"shared.tar": data})
     url = f"s3://{BUCKET}/shared.tar"
     stall_timeout = 3.0
-    cache_dir, endpoint = str(tmp_path / "cache"), slow_proxy.endpoint_url
-    waiter_ready, downloading, out = CTX.Event(), CTX.Event(), CTX.Queue()
-    procs = [
-        CTX.Process(
-            target=_waiter,
-            args=(cache_dir, endpoint, url, stall_timeout, waiter_ready, downloading, out),
-        ),
-        CTX.Process(
-            target=_slow_holder, args=(cache_dir, endpoint, url, waiter_ready, downloading, out)
-        ),
-    ]
-    for p in procs:
-        p.start()
-    try:
-        results = {r[0]: r[1:] for r in (out.get(timeout=WAIT) for _ in procs)}
-    except queue.Empty:
-        pytest.fail("a process did not report")
-    finally:
-        for p in procs:
-            p.join(WAIT)
-            if p.is_alive():
-                p.kill()
+    results, procs = _holder_and_waiter(
+        str(tmp_path / "cache"), slow_proxy.endpoint_url, url, stall_timeout, reports=2
+    )
     assert [p.exitcode for p in procs] == [0, 0]
     _pid, holder_sha, holder_stats = results["holder"]
     outcome, got, waiter_stats = results["waiter"]
@@ -197,6 +211,26 @@ def test_a_shard_another_process_is_downloading_keeps_the_watchdog_quiet(
     assert (waiter_stats["misses"], waiter_stats["shared"]) == (0, 1), "waited, not fetched"
     assert waiter_stats["lock_wait_seconds"] > stall_timeout, "the condition: a long wait"
     assert s3.count("GET", BUCKET, "shared.tar") == 1
+
+
+def test_a_lock_holder_whose_get_hangs_is_named_in_the_waiters_stall_error(
+    s3, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    s3.put_objects(BUCKET, {"held.tar": _blob(100_000, 8)})
+    url = f"s3://{BUCKET}/held.tar"
+    fault_proxy.add_fault("hang", times=1, method="GET", path_contains="held.tar")
+    stall_timeout = 2.0
+    results, (waiter, holder) = _holder_and_waiter(
+        str(tmp_path / "cache"), fault_proxy.endpoint_url, url, stall_timeout, reports=1
+    )
+    assert waiter.exitcode == 0 and fault_proxy.faults_injected("hang") == 1
+    outcome, message, waiter_stats = results["waiter"]
+    assert outcome == "StallError", message
+    assert f"prefetch stalled: {url} made no progress" in message
+    assert f"waiting for pid {holder.pid} on {socket.gethostname()}" in message
+    assert "holds the shard's lock" in message and "shardcache status" in message
+    assert waiter_stats["misses"] == 0, "the waiter never downloaded it itself"
+    assert s3.count("GET", BUCKET, "held.tar") == 0, "the hung GET never reached the store"
 
 
 # -- a hung GET inside DataLoader worker processes -------------------------------------
