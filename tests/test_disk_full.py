@@ -53,6 +53,14 @@ def _blob(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+def _one_object(s3: S3Server, seed: int) -> tuple[bytes, str]:
+    """Upload one shard of SIZE bytes as ``a.tar``; requests are counted from here on."""
+    data = _blob(SIZE, seed)
+    s3.put_objects(BUCKET, {"a.tar": data})
+    s3.clear_requests()
+    return data, f"s3://{BUCKET}/a.tar"
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -214,10 +222,7 @@ def slow_proxy(s3: S3Server) -> Iterator[FaultProxy]:
 def test_disk_filling_mid_download_is_cache_full(
     s3: S3Server, slow_proxy: FaultProxy, tmpfs: Path, ranged: bool
 ) -> None:
-    data = _blob(SIZE, 1)
-    s3.put_objects(BUCKET, {"a.tar": data})
-    s3.clear_requests()
-    url = f"s3://{BUCKET}/a.tar"
+    data, url = _one_object(s3, seed=1)
     cache = _cache(tmpfs, slow_proxy, s3, ranged)
     filler = Filler(tmpfs / "filler")
     parts = PARTS if ranged else 1
@@ -319,10 +324,7 @@ def test_no_room_after_the_eviction_pass_gives_up_after_one_attempt(
 def test_file_system_turning_read_only_mid_download_is_a_cache_dir_error(
     s3: S3Server, slow_proxy: FaultProxy, ext4: Path, ranged: bool
 ) -> None:
-    data = _blob(SIZE, 6)
-    s3.put_objects(BUCKET, {"a.tar": data})
-    s3.clear_requests()
-    url = f"s3://{BUCKET}/a.tar"
+    _data, url = _one_object(s3, seed=6)
     cache = _cache(ext4, slow_proxy, s3, ranged)
     parts = PARTS if ranged else 1
     source = subprocess.run(
@@ -353,9 +355,7 @@ def test_preallocate_auto_reserves_the_space_before_the_filler_can_take_it(
     """The contrast: on a local disk the default reserves the shard's full size first, so a
     concurrent filler that leaves only 64 KiB free (room for the metadata record, not for
     the rest of the shard) cannot take the download's space, and the download completes."""
-    data = _blob(SIZE, 7)
-    s3.put_objects(BUCKET, {"a.tar": data})
-    s3.clear_requests()
+    data, url = _one_object(s3, seed=7)
     cache = ShardCache(
         tmpfs / "cache",
         chunk_size=16 * 1024,
@@ -370,7 +370,7 @@ def test_preallocate_auto_reserves_the_space_before_the_filler_can_take_it(
         slow_proxy.conn_rate = None
 
     try:
-        path = cache.fetch(f"s3://{BUCKET}/a.tar", progress=OnFirstBytes(fill))
+        path = cache.fetch(url, progress=OnFirstBytes(fill))
         assert filler.filled and _sha(path.read_bytes()) == _sha(data)
         assert s3.count("GET", BUCKET, "a.tar") == 1
     finally:
