@@ -204,7 +204,9 @@ class ShardCache:
     def _fetch_missing(self, url: str, final: Path, progress: Progress | None) -> Path:
         """The miss path, made again when the cache's own directories or files vanish
         under it (tmp cleaners, a user's ``rm -rf``): every step recreates what it needs."""
-        for attempt in range(1, VANISHED_RETRIES + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return self._fetch_miss(url, final, progress)
             except _Vanished as exc:
@@ -224,7 +226,6 @@ class ShardCache:
                     exc.path,
                     url,
                 )
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _fetch_and_pin(self, url: str, progress: Progress | None) -> tuple[Path, int]:
         """``fetch``, then a pin (shared flock) on the result; fetched again if the file
