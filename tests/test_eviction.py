@@ -13,6 +13,7 @@ import pytest
 from processes import run_together
 
 from shardcache import CacheFullError, ConfigError, ShardCache
+from shardcache.maintenance import status
 
 SIZE = 100_000
 CTX = mp.get_context("spawn")
@@ -103,9 +104,11 @@ def test_prefetched_unconsumed_shards_are_pinned(sources, tmp_path: Path) -> Non
     cache = ShardCache(tmp_path / "cache")
     with cache.prefetch(sources[:3], threads=2, depth=3) as shards:
         first = next(shards)
+        # Bounded poll until the workers hold all three (published shards are pinned a
+        # moment after their rename, so "all cached" is not yet "all pinned").
         deadline = time.monotonic() + 30
-        while not all(cache.contains(u) for u in sources[:3]) and time.monotonic() < deadline:
-            time.sleep(0.01)  # bounded poll for the workers to finish
+        while status(cache).in_use < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         report = cache.evict(0)
         assert report.in_use == 3 and not report.removed, "held + 2 prefetched"
         assert first.path.read_bytes() == bytes([0]) * SIZE
