@@ -83,7 +83,9 @@ def test_threads_exclude_each_other(tmp_path: Path, mode: str) -> None:
 
 
 def _hold_forever(lock_path: str, mode: str, ready: mp.Event, progress: bool) -> None:
-    lock = ShardLock(Path(lock_path), url="s3://b/held", policy=_policy(mode))
+    # Lease: the smallest accepted lease time, renewed every quarter of it (the waiters of
+    # these tests judge with the same lease time).
+    lock = ShardLock(Path(lock_path), url="s3://b/held", policy=_policy(mode, lease_time=1.0))
     assert lock.acquire()
     lock.heartbeat(phase="downloading", bytes_done=1, bytes_total=100)
     ready.set()
@@ -166,7 +168,7 @@ def test_live_lease_holder_is_not_broken(tmp_path: Path) -> None:
     holder = _start_holder(lock_path, "lease", progress=True)
     try:
         lock = ShardLock(
-            lock_path, url="s3://b/held", policy=_policy("lease", lease_time=0.5, timeout=2.0)
+            lock_path, url="s3://b/held", policy=_policy("lease", lease_time=1.0, timeout=3.0)
         )
         with pytest.raises(LockTimeout) as info:
             lock.acquire()
