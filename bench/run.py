@@ -131,7 +131,7 @@ def read_shardcache(urls: list[str], cache: Any, threads: int = THREADS, on_samp
 
     pipeline = wds.DataPipeline(
         wds.SimpleShardList(urls),
-        shardcache.tarfile_to_samples(cache, threads=threads, depth=2 * threads),
+        shardcache.tarfile_to_samples(cache=cache, threads=threads, depth=2 * threads),
     )
     try:
         return count_samples(iter(pipeline), on_sample)

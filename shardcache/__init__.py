@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 
 # The WebDataset integration imports webdataset, which imports torch (over a second):
 # load it on first use only.
-_WDS_NAMES = ("split_by_node", "stage", "tarfile_to_samples")
+_WDS_NAMES = ("split_by_node", "stage", "tarfile_samples", "tarfile_to_samples")
 
 
 def __getattr__(name: str) -> object:
@@ -72,5 +72,6 @@ __all__ = [
     "expand_urls",
     "split_by_node",
     "stage",
+    "tarfile_samples",
     "tarfile_to_samples",
 ]

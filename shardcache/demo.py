@@ -124,7 +124,7 @@ def _run_pipeline(
         wds.SimpleShardList(urls),
         split_by_node,
         wds.split_by_worker,
-        tarfile_to_samples(cache),
+        tarfile_to_samples(cache=cache),
         *tail,
     )
     loader = torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=workers)

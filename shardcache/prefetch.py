@@ -306,6 +306,32 @@ class _StarvationMonitor:
         )
 
 
+def check_prefetch_options(
+    *, threads: int | None = None, depth: int | None = None, stall_timeout: float | None = None
+) -> None:
+    """Raise :class:`ConfigError` for a prefetch option that cannot be used (None: not given)."""
+    for name, value in (("threads", threads), ("depth", depth)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ConfigError(
+                f"prefetch option {name}={value!r} is not allowed; expected an integer >= 1.",
+                name=name,
+                value=value,
+            )
+    if stall_timeout is not None and (
+        isinstance(stall_timeout, bool)
+        or not isinstance(stall_timeout, int | float)
+        or not stall_timeout > 0
+    ):
+        raise ConfigError(
+            f"prefetch option stall_timeout={stall_timeout!r} is not allowed; expected a "
+            "number of seconds > 0.",
+            name="stall_timeout",
+            value=stall_timeout,
+        )
+
+
 class Prefetcher:
     """Iterate over ``urls`` as :class:`PrefetchedShard` ``(url, path)``, in input order,
     fetching up to ``depth`` shards ahead with ``threads`` worker threads.
@@ -336,20 +362,7 @@ class Prefetcher:
         clock: Callable[[], float] = time.monotonic,
         release: Release | None = None,
     ) -> None:
-        for name, value, low in (("threads", threads, 1), ("depth", depth, 1)):
-            if not isinstance(value, int) or value < low:
-                raise ConfigError(
-                    f"Prefetcher {name}={value!r} is not allowed; expected an integer >= {low}.",
-                    name=name,
-                    value=value,
-                )
-        if not stall_timeout > 0:
-            raise ConfigError(
-                f"Prefetcher stall_timeout={stall_timeout!r} is not allowed; expected a "
-                "number of seconds > 0.",
-                name="stall_timeout",
-                value=stall_timeout,
-            )
+        check_prefetch_options(threads=threads, depth=depth, stall_timeout=stall_timeout)
         self._fetch = fetch
         self._urls = urls
         self.threads = threads

@@ -22,6 +22,7 @@ the whole data path, so it always propagates.
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -33,13 +34,13 @@ import webdataset as wds
 from .cache import ShardCache
 from .distributed import rank_info
 from .errors import ShardCacheError, StallError
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, check_prefetch_options
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[BaseException], bool]
 Sample = dict[str, Any]
-_PREFETCH_OPTIONS = frozenset({"threads", "depth", "stall_timeout"})
+STDIN_URL = "-"  # webdataset's gopen reads standard input for this URL
 
 
 class CacheStage:
@@ -48,23 +49,26 @@ class CacheStage:
     Shards are fetched through the cache by a :class:`Prefetcher` ahead of the consumer;
     every other key of the incoming dict is passed through. Each stream is closed when the
     next shard is requested (webdataset's tar expansion has then finished reading it).
+    The URL ``"-"`` is standard input, as in webdataset: read once, in order, uncached.
     """
 
     def __init__(
         self,
-        cache: ShardCache | None = None,
         handler: Handler = wds.reraise_exception,
-        **prefetch_options: Any,
+        *,
+        cache: ShardCache | None = None,
+        threads: int | None = None,
+        depth: int | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
-        unknown = set(prefetch_options) - _PREFETCH_OPTIONS
-        if unknown:
-            raise TypeError(
-                f"unknown prefetch option(s) {sorted(unknown)}; expected some of "
-                f"{sorted(_PREFETCH_OPTIONS)}"
-            )
+        _check_callable("handler", handler, optional=False)
+        if cache is not None and not isinstance(cache, ShardCache):
+            raise TypeError(f"cache must be a shardcache.ShardCache or None, not {_kind(cache)}")
+        check_prefetch_options(threads=threads, depth=depth, stall_timeout=stall_timeout)
         self.cache = cache
         self.handler = handler
-        self.prefetch_options = prefetch_options
+        options = {"threads": threads, "depth": depth, "stall_timeout": stall_timeout}
+        self.prefetch_options = {k: v for k, v in options.items() if v is not None}
         self._live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -89,11 +93,16 @@ class CacheStage:
         source = iter(src)
         replay: deque[Sample] = deque()  # shards handed to a failed prefetcher, not yet served
         pending: deque[Sample] = deque()  # shards handed to the current prefetcher, in order
+        stdin: deque[Sample] = deque()  # a "-" reached: served once the prefetcher drained
 
         def urls() -> Iterator[str]:
             while True:
                 sample = replay.popleft() if replay else next(source, None)
                 if sample is None:
+                    return
+                _check_sample(sample)
+                if sample["url"] == STDIN_URL:
+                    stdin.append(sample)  # ends this prefetcher's input: order is kept
                     return
                 pending.append(sample)
                 yield sample["url"]
@@ -106,7 +115,8 @@ class CacheStage:
                     sample = pending.popleft()
                     with cache.open_prefetched(path) as stream:  # pinned, survives rm
                         yield {**sample, "stream": stream, "local_path": str(path)}
-                return
+                if not stdin:
+                    return
             except StallError:
                 raise
             except ShardCacheError as exn:
@@ -115,10 +125,14 @@ class CacheStage:
                 if not self.handler(exn):
                     return
                 # The prefetcher stops at a failure: serve the shards it had pulled, then the rest.
-                replay.extendleft(reversed(pending))
+                replay.extendleft(reversed([*pending, *stdin]))
                 pending.clear()
+                stdin.clear()
+                continue
             finally:
                 prefetcher.close()
+            logger.debug("reading a shard from standard input, uncached")
+            yield {**stdin.popleft(), "stream": sys.stdin.buffer}
 
 
 class TarfileToSamples(CacheStage):
@@ -126,13 +140,20 @@ class TarfileToSamples(CacheStage):
 
     def __init__(
         self,
-        cache: ShardCache | None = None,
         handler: Handler = wds.reraise_exception,
         select_files: Callable[[str], bool] | None = None,
         rename_files: Callable[[str], str] | None = None,
-        **prefetch_options: Any,
+        *,
+        cache: ShardCache | None = None,
+        threads: int | None = None,
+        depth: int | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
-        super().__init__(cache, handler, **prefetch_options)
+        super().__init__(
+            handler, cache=cache, threads=threads, depth=depth, stall_timeout=stall_timeout
+        )
+        _check_callable("select_files", select_files, optional=True)
+        _check_callable("rename_files", rename_files, optional=True)
         self.select_files = select_files
         self.rename_files = rename_files
 
@@ -147,23 +168,89 @@ class TarfileToSamples(CacheStage):
 
 
 def stage(
-    cache: ShardCache | None = None,
     handler: Handler = wds.reraise_exception,
-    **prefetch_options: Any,
+    *,
+    cache: ShardCache | None = None,
+    threads: int | None = None,
+    depth: int | None = None,
+    stall_timeout: float | None = None,
 ) -> CacheStage:
     """A pipeline stage yielding ``{"url", "stream", "local_path"}`` for webdataset's tar
-    expansion; ``prefetch_options``: ``threads``, ``depth``, ``stall_timeout``."""
-    return CacheStage(cache, handler, **prefetch_options)
+    expansion. Prefetch options left as None come from the cache's settings."""
+    return CacheStage(
+        handler, cache=cache, threads=threads, depth=depth, stall_timeout=stall_timeout
+    )
 
 
 def tarfile_to_samples(
-    cache: ShardCache | None = None,
     handler: Handler = wds.reraise_exception,
-    **options: Any,
+    select_files: Callable[[str], bool] | None = None,
+    rename_files: Callable[[str], str] | None = None,
+    *,
+    cache: ShardCache | None = None,
+    threads: int | None = None,
+    depth: int | None = None,
+    stall_timeout: float | None = None,
 ) -> TarfileToSamples:
-    """Drop-in for ``wds.tarfile_to_samples()``; ``options``: ``select_files``,
-    ``rename_files``, and the prefetch options ``threads``, ``depth``, ``stall_timeout``."""
-    return TarfileToSamples(cache, handler, **options)
+    """Drop-in for ``wds.tarfile_to_samples()``: the same positional arguments, then the
+    keyword-only cache and prefetch options (None: from the cache's settings)."""
+    return TarfileToSamples(
+        handler,
+        select_files,
+        rename_files,
+        cache=cache,
+        threads=threads,
+        depth=depth,
+        stall_timeout=stall_timeout,
+    )
+
+
+def tarfile_samples(
+    src: Iterable[Sample],
+    handler: Handler = wds.reraise_exception,
+    select_files: Callable[[str], bool] | None = None,
+    rename_files: Callable[[str], str] | None = None,
+    *,
+    cache: ShardCache | None = None,
+    threads: int | None = None,
+    depth: int | None = None,
+    stall_timeout: float | None = None,
+) -> Iterator[Sample]:
+    """Drop-in for ``wds.tariterators.tarfile_samples(src, ...)``: samples of the shards
+    ``src`` names (``{"url": ...}`` dicts), read through the cache."""
+    return tarfile_to_samples(
+        handler,
+        select_files,
+        rename_files,
+        cache=cache,
+        threads=threads,
+        depth=depth,
+        stall_timeout=stall_timeout,
+    )(src)
+
+
+def _kind(value: object) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__} {value!r:.80}"
+
+
+def _check_callable(name: str, value: object, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if callable(value):
+        return
+    hint = ""
+    if isinstance(value, ShardCache):
+        hint = f"; the cache is a keyword argument: pass cache={value!r}"
+    expected = "a callable or None" if optional else "a callable"
+    raise TypeError(f"{name} must be {expected}, not {_kind(value)}{hint}")
+
+
+def _check_sample(sample: object) -> None:
+    if not isinstance(sample, dict) or not isinstance(sample.get("url"), str):
+        raise TypeError(
+            "shardcache's WebDataset stage expects {'url': str, ...} dicts from the shard "
+            f"list (wds.SimpleShardList, wds.ResampledShards), not {_kind(sample)}"
+        )
 
 
 def split_by_node(src: Iterable[Any], group: Any = None) -> Iterator[Any]:

@@ -28,8 +28,8 @@ def main(spec: str, cache_dir: str, endpoint: str, stall_timeout: float, io_time
         # A handler that skips failed shards, as long jobs often use: a stall is not a fault
         # of one shard, so it must still end the job.
         shardcache.tarfile_to_samples(
-            cache,
-            handler=wds.warn_and_continue,
+            wds.warn_and_continue,
+            cache=cache,
             threads=2,
             depth=2,
             stall_timeout=stall_timeout,

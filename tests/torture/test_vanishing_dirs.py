@@ -53,7 +53,7 @@ def _reader(kind: str, cache_dir: str, urls: list[str], rounds: int, seed: int, 
             else:  # the WebDataset stage
                 from shardcache import stage
 
-                for sample in stage(cache, threads=2, depth=3)({"url": u} for u in order):
+                for sample in stage(cache=cache, threads=2, depth=3)({"url": u} for u in order):
                     got.append((sample["url"], _sha(sample["stream"].read())))
                     done.value += 1
     except Exception as exc:  # reported, the parent fails the test with it

@@ -1,0 +1,164 @@
+"""``shardcache.tarfile_to_samples`` as a drop-in: webdataset's signature, its URL forms,
+and the same samples as webdataset's own ``tarfile_to_samples`` (local files, real processes)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+
+import shardcache
+from shardcache import ConfigError, ShardCache
+from shardcache.demo import make_shard
+
+pytestmark = pytest.mark.timeout(120)
+PER_SHARD = 5
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> list[Path]:
+    paths = []
+    for i in range(3):
+        path = tmp_path / "data" / f"shard-{i:03d}.tar"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(make_shard(i, PER_SHARD))
+        paths.append(path)
+    return paths
+
+
+def _keys(stage, urls: list[str]) -> list[str]:
+    pipeline = wds.DataPipeline(wds.SimpleShardList(urls), stage, wds.to_tuple("__key__"))
+    return [key for (key,) in pipeline]
+
+
+def test_signature_matches_webdatasets_with_cache_options_keyword_only() -> None:
+    ours = inspect.signature(shardcache.tarfile_to_samples).parameters
+    theirs = inspect.signature(wds.tariterators.tarfile_samples).parameters
+    positional = [n for n, p in ours.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == [n for n in theirs if n != "src"]
+    for name in positional:
+        assert ours[name].default is theirs[name].default
+    keyword_only = {n for n, p in ours.items() if p.kind is p.KEYWORD_ONLY}
+    assert keyword_only == {"cache", "threads", "depth", "stall_timeout"}
+    samples = inspect.signature(shardcache.tarfile_samples).parameters
+    assert list(samples)[: len(theirs)] == list(theirs)
+
+
+def test_handler_first_as_in_webdataset(tmp_path: Path, shards: list[Path]) -> None:
+    """``tarfile_to_samples(wds.warn_and_continue)`` takes the handler, as webdataset does."""
+    shards[1].write_bytes(b"not a tar file" * 64)
+    stage = shardcache.tarfile_to_samples(wds.warn_and_continue, cache=ShardCache(tmp_path / "c"))
+    with pytest.warns(UserWarning):
+        keys = _keys(stage, [str(p) for p in shards])
+    reference = wds.tarfile_to_samples(wds.warn_and_continue)
+    with pytest.warns(UserWarning):
+        assert keys == _keys(reference, [str(p) for p in shards])
+    assert len(keys) == 2 * PER_SHARD
+
+
+def test_select_and_rename_files_positionally(tmp_path: Path, shards: list[Path]) -> None:
+    def select(name: str) -> bool:
+        return name.endswith(".cls")
+
+    def rename(name: str) -> str:
+        return name.replace(".cls", ".label")
+
+    urls = [str(p) for p in shards]
+    ours = shardcache.tarfile_to_samples(
+        wds.reraise_exception, select, rename, cache=ShardCache(tmp_path / "c")
+    )
+    theirs = wds.tarfile_to_samples(wds.reraise_exception, select, rename)
+    got = list(wds.DataPipeline(wds.SimpleShardList(urls), ours))
+    want = list(wds.DataPipeline(wds.SimpleShardList(urls), theirs))
+    assert [sorted(s) for s in got] == [sorted(s) for s in want]
+    assert all(set(s) >= {"label"} and "cls" not in s for s in got)
+    assert [s["label"] for s in got] == [s["label"] for s in want]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (shardcache.tarfile_to_samples, "the cache is a keyword argument"),
+        (shardcache.stage, "the cache is a keyword argument"),
+        (lambda c: shardcache.tarfile_to_samples("warn"), "handler must be a callable"),
+        (lambda c: shardcache.tarfile_to_samples(select_files="*.jpg"), "select_files must be"),
+        (lambda c: shardcache.tarfile_to_samples(rename_files=3), "rename_files must be"),
+        (lambda c: shardcache.tarfile_to_samples(cache="/tmp/x"), "cache must be a"),
+        (
+            lambda c: shardcache.tarfile_to_samples(wds.reraise_exception, None, None, c),
+            "positional",
+        ),
+    ],
+)
+def test_wrong_types_fail_at_construction(tmp_path: Path, call, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        call(ShardCache(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "options", [{"threads": 0}, {"threads": "2"}, {"depth": 1.5}, {"stall_timeout": -1}]
+)
+def test_bad_prefetch_values_fail_at_construction(options: dict) -> None:
+    with pytest.raises(ConfigError, match=next(iter(options))):
+        shardcache.tarfile_to_samples(**options)
+
+
+def test_a_shard_list_of_plain_strings_is_refused_with_the_fix(tmp_path: Path) -> None:
+    stage = shardcache.tarfile_to_samples(cache=ShardCache(tmp_path))
+    with pytest.raises(TypeError, match="SimpleShardList"):
+        list(stage(iter(["a.tar"])))
+
+
+def test_local_path_forms_give_webdatasets_samples(
+    tmp_path: Path, shards: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relative paths, absolute paths and file:// URLs: one cache entry per file."""
+    monkeypatch.chdir(tmp_path)
+    cache = ShardCache(tmp_path / "cache")
+    absolute = [str(p) for p in shards]
+    want = _keys(wds.tarfile_to_samples(), absolute)
+    relative = [str(p.relative_to(tmp_path)) for p in shards]
+    forms = [absolute, [p.as_uri() for p in shards], relative]
+    for urls in forms:
+        assert _keys(shardcache.tarfile_to_samples(cache=cache), urls) == want
+    stats = cache.stats()
+    assert (stats.misses, stats.hits) == (len(shards), (len(forms) - 1) * len(shards))
+
+
+def test_stdin_is_read_once_in_order_and_uncached(tmp_path: Path, shards: list[Path]) -> None:
+    """``-`` reads standard input in its place in the shard list, as webdataset's gopen does."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import webdataset as wds
+        import shardcache
+
+        cache = shardcache.ShardCache(sys.argv[1])
+        urls = [sys.argv[2], "-", sys.argv[3]]
+        pipeline = wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            shardcache.tarfile_to_samples(cache=cache, threads=2),
+            wds.to_tuple("__key__"),
+        )
+        for (key,) in pipeline:
+            print(key)
+        print("entries", len(cache.entries()))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "cache"), str(shards[0]), str(shards[2])],
+        input=shards[1].read_bytes(),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    lines = result.stdout.decode().split()
+    want = _keys(wds.tarfile_to_samples(), [str(p) for p in shards])
+    assert lines[:-2] == want
+    assert lines[-2:] == ["entries", "2"]  # standard input is not cached
