@@ -21,7 +21,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -55,7 +55,12 @@ _VANISHED_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
 
 
 class _DiskFull(Exception):
-    """One download attempt stopped on a full disk (the OSError is ``__cause__``)."""
+    """One download attempt stopped on a full disk (the OSError is ``__cause__``) after
+    writing ``written`` bytes."""
+
+    def __init__(self, written: int) -> None:
+        super().__init__(written)
+        self.written = written
 
 
 @dataclass
@@ -306,12 +311,22 @@ class ShardCache:
         flush, the truncate or the fsync; possible where nothing was reserved) gets one
         eviction pass and, if that made room, one retry; then :class:`CacheFullError` with
         the numbers. Any other local failure is a :class:`CacheDirError` at once. Either
-        way the temp file is removed and nothing is published.
+        way the temp file is removed and nothing is published. An object whose size is
+        unknown ahead (a ``pipe:`` command) gets no eviction pass: there is no size to make
+        room for, so a full disk is a :class:`CacheFullError` at once.
         """
         try:
             return self._publish_once(info, final, report)
         except _DiskFull as exc:
             first = exc.__cause__
+            if info.size is None:
+                raise self._full_error(
+                    final,
+                    replace(info, size=exc.written),
+                    f"the disk filled up after {exc.written} bytes of a command's output (its "
+                    "size is unknown until it ends, so no room is made ahead; with "
+                    "SHARDCACHE_MAX_BYTES below the disk size eviction keeps room)",
+                ) from first
         logger.warning(
             "the disk filled up while caching %s (%s): one eviction pass, then one retry",
             info.url,
@@ -338,6 +353,7 @@ class ShardCache:
     def _publish_once(self, info: ObjectInfo, final: Path, report: Progress) -> ObjectInfo:
         part = self.layout.temp_path(final)
         fd: int | None = None
+        sized_ahead = info.size is not None
         try:
             fd = self._create_reserved_part(part, final, info)
             # The descriptor outlives the file object: publishing may need the bytes again.
@@ -347,6 +363,9 @@ class ShardCache:
                 out.truncate()  # a smaller object than reserved for (it changed): no tail
                 out.flush()
             os.fsync(fd)
+            if not sized_ahead and self.settings.max_bytes is not None:
+                with evict_lock(self.layout):  # now that the size is known: within the limit
+                    self._make_room(final, info, on_disk=True)
             report(phase="publishing", bytes_done=info.size, bytes_total=info.size)
             write_meta(
                 self.layout,
@@ -371,7 +390,7 @@ class ShardCache:
             if exc.errno in _VANISHED_ERRNOS:  # our directory (and the .part in it) was removed
                 raise _Vanished(Path(exc.filename or part)) from exc
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _DiskFull from exc
+                raise _DiskFull(_written(fd)) from exc
             raise CacheDirError(
                 f"cannot write {part} while caching {info.url}: {exc}. Check that "
                 f"{self.settings.scope_dir} is a writable directory on a healthy file system "
@@ -390,12 +409,15 @@ class ShardCache:
     def _create_reserved_part(self, part: Path, final: Path, info: ObjectInfo) -> int:
         """Make room for ``info`` (evicting), create ``part`` and reserve its size, all under
         the scope's eviction lock: the next process's count includes this download, so
-        published + reserved in-flight bytes never exceed SHARDCACHE_MAX_BYTES."""
+        published + reserved in-flight bytes never exceed SHARDCACHE_MAX_BYTES. A size not
+        known ahead (``pipe:``) reserves nothing: the room is made once the download ended
+        (:meth:`_publish_once`), and meanwhile the evictor counts the ``.part`` as it grows."""
+        if info.size is None:
+            return self._create_part(part)
         with evict_lock(self.layout):
             self._make_room(final, info)
             fd = self._create_part(part)
             try:
-                os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
                 self._reserve(fd, info)
             except BaseException:
                 os.close(fd)
@@ -407,10 +429,17 @@ class ShardCache:
         for _ in range(VANISHED_RETRIES):
             try:
                 # O_RDWR: a parallel download hashes the file back from disk to verify it.
-                return os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             except FileNotFoundError:
                 self._ensure_dir(part.parent)
                 self.layout.check_inside(part.parent)
+                continue
+            try:
+                os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
         raise _Vanished(part.parent)
 
     def _publish(self, fd: int, part: Path, final: Path) -> None:
@@ -506,18 +535,21 @@ class ShardCache:
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _make_room(self, final: Path, info: ObjectInfo) -> None:
+    def _make_room(self, final: Path, info: ObjectInfo, *, on_disk: bool = False) -> None:
         """Evict least-recently-used shards so ``info`` fits within SHARDCACHE_MAX_BYTES
         and on the disk; CacheFullError (with the numbers) when it cannot. The caller
-        holds :func:`evict_lock`."""
+        holds :func:`evict_lock`. ``on_disk``: the bytes are already downloaded into a
+        ``.part``, which the evictor's count includes (and the disk already holds)."""
         max_bytes = self.settings.max_bytes
+        size = info.size or 0
         if max_bytes is not None:
-            if info.size > max_bytes:
+            if size > max_bytes:
                 raise self._full_error(
                     final, info, f"the shard alone exceeds SHARDCACHE_MAX_BYTES={max_bytes}"
                 )
-            report = evict_locked(self.layout, max_bytes, reserve=info.size)
-            if report.kept_bytes + info.size > max_bytes:
+            reserve = 0 if on_disk else size
+            report = evict_locked(self.layout, max_bytes, reserve=reserve)
+            if report.kept_bytes + reserve > max_bytes:
                 raise self._full_error(
                     final,
                     info,
@@ -528,13 +560,13 @@ class ShardCache:
                     report,
                 )
         free = _free_bytes(final.parent)
-        if free >= info.size:
+        if on_disk or free >= size:
             return
         entries, partial = scan(self.layout)
         used = partial + sum(e.size for e in entries)
-        report = evict_locked(self.layout, max(0, used - (info.size - free)))
+        report = evict_locked(self.layout, max(0, used - (size - free)))
         free = _free_bytes(final.parent)
-        if free < info.size:
+        if free < size:
             raise self._full_error(
                 final,
                 info,
@@ -675,6 +707,16 @@ def _copy_file(src_fd: int, dest: Path) -> None:
         _unlink_quietly(dest)
         raise
     os.close(out)
+
+
+def _written(fd: int | None) -> int:
+    """Bytes in the (possibly unlinked) download file ``fd``; 0 when unknown."""
+    if fd is None:
+        return 0
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return 0
 
 
 def _fsync_dir(path: Path) -> None:

@@ -7,8 +7,9 @@
     ├── UrlError(ValueError)              bad URL or spec (braces, empty list, protocol)
     ├── FetchError                        url, attempts, cause
     │   ├── TransientFetchError           retries exhausted on 5xx/throttle/reset/timeout
-    │   └── PermanentFetchError           not retried: access denied, bad bucket, ...
-    │       └── RemoteNotFoundError(FileNotFoundError)   no such key / bucket
+    │   ├── PermanentFetchError           not retried: access denied, bad bucket, ...
+    │   │   └── RemoteNotFoundError(FileNotFoundError)   no such key / bucket
+    │   └── PipeCommandError              a pipe: command failed on every attempt
     ├── CacheError                        the local side
     │   ├── CacheDirError(OSError)        cache dir missing, not a dir, not writable
     │   ├── IntegrityError                downloaded bytes do not match size / ETag
@@ -83,6 +84,19 @@ class RemoteNotFoundError(PermanentFetchError, FileNotFoundError):
     """The remote object or bucket does not exist."""
 
 
+class PipeCommandError(FetchError):
+    """A ``pipe:`` URL's command failed on every attempt: a nonzero exit status, death by a
+    signal, or no output for SHARDCACHE_IO_TIMEOUT.
+
+    Attributes: ``command``, ``exit_status`` (``Popen.returncode``: negative for a signal,
+    -9 also when shardcache killed a silent command), ``stderr`` (the last few KiB),
+    ``timed_out``. An exit status does not say whether the failure is transient, so every
+    failure was retried under the retry policy first (``retryable``: trying later may work).
+    """
+
+    retryable = True
+
+
 class CacheError(ShardCacheError):
     """Something is wrong on the local cache side."""
 
@@ -129,6 +143,7 @@ __all__ = [
     "LockFileError",
     "LockTimeout",
     "PermanentFetchError",
+    "PipeCommandError",
     "RemoteNotFoundError",
     "ShardCacheError",
     "StallError",

@@ -11,6 +11,13 @@ offset into the same temp file (``os.pwrite``), each retried on its own, all gua
 ``If-Match``. Memory stays bounded by parts in flight x a 1 MiB read piece. The size is
 checked per part; the MD5 (single-part ETags) is computed afterwards from the file, which
 is then still in the page cache.
+
+``pipe:`` URLs (webdataset's shell commands) are run by :mod:`shardcache.pipes`: their size
+is unknown until the command ends (``ObjectInfo.size`` is None until :meth:`Remote.download`
+returns the info with the size it saw). A run is verified by its exit status (0) and the
+byte count; any failed run (nonzero status, a signal, no output for ``io_timeout``) is
+retried under the retry policy, because a status does not say whether the cause was
+transient, and the last failure is raised as :class:`PipeCommandError`.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, Protocol
 
 import fsspec
@@ -34,9 +41,11 @@ from .errors import (
     FetchError,
     IntegrityError,
     PermanentFetchError,
+    PipeCommandError,
     RemoteNotFoundError,
     TransientFetchError,
 )
+from .pipes import CommandFailed, check_allowed, command_of, run_command
 from .retry import (
     NOT_FOUND,
     TRANSIENT,
@@ -69,7 +78,7 @@ class ObjectInfo:
     """What we know of a remote object before downloading it."""
 
     url: str
-    size: int
+    size: int | None  # None: known only once downloaded (a pipe: command's output)
     etag: str | None = None
     version_id: str | None = None
     md5: str | None = None  # hex MD5 of the content when the ETag is one (single-part, no KMS)
@@ -187,7 +196,11 @@ class Remote:
     # -- metadata --------------------------------------------------------------------
 
     def info(self, url: str) -> ObjectInfo:
-        """Size and checksum of ``url``; transient errors are retried."""
+        """Size and checksum of ``url``; transient errors are retried. A ``pipe:`` command is
+        not run here: its size is None (unknown until :meth:`download`)."""
+        if url_protocol(url) == "pipe":
+            check_allowed(url)
+            return ObjectInfo(url, None)
         return self._with_retries(url, "stat", lambda: self._info_once(url))
 
     def _info_once(self, url: str) -> ObjectInfo:
@@ -240,11 +253,13 @@ class Remote:
         :class:`IntegrityError` for the remote side. A failure to write ``out`` (full disk,
         read-only or failing file system) is raised as the ``OSError`` itself, at once and
         without retries, whichever path fetched the bytes. Returns the info the bytes were
-        verified against. Large S3 objects are fetched with parallel ranged GETs (``out``
-        must then have a ``fileno()``); ``out`` is left positioned at the end of the object
-        either way.
+        verified against (with the size seen when ``info.size`` was None: a ``pipe:``
+        command). Large S3 objects are fetched with parallel ranged GETs (``out`` must then
+        have a ``fileno()``); ``out`` is left positioned at the end of the object either way.
         """
         try:
+            if info.size is None:
+                return self._download_pipe(info, out, progress)
             if self._use_parallel(info, out):
                 return self._download_parallel(info, out, progress)
             return self._download_stream(info, out, progress)
@@ -291,6 +306,62 @@ class Remote:
                     raise self._fetch_error(info.url, attempt, exc, kind) from exc
                 logger.info("retrying %s after %s (attempt %d)", info.url, describe(exc), attempt)
             time.sleep(self.options.retry.delay(attempt))
+
+    # -- pipe: commands --------------------------------------------------------------
+
+    def _download_pipe(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
+        """Run the command until one run exits 0, each run from byte 0 (a command cannot be
+        resumed); PipeCommandError after the last allowed attempt."""
+        command = command_of(info.url)
+
+        def write(data: bytes) -> None:
+            with _local_io():
+                out.write(data)
+
+        attempt = 0
+        while True:
+            attempt += 1
+            phase = "running command" if attempt == 1 else f"retry {attempt - 1}"
+
+            def moved(done: int, phase: str = phase) -> None:
+                progress(phase=phase, bytes_done=done, bytes_total=None)
+
+            with _local_io():
+                out.seek(0)
+                out.truncate()
+            try:
+                size = run_command(
+                    command,
+                    write,
+                    moved,
+                    io_timeout=self.options.io_timeout,
+                    chunk_size=self.options.chunk_size,
+                )
+                return replace(info, size=size)
+            except CommandFailed as exc:
+                failure = exc
+            what = failure.describe(self.options.io_timeout)
+            if not self.options.retry.allows(attempt):
+                raise self._pipe_error(info.url, attempt, failure, what) from failure
+            logger.info("retrying pipe command %r (attempt %d): it %s", command, attempt, what)
+            time.sleep(self.options.retry.delay(attempt))
+
+    @staticmethod
+    def _pipe_error(url: str, attempts: int, failure: CommandFailed, what: str) -> PipeCommandError:
+        return PipeCommandError(
+            f"pipe command {failure.command!r} {what}. An exit status does not say whether a "
+            f"failure is transient, so every failure is retried: it failed on all {attempts} "
+            f"attempt(s) (SHARDCACHE_RETRIES={attempts - 1}) and nothing was cached. Run the "
+            "command in a shell to see why (it must write the shard to its standard output "
+            "and exit with status 0).",
+            url=url,
+            attempts=attempts,
+            cause=what,
+            command=failure.command,
+            exit_status=failure.exit_status,
+            stderr=failure.stderr,
+            timed_out=failure.timed_out,
+        )
 
     # -- parallel ranged download (large S3 objects) -----------------------------------
 

@@ -17,6 +17,15 @@ Departures from plain ``braceexpand`` (each turns a silent surprise into a ``Url
   substitution is not done.
 
 Lists are brace-expanded item by item (webdataset passes lists through untouched).
+
+``pipe:`` URLs (``pipe:aws s3 cp s3://b/x-{000..009}.tar -``) are shell commands whose
+standard output is the shard, as in webdataset. Their braces are expanded exactly as
+webdataset does (plain ``braceexpand``): a brace group that is neither a range nor a list
+(``awk '{print}'``, ``${VAR}``) stays literal instead of being an error, and a backslash
+is dropped as braceexpand drops it. Unbalanced braces, the expansion bound, the length
+limit and the control-character checks apply as to any URL; the command is never taken
+for a path, and '::' inside it is allowed only in a JSON manifest's ``{"url": ...}``
+object (in a spec string '::' separates specs, as in webdataset).
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ MAX_URL_BYTES = 8192
 """Longest URL accepted, in UTF-8 bytes."""
 
 MANIFEST_SUFFIXES = (".txt", ".json", ".manifest")
+
+PIPE_PREFIX = "pipe:"
+"""A URL starting with this is a shell command whose standard output is the shard."""
 
 _SHOW_CHARS = 200
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -109,8 +121,16 @@ def _is_known_protocol(proto: str) -> bool:
     return proto in registry or proto in known_implementations
 
 
+def is_pipe_url(url: str) -> bool:
+    """True for webdataset's ``pipe:<command>`` URLs (case-sensitive, as in webdataset)."""
+    return url.startswith(PIPE_PREFIX)
+
+
 def url_protocol(url: str) -> str:
-    """The protocol of ``url`` ("s3", "gs", "http", ...), lower-cased; "file" for a path."""
+    """The protocol of ``url`` ("s3", "gs", "http", ...), lower-cased; "file" for a path;
+    "pipe" for a ``pipe:`` command."""
+    if is_pipe_url(url):
+        return "pipe"
     match = _SCHEME_RE.match(url)
     return match.group(1).lower() if match else "file"
 
@@ -146,6 +166,16 @@ def _check_protocol(url: str, spec: object, where: str) -> None:
 
 
 def _check_url(url: str, spec: object, where: str = "") -> str:
+    if is_pipe_url(url) and not url[len(PIPE_PREFIX) :].strip():
+        raise _fail(
+            spec,
+            "Empty pipe command",
+            "'pipe:' followed by a shell command that writes the shard to its stdout",
+            "nothing after 'pipe:'",
+            "Write e.g. 'pipe:aws s3 cp s3://bucket/key.tar -'.",
+            url=url,
+            where=where,
+        )
     if not url:
         raise _fail(
             spec,
@@ -178,6 +208,8 @@ def _check_url(url: str, spec: object, where: str = "") -> str:
             url=url,
             where=where,
         )
+    if is_pipe_url(url):
+        return url  # a shell command: '::' and what looks like a scheme are its own business
     if "::" in url:
         raise _fail(
             spec,
@@ -246,11 +278,13 @@ def _range_count(expr: str) -> int | None:
     return None
 
 
-def _count(pattern: str, spec: object, where: str) -> int:
+def _count(pattern: str, spec: object, where: str, *, literal_groups: bool = False) -> int:
     """How many strings braceexpand(pattern) yields; UrlError when it is malformed.
 
     Mirrors braceexpand's grammar (pattern = product of literals and groups; group =
-    range or comma list of patterns) without expanding anything.
+    range or comma list of patterns) without expanding anything. ``literal_groups``: a
+    group that is neither range nor list is kept literally, as braceexpand keeps it (its
+    inner groups still expand); otherwise it is an error.
     """
     total = 1
     pos = 0
@@ -283,7 +317,9 @@ def _count(pattern: str, spec: object, where: str) -> int:
             count = _range_count(expr)
             if count is None:
                 alternatives = _split_top_commas(expr)
-                if len(alternatives) < 2:
+                if len(alternatives) < 2 and literal_groups:
+                    alternatives = [expr]
+                elif len(alternatives) < 2:
                     raise _fail(
                         spec,
                         "Malformed brace pattern",
@@ -292,7 +328,9 @@ def _count(pattern: str, spec: object, where: str) -> int:
                         _HINT_BRACES,
                         where=where,
                     )
-                count = sum(_count(alt, spec, where) for alt in alternatives)
+                count = sum(
+                    _count(alt, spec, where, literal_groups=literal_groups) for alt in alternatives
+                )
             total *= count
             pos = close + 1
             continue
@@ -301,7 +339,8 @@ def _count(pattern: str, spec: object, where: str) -> int:
 
 
 def _expand_pattern(pattern: str, spec: object, where: str = "") -> list[str]:
-    count = _count(pattern, spec, where)
+    # A shell command's braces (awk '{print}', ${VAR}) are webdataset's business: kept.
+    count = _count(pattern, spec, where, literal_groups=is_pipe_url(pattern))
     if count > MAX_EXPANSION:
         raise _fail(
             spec,
@@ -365,7 +404,7 @@ def _manifest_path(spec: str) -> Path | None:
     """The manifest file ``spec`` names, or None when it is a URL pattern."""
     if spec.startswith("@"):
         return Path(spec[1:]).expanduser()
-    if _SCHEME_RE.match(spec) or "{" in spec:
+    if _SCHEME_RE.match(spec) or is_pipe_url(spec) or "{" in spec:
         return None
     if spec.lower().endswith(MANIFEST_SUFFIXES) and Path(spec).is_file():
         return Path(spec)
@@ -373,7 +412,7 @@ def _manifest_path(spec: str) -> Path | None:
 
 
 def _require_absolute(url: str, spec: object, where: str) -> None:
-    if _SCHEME_RE.match(url) is None and not Path(url).is_absolute():
+    if _SCHEME_RE.match(url) is None and not is_pipe_url(url) and not Path(url).is_absolute():
         raise _fail(
             spec,
             "Relative entry in manifest",
@@ -548,8 +587,10 @@ def expand_urls(spec: Spec) -> list[str]:
 __all__ = [
     "MAX_EXPANSION",
     "MAX_URL_BYTES",
+    "PIPE_PREFIX",
     "ManifestEntry",
     "expand_urls",
+    "is_pipe_url",
     "read_manifest",
     "url_protocol",
 ]
