@@ -1,6 +1,6 @@
 """Stand-ins for webdataset's test files that its repository keeps outside git.
 
-``testdata/imagenet-000000.tgz`` is 47 ImageNet-style samples (``.cls``, ``.jpg``,
+``testdata/imagenet-000000.tgz`` is 47 ImageNet-style samples (``.cls``, ``.png``,
 ``.wnid``, ``.xml``), gzipped: the counts and keys webdataset's tests assert on, with
 generated images. Run with the webdataset source tree as the argument.
 """
@@ -24,12 +24,15 @@ def imagenet_shard() -> bytes:
     with tarfile.open(fileobj=out, mode="w:gz") as tar:
         for i in range(SAMPLES):
             key = f"n01440764_{10026 + i}"
-            pixels = rng.integers(0, 256, size=(96, 128, 3), dtype=np.uint8)
-            jpg = io.BytesIO()
-            Image.fromarray(pixels).save(jpg, format="JPEG", quality=90)
+            # webdataset's tests check the first image's shape and cut the file at 10 KB.
+            ramp = np.linspace(0, 255, 600, dtype=np.uint8)[None, :, None]
+            pixels = np.broadcast_to(ramp, (793, 600, 3)) ^ np.uint8(rng.integers(0, 256))
+            pixels[:8] = rng.integers(0, 256, size=(8, 600, 3), dtype=np.uint8)  # ~1 MB in all
+            png = io.BytesIO()
+            Image.fromarray(pixels).save(png, format="PNG")
             members = {
                 "cls": b"%d" % (i % 10),
-                "jpg": jpg.getvalue(),
+                "png": png.getvalue(),
                 "wnid": b"n01440764",
                 "xml": b"<annotation><filename>%s</filename></annotation>" % key.encode(),
             }

@@ -55,7 +55,7 @@ from .retry import (
     classify,
     describe,
 )
-from .urls import url_protocol
+from .urls import local_path, url_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -168,14 +168,15 @@ class Remote:
         fs = fsspec.filesystem(protocol, **self.storage_options_for(protocol))
         if protocol in {"s3", "s3a"}:
             fs.retries = 1
+        if protocol in _LOCAL_PROTOCOLS:
+            return fs, local_path(url)
         return fs, fs._strip_protocol(url)
 
     @staticmethod
     def canonical_url(url: str) -> str:
         """``url`` with local paths made absolute ``file://`` URLs (one cache entry each)."""
         if url_protocol(url) in _LOCAL_PROTOCOLS:
-            path = url.split("://", 1)[1] if "://" in url else url
-            return "file://" + os.path.abspath(os.path.expanduser(path))
+            return "file://" + local_path(url)
         return url
 
     def namespace(self, url: str) -> str:

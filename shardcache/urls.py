@@ -38,6 +38,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from braceexpand import braceexpand
 from fsspec.registry import known_implementations, registry
@@ -135,11 +137,33 @@ def url_protocol(url: str) -> str:
     return match.group(1).lower() if match else "file"
 
 
+def local_path(url: str) -> str:
+    """The absolute path of the file a local ``url`` names, read as webdataset's ``gopen``
+    reads it: a plain path (``~`` expanded, relative to the working directory), or a
+    ``file:`` URL (``file:/p``, ``file:///p``, ``file://localhost/p``) with its
+    percent-escapes decoded. ``file://name/p`` keeps fsspec's reading (``name/p``)."""
+    if url[:5].lower() == "file:":
+        parsed = urlparse(url)
+        path = url2pathname(parsed.path)
+        if parsed.netloc not in ("", "localhost"):
+            path = parsed.netloc + path
+    elif url[:8].lower() == "local://":
+        path = url[8:]
+    else:
+        path = url
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def _check_protocol(url: str, spec: object, where: str) -> None:
     match = _SCHEME_RE.match(url)
     if match is None:
         broken = _BROKEN_SCHEME_RE.match(url)
-        if broken and _is_known_protocol(broken.group(1).lower()):
+        # "file:/path" is a URL webdataset reads (RFC 8089's short form), not a typo.
+        if (
+            broken
+            and broken.group(1).lower() != "file"
+            and _is_known_protocol(broken.group(1).lower())
+        ):
             name = broken.group(1)
             raise _fail(
                 spec,

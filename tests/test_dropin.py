@@ -123,11 +123,31 @@ def test_local_path_forms_give_webdatasets_samples(
     absolute = [str(p) for p in shards]
     want = _keys(wds.tarfile_to_samples(), absolute)
     relative = [str(p.relative_to(tmp_path)) for p in shards]
-    forms = [absolute, [p.as_uri() for p in shards], relative]
+    forms = [
+        absolute,
+        relative,
+        [p.as_uri() for p in shards],  # file:///abs
+        [f"file:{p}" for p in shards],  # RFC 8089's short form, which gopen reads
+        [f"file://localhost{p}" for p in shards],
+    ]
+    for urls in forms[1:]:
+        assert _keys(wds.tarfile_to_samples(), urls) == want  # webdataset reads them all
     for urls in forms:
         assert _keys(shardcache.tarfile_to_samples(cache=cache), urls) == want
     stats = cache.stats()
     assert (stats.misses, stats.hits) == (len(shards), (len(forms) - 1) * len(shards))
+
+
+def test_file_urls_are_percent_decoded_as_webdataset_does(tmp_path: Path) -> None:
+    path = tmp_path / "with space" / "shard 0.tar"
+    path.parent.mkdir()
+    path.write_bytes(make_shard(0, PER_SHARD))
+    url = path.as_uri()
+    assert "%20" in url
+    cache = ShardCache(tmp_path / "cache")
+    want = _keys(wds.tarfile_to_samples(), [url])
+    assert _keys(shardcache.tarfile_to_samples(cache=cache), [url]) == want
+    assert cache.path_for(url) == cache.path_for(str(path))  # one entry for both spellings
 
 
 def test_stdin_is_read_once_in_order_and_uncached(tmp_path: Path, shards: list[Path]) -> None:
