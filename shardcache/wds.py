@@ -97,10 +97,13 @@ class CacheStage:
 
         def urls() -> Iterator[str]:
             while True:
-                sample = replay.popleft() if replay else next(source, None)
-                if sample is None:
-                    return
-                _check_sample(sample)
+                if replay:
+                    sample = replay.popleft()
+                else:
+                    item = next(source, None)
+                    if item is None:
+                        return
+                    sample = _as_sample(item)
                 if sample["url"] == STDIN_URL:
                     stdin.append(sample)  # ends this prefetcher's input: order is kept
                     return
@@ -245,12 +248,17 @@ def _check_callable(name: str, value: object, *, optional: bool) -> None:
     raise TypeError(f"{name} must be {expected}, not {_kind(value)}{hint}")
 
 
-def _check_sample(sample: object) -> None:
-    if not isinstance(sample, dict) or not isinstance(sample.get("url"), str):
-        raise TypeError(
-            "shardcache's WebDataset stage expects {'url': str, ...} dicts from the shard "
-            f"list (wds.SimpleShardList, wds.ResampledShards), not {_kind(sample)}"
-        )
+def _as_sample(item: object) -> Sample:
+    """A shard-list item as a ``{"url": ...}`` dict; a bare URL string is accepted, as
+    webdataset's ``StreamingOpen`` accepts it."""
+    if isinstance(item, str):
+        return {"url": item}
+    if isinstance(item, dict) and isinstance(item.get("url"), str):
+        return item
+    raise TypeError(
+        "shardcache's WebDataset stage expects {'url': str, ...} dicts (or URL strings) from "
+        f"the shard list (wds.SimpleShardList, wds.ResampledShards), not {_kind(item)}"
+    )
 
 
 def split_by_node(src: Iterable[Any], group: Any = None) -> Iterator[Any]:

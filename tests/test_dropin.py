@@ -108,10 +108,19 @@ def test_bad_prefetch_values_fail_at_construction(options: dict) -> None:
         shardcache.tarfile_to_samples(**options)
 
 
-def test_a_shard_list_of_plain_strings_is_refused_with_the_fix(tmp_path: Path) -> None:
-    stage = shardcache.tarfile_to_samples(cache=ShardCache(tmp_path))
-    with pytest.raises(TypeError, match="SimpleShardList"):
-        list(stage(iter(["a.tar"])))
+def test_bare_url_strings_are_accepted_and_other_items_refused(
+    tmp_path: Path, shards: list[Path]
+) -> None:
+    """webdataset's StreamingOpen takes URL strings as well as dicts; so does the stage."""
+    stage = shardcache.stage(cache=ShardCache(tmp_path / "c"))
+    items = [str(shards[0]), {"url": str(shards[1]), "extra": 1}]
+    assert [(s["url"], s.get("extra")) for s in stage(items)] == [
+        (str(shards[0]), None),
+        (str(shards[1]), 1),
+    ]
+    for bad in ({"path": "a.tar"}, 3):
+        with pytest.raises(TypeError, match="SimpleShardList"):
+            list(stage(iter([bad])))
 
 
 def test_local_path_forms_give_webdatasets_samples(
