@@ -8,7 +8,9 @@
     ├── FetchError                        url, attempts, cause
     │   ├── TransientFetchError           retries exhausted on 5xx/throttle/reset/timeout
     │   ├── PermanentFetchError           not retried: access denied, bad bucket, ...
-    │   │   └── RemoteNotFoundError(FileNotFoundError)   no such key / bucket
+    │   │   ├── RemoteNotFoundError(FileNotFoundError)       no such key / bucket / file
+    │   │   ├── RemotePermissionError(PermissionError)       access denied, HTTP 401/403
+    │   │   └── RemoteIsADirectoryError(IsADirectoryError)   a directory given as a shard
     │   └── PipeCommandError              a pipe: command failed on every attempt
     ├── CacheError                        the local side
     │   ├── CacheDirError(OSError)        cache dir missing, not a dir, not writable
@@ -84,6 +86,14 @@ class RemoteNotFoundError(PermanentFetchError, FileNotFoundError):
     """The remote object or bucket does not exist."""
 
 
+class RemotePermissionError(PermanentFetchError, PermissionError):
+    """Reading the source was refused (EACCES, S3 AccessDenied, HTTP 401/403)."""
+
+
+class RemoteIsADirectoryError(PermanentFetchError, IsADirectoryError):
+    """The source URL names a directory, not a shard file."""
+
+
 class PipeCommandError(FetchError):
     """A ``pipe:`` URL's command failed on every attempt: a nonzero exit status, death by a
     signal, or no output for SHARDCACHE_IO_TIMEOUT.
@@ -144,7 +154,9 @@ __all__ = [
     "LockTimeout",
     "PermanentFetchError",
     "PipeCommandError",
+    "RemoteIsADirectoryError",
     "RemoteNotFoundError",
+    "RemotePermissionError",
     "ShardCacheError",
     "StallError",
     "TransientFetchError",

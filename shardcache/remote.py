@@ -42,11 +42,15 @@ from .errors import (
     IntegrityError,
     PermanentFetchError,
     PipeCommandError,
+    RemoteIsADirectoryError,
     RemoteNotFoundError,
+    RemotePermissionError,
     TransientFetchError,
 )
 from .pipes import CommandFailed, check_allowed, command_of, run_command
 from .retry import (
+    DENIED,
+    IS_A_DIRECTORY,
     NOT_FOUND,
     TRANSIENT,
     RetryPolicy,
@@ -222,13 +226,7 @@ class Remote:
             return ObjectInfo(url, int(head["ContentLength"]), etag, head.get("VersionId"), md5)
         info = fs.info(path)
         if info.get("type") == "directory":
-            raise PermanentFetchError(
-                f"{url} is a directory, expected a shard file; list the shards (or use a brace "
-                "pattern) instead.",
-                url=url,
-                attempts=1,
-                cause="is a directory",
-            )
+            raise self._fetch_error(url, 1, IsADirectoryError(url), IS_A_DIRECTORY, "stat")
         size = info.get("size")
         if size is None:
             raise PermanentFetchError(
@@ -630,6 +628,23 @@ class Remote:
                 f"could not {what} {url}: {attempts} attempts failed with transient errors; "
                 f"last: {cause}. The store is overloaded or unreachable: retry later, or raise "
                 "SHARDCACHE_RETRIES / SHARDCACHE_IO_TIMEOUT.",
+                url=url,
+                attempts=attempts,
+                cause=cause,
+            )
+        if kind == DENIED:
+            return RemotePermissionError(
+                f"could not {what} {url}: permission denied ({cause}); failed at once, without "
+                "retries. Check the credentials (AWS_* / storage_options), the bucket policy "
+                "or the file's permissions for this user.",
+                url=url,
+                attempts=attempts,
+                cause=cause,
+            )
+        if kind == IS_A_DIRECTORY:
+            return RemoteIsADirectoryError(
+                f"{url} is a directory, expected a shard file; failed at once. List the shards "
+                "(or use a brace pattern) instead.",
                 url=url,
                 attempts=attempts,
                 cause=cause,

@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass
 
 from aiohttp import ClientError as AiohttpClientError
+from aiohttp import ClientResponseError as AiohttpResponseError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.exceptions import HTTPClientError, IncompleteReadError, ReadTimeoutError
 
@@ -43,7 +44,10 @@ _TRANSIENT_ERRNOS = {
     errno.EAGAIN,
 }
 
+_DENIED_CODES = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
+
 TRANSIENT, PERMANENT, NOT_FOUND = "transient", "permanent", "not found"
+DENIED, IS_A_DIRECTORY = "permission denied", "is a directory"
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ class TruncatedBody(ConnectionError):
 
 
 def _http_status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and error code an exception carries: botocore's ``response`` dict,
+    or aiohttp's ``ClientResponseError.status`` (fsspec's HTTP file system raises those)."""
+    if isinstance(exc, AiohttpResponseError):
+        return exc.status, None
     response = getattr(exc, "response", None)
     if not isinstance(response, dict):
         return None, None
@@ -89,51 +97,78 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-def classify(exc: BaseException) -> str:
-    """TRANSIENT, PERMANENT or NOT_FOUND for an exception raised while fetching.
+def _kind_of_status(status: int | None, code: str | None) -> str:
+    if code in _NOT_FOUND_CODES or status in (404, 410):
+        return NOT_FOUND
+    if code in _TRANSIENT_CODES or status in (408, 429) or (status is not None and status >= 500):
+        return TRANSIENT
+    if code in _DENIED_CODES or status in (401, 403):
+        return DENIED
+    return PERMANENT
 
-    Looks through the cause chain: s3fs translates botocore errors into OSError
-    subclasses, keeping the original as ``__cause__``.
+
+def _kind_of_type(item: BaseException) -> str | None:
+    if isinstance(item, FileNotFoundError):
+        return NOT_FOUND
+    if isinstance(item, IsADirectoryError):
+        return IS_A_DIRECTORY
+    if isinstance(item, PermissionError):
+        return DENIED
+    if isinstance(item, _TRANSIENT_TYPES):
+        return TRANSIENT
+    if isinstance(item, OSError) and item.errno in _TRANSIENT_ERRNOS:
+        return TRANSIENT
+    return None
+
+
+_TRANSIENT_TYPES = (
+    TruncatedBody,
+    TimeoutError,
+    asyncio.TimeoutError,
+    socket.timeout,
+    socket.gaierror,  # a failed name lookup: resolvers fail transiently too
+    ConnectionError,
+    BotoConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    AiohttpClientError,
+)
+
+
+def _judge(exc: BaseException) -> tuple[str, BaseException]:
+    """The kind of ``exc`` and the link of its cause chain that decided it.
+
+    A status (botocore or aiohttp) anywhere in the chain decides first. Otherwise the
+    deepest telling cause does: fsspec's HTTP file system raises ``FileNotFoundError``
+    for *any* failed lookup, with the real error (refused, reset, DNS, timeout) as its
+    cause, and s3fs translates botocore errors into ``OSError`` subclasses the same way.
     """
     chain = _chain(exc)
     for item in chain:
         status, code = _http_status_and_code(item)
-        if status is None and code is None:
-            continue
-        if code in _NOT_FOUND_CODES or status == 404:
-            return NOT_FOUND
-        if code in _TRANSIENT_CODES or status == 429 or (status is not None and status >= 500):
-            return TRANSIENT
-        return PERMANENT
-    for item in chain:
-        if isinstance(item, FileNotFoundError):
-            return NOT_FOUND
-        if isinstance(item, PermissionError):
-            return PERMANENT
-        if isinstance(
-            item,
-            TruncatedBody
-            | TimeoutError
-            | asyncio.TimeoutError
-            | socket.timeout
-            | ConnectionError
-            | BotoConnectionError
-            | HTTPClientError
-            | IncompleteReadError
-            | ReadTimeoutError
-            | AiohttpClientError,
-        ):
-            return TRANSIENT
-        if isinstance(item, OSError) and item.errno in _TRANSIENT_ERRNOS:
-            return TRANSIENT
-    return PERMANENT
+        if status is not None or code is not None:
+            return _kind_of_status(status, code), item
+    for item in reversed(chain):
+        kind = _kind_of_type(item)
+        if kind is not None:
+            return kind, item
+    return PERMANENT, exc
+
+
+def classify(exc: BaseException) -> str:
+    """TRANSIENT, NOT_FOUND, DENIED, IS_A_DIRECTORY or PERMANENT for an error raised while
+    fetching, decided from its real cause (see :func:`_judge`)."""
+    return _judge(exc)[0]
 
 
 def describe(exc: BaseException) -> str:
-    """A one-line description of an error's most telling link in its chain."""
-    for item in _chain(exc):
-        status, code = _http_status_and_code(item)
-        if status is not None or code is not None:
-            message = getattr(item, "response", {}).get("Error", {}).get("Message", "")
-            return f"HTTP {status} {code}: {message}".strip().rstrip(":")
-    return f"{type(exc).__name__}: {exc}"
+    """A one-line description of the link of an error's chain that decided its kind."""
+    item = _judge(exc)[1]
+    status, code = _http_status_and_code(item)
+    if isinstance(item, AiohttpResponseError):
+        return f"HTTP {status} {item.message}".strip()
+    if status is not None or code is not None:
+        message = getattr(item, "response", {}).get("Error", {}).get("Message", "")
+        return f"HTTP {status} {code}: {message}".strip().rstrip(":")
+    return f"{type(item).__name__}: {item}"
