@@ -41,6 +41,7 @@ from .eviction import (
     touch,
     write_meta,
 )
+from .freshness import Freshness
 from .fsinfo import mount_for
 from .layout import CacheLayout
 from .locks import LockPolicy, ShardLock
@@ -125,6 +126,7 @@ class ShardCache:
                 max_parts_in_flight=s.parallel_parts,
             )
         )
+        self._freshness = Freshness(self.layout, self.remote, s.revalidate)
         self._stats = CacheStats()
         self._stats_lock = threading.Lock()
         self._policy: LockPolicy | None = None
@@ -156,8 +158,9 @@ class ShardCache:
         return self.layout.data_path(self.remote.canonical_url(url), self.remote.namespace(url))
 
     def contains(self, url: str) -> bool:
-        """True if a complete copy of ``url`` is in the cache."""
-        return _is_regular_file(self.path_for(url))
+        """True if a complete, current copy of ``url`` is in the cache (a local source
+        unchanged since; a remote one checked within SHARDCACHE_REVALIDATE, when set)."""
+        return self._current_stat(url, self.path_for(url)) is not None
 
     def stats(self) -> CacheStats:
         """A snapshot of this process's counters."""
@@ -196,7 +199,7 @@ class ShardCache:
         at most once across all processes sharing this cache directory."""
         final = self.path_for(url)
         st = _regular_file_stat(final)
-        if st is not None:
+        if st is not None and self._freshness.is_current(url, final, st, ask_store=True):
             touch(final, st.st_mtime)
             self._count(hits=1, bytes_served=st.st_size)
             return final
@@ -277,11 +280,11 @@ class ShardCache:
             on_wait=holder_progress,
         )
         started = time.monotonic()
-        with lock.hold(done=lambda: _is_regular_file(final)) as held:
+        with lock.hold(done=lambda: self._current_stat(url, final) is not None) as held:
             waited = time.monotonic() - started
-            size = _regular_file_size(final)
-            if size is not None:  # published by another process while we waited
-                self._count(shared=1, bytes_served=size, lock_wait_seconds=waited)
+            st = self._current_stat(url, final)
+            if st is not None:  # published by another process while we waited
+                self._count(shared=1, bytes_served=st.st_size, lock_wait_seconds=waited)
                 return final
             if not held:  # published, then evicted before we looked: download unlocked
                 logger.debug("fetching %s without its lock", url)
@@ -377,6 +380,7 @@ class ShardCache:
                     "etag": info.etag,
                     "md5": info.md5,
                     "version_id": info.version_id,
+                    "mtime_ns": info.mtime_ns,
                     "fetched_at": time.time(),
                 },
             )
@@ -535,6 +539,13 @@ class ShardCache:
 
     # -- helpers ---------------------------------------------------------------------
 
+    def _current_stat(self, url: str, final: Path) -> os.stat_result | None:
+        """The published copy's lstat if it may be served without asking the store."""
+        st = _regular_file_stat(final)
+        if st is None or not self._freshness.is_current(url, final, st, ask_store=False):
+            return None
+        return st
+
     def _make_room(self, final: Path, info: ObjectInfo, *, on_disk: bool = False) -> None:
         """Evict least-recently-used shards so ``info`` fits within SHARDCACHE_MAX_BYTES
         and on the disk; CacheFullError (with the numbers) when it cannot. The caller
@@ -678,15 +689,6 @@ def _regular_file_stat(path: Path) -> os.stat_result | None:
     except OSError:
         return None
     return st if stat.S_ISREG(st.st_mode) else None
-
-
-def _regular_file_size(path: Path) -> int | None:
-    st = _regular_file_stat(path)
-    return None if st is None else st.st_size
-
-
-def _is_regular_file(path: Path) -> bool:
-    return _regular_file_size(path) is not None
 
 
 def _copy_file(src_fd: int, dest: Path) -> None:

@@ -276,6 +276,15 @@ SPECS: dict[str, _Spec] = {
         0.01,
         30 * 86400,
     ),
+    "revalidate": _Spec(
+        "SHARDCACHE_REVALIDATE",
+        parse_duration,
+        0.0,
+        "remote shards: a hit last checked longer ago than this asks the store (HEAD) "
+        "whether its ETag changed; 0: never (objects are immutable)",
+        0.0,
+        365 * 86400,
+    ),
     "storage_options": _Spec(
         "SHARDCACHE_STORAGE_OPTIONS",
         _json_object,
@@ -320,6 +329,7 @@ class Settings:
     threads: int = 4
     prefetch_depth: int = 8
     stall_timeout: float = 300.0
+    revalidate: float = 0.0
     storage_options: dict[str, Any] = field(default_factory=dict)
     rank: int = 0
     local_rank: int = 0

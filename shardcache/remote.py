@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -86,6 +87,7 @@ class ObjectInfo:
     etag: str | None = None
     version_id: str | None = None
     md5: str | None = None  # hex MD5 of the content when the ETag is one (single-part, no KMS)
+    mtime_ns: int | None = None  # a local source's modification time (its version)
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,11 @@ class Remote:
             ):
                 md5 = etag
             return ObjectInfo(url, int(head["ContentLength"]), etag, head.get("VersionId"), md5)
+        if url_protocol(url) in _LOCAL_PROTOCOLS:
+            st = os.stat(path)  # before any byte is read: a later change shows on the next hit
+            if stat.S_ISDIR(st.st_mode):
+                raise self._fetch_error(url, 1, IsADirectoryError(url), IS_A_DIRECTORY, "stat")
+            return ObjectInfo(url, st.st_size, mtime_ns=st.st_mtime_ns)
         info = fs.info(path)
         if info.get("type") == "directory":
             raise self._fetch_error(url, 1, IsADirectoryError(url), IS_A_DIRECTORY, "stat")
