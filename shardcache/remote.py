@@ -47,6 +47,7 @@ from .errors import (
     RemoteNotFoundError,
     RemotePermissionError,
     TransientFetchError,
+    UrlError,
 )
 from .pipes import CommandFailed, check_allowed, command_of, run_command
 from .retry import (
@@ -171,7 +172,19 @@ class Remote:
     def filesystem(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
         """The (cached) file system for ``url`` and the path within it."""
         protocol = url_protocol(url)
-        fs = fsspec.filesystem(protocol, **self.storage_options_for(protocol))
+        try:
+            fs = fsspec.filesystem(protocol, **self.storage_options_for(protocol))
+        except ValueError as exc:
+            if protocol in fsspec.available_protocols():
+                raise
+            raise UrlError(
+                f"{url}: unknown URL protocol {protocol!r}; expected one fsspec knows (s3, gs, "
+                "http, https, file, ...). webdataset opens some schemes with command-line tools: "
+                "give those as pipe: commands (e.g. 'pipe:curl -s -L https://...'), or install "
+                "the fsspec implementation of the protocol.",
+                url=url,
+                protocol=protocol,
+            ) from exc
         if protocol in {"s3", "s3a"}:
             fs.retries = 1
         if protocol in _LOCAL_PROTOCOLS:
@@ -609,7 +622,7 @@ class Remote:
             attempt += 1
             try:
                 return call()
-            except FetchError:
+            except (FetchError, UrlError):
                 raise
             except Exception as exc:
                 kind = classify(exc)

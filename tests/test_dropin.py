@@ -13,7 +13,7 @@ import pytest
 import webdataset as wds
 
 import shardcache
-from shardcache import ConfigError, ShardCache
+from shardcache import ConfigError, ShardCache, UrlError
 from shardcache.demo import make_shard
 
 pytestmark = pytest.mark.timeout(120)
@@ -191,3 +191,14 @@ def test_stdin_is_read_once_in_order_and_uncached(tmp_path: Path, shards: list[P
     want = _keys(wds.tarfile_to_samples(), [str(p) for p in shards])
     assert lines[:-2] == want
     assert lines[-2:] == ["entries", "2"]  # standard input is not cached
+
+
+def test_schemes_fsspec_does_not_know_say_to_use_pipe(tmp_path: Path, shards: list[Path]) -> None:
+    """webdataset hands ais:// or scp:// to command-line tools; here they are a clear UrlError
+    (through the handler like any failed shard) that points at pipe: commands."""
+    stage = shardcache.tarfile_to_samples(cache=ShardCache(tmp_path / "c"))
+    with pytest.raises(UrlError, match="pipe:") as caught:
+        _keys(stage, ["ais://bucket/x.tar"])
+    assert caught.value.protocol == "ais"
+    skipping = shardcache.tarfile_to_samples(lambda exn: True, cache=ShardCache(tmp_path / "c"))
+    assert len(_keys(skipping, ["scp://host/x.tar", str(shards[0])])) == PER_SHARD
