@@ -381,6 +381,7 @@ class ShardCache:
                     "md5": info.md5,
                     "version_id": info.version_id,
                     "mtime_ns": info.mtime_ns,
+                    "data_ino": os.fstat(fd).st_ino,  # the copy this record describes
                     "fetched_at": time.time(),
                 },
             )

@@ -71,6 +71,8 @@ class Freshness:
         meta = read_meta(self.layout, final)
         size, mtime_ns = meta.get("size"), meta.get("mtime_ns")
         stamp = (size, mtime_ns) if isinstance(size, int) and isinstance(mtime_ns, int) else None
+        if meta.get("data_ino") not in (None, st.st_ino):
+            stamp = None  # the record of a new copy written just before it replaces this one
         with self._lock:
             self._recorded[final] = (st.st_ino, stamp)
         return stamp

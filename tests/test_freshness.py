@@ -15,6 +15,7 @@ import pytest
 
 from shardcache import ConfigError, RemoteNotFoundError, ShardCache
 from shardcache.eviction import read_meta, write_meta
+from shardcache.locks import ShardLock
 
 pytestmark = pytest.mark.timeout(120)
 BUCKET = "fresh"
@@ -109,6 +110,68 @@ def test_processes_racing_on_a_stale_copy_all_get_the_new_bytes(tmp_path: Path) 
         p.join(30)
     assert {digest for digest, _, _ in results} == {hashlib.sha256(new).hexdigest()}
     assert sum(misses for _, misses, _ in results) == 1  # one download; the others waited or hit
+
+
+def _fetch_after_lock(cache_dir: str, url: str, waiting: mp.Queue, out: mp.Queue) -> None:
+    cache = ShardCache(cache_dir, lock_timeout=60)
+    told: list[str] = []
+
+    def progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+        if phase.startswith("waiting") and not told:
+            told.append(phase)
+            waiting.put(os.getpid())
+
+    path = cache.fetch(url, progress=progress)
+    stats = cache.stats()
+    out.put((path.read_bytes(), stats.misses, stats.shared, stats.hits))
+
+
+def test_a_stale_copy_is_not_taken_for_another_processs_work(tmp_path: Path) -> None:
+    """Two processes find the stale copy while its lock is held: both wait (the stale file is
+    not "published by another process"), then one fetches and the other shares its copy."""
+    source = tmp_path / "shard.tar"
+    source.write_bytes(b"O" * 4000)
+    cache = _cache(tmp_path)
+    cache.fetch(str(source))
+    _rewrite(source, b"N" * 6000)
+    lock = ShardLock(
+        cache.layout.lock_path(cache.remote.canonical_url(str(source)), "file"),
+        url=str(source),
+        policy=cache._lock_policy(),
+    )
+    assert lock.acquire()
+    waiting, out = CTX.Queue(), CTX.Queue()
+    args = (str(tmp_path / "cache"), str(source), waiting, out)
+    procs = [CTX.Process(target=_fetch_after_lock, args=args) for _ in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert {waiting.get(timeout=60) for _ in procs} == {p.pid for p in procs}
+        lock.release()
+        results = [out.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert [r[0] for r in results] == [b"N" * 6000] * 2
+    assert sorted(r[1:] for r in results) == [(0, 1, 0), (1, 0, 0)]
+
+
+def test_a_record_written_for_a_new_copy_does_not_bless_the_old_one(tmp_path: Path) -> None:
+    """The metadata is written just before the new copy replaces the old: in that window the
+    record (naming the new copy's inode) must not make the old copy look current."""
+    source = tmp_path / "shard.tar"
+    source.write_bytes(b"O" * 4000)
+    cache = _cache(tmp_path)
+    path = cache.fetch(str(source))
+    _rewrite(source, b"N" * 4000)
+    meta = read_meta(cache.layout, path)
+    st = os.stat(source)
+    meta.update(size=st.st_size, mtime_ns=st.st_mtime_ns, data_ino=path.stat().st_ino + 1)
+    write_meta(cache.layout, path, meta)  # as the publisher of the new copy would, pre-rename
+    assert not _cache(tmp_path).contains(str(source))
+    assert _cache(tmp_path).fetch(str(source)).read_bytes() == b"N" * 4000
 
 
 def test_a_deleted_local_source_is_not_served_from_the_cache(tmp_path: Path) -> None:
