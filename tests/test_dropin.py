@@ -154,7 +154,7 @@ def test_file_urls_are_percent_decoded_as_webdataset_does(tmp_path: Path) -> Non
     url = path.as_uri()
     assert "%20" in url
     cache = ShardCache(tmp_path / "cache")
-    want = _keys(wds.tarfile_to_samples(), [url])
+    want = _keys(wds.tarfile_to_samples(), [str(path)])  # webdataset < 1.0 does not decode
     assert _keys(shardcache.tarfile_to_samples(cache=cache), [url]) == want
     assert cache.path_for(url) == cache.path_for(str(path))  # one entry for both spellings
 
