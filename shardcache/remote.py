@@ -55,6 +55,7 @@ from .retry import (
     IS_A_DIRECTORY,
     NOT_FOUND,
     TRANSIENT,
+    UNTRUSTED,
     RetryPolicy,
     TruncatedBody,
     _http_status_and_code,
@@ -665,6 +666,16 @@ class Remote:
             return RemoteIsADirectoryError(
                 f"{url} is a directory, expected a shard file; failed at once. List the shards "
                 "(or use a brace pattern) instead.",
+                url=url,
+                attempts=attempts,
+                cause=cause,
+            )
+        if kind == UNTRUSTED:
+            return PermanentFetchError(
+                f"could not {what} {url}: the server's TLS certificate was rejected ({cause}); "
+                "failed at once, without retries: the same certificate comes back on every "
+                "attempt. Check the host name in the URL, or make the certificate trusted "
+                "(SSL_CERT_FILE for https://, AWS_CA_BUNDLE for s3://).",
                 url=url,
                 attempts=attempts,
                 cause=cause,
