@@ -4,6 +4,7 @@ local files (permissions enforced on a process that dropped root's capabilities)
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -12,7 +13,9 @@ import ssl
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -109,6 +112,32 @@ def test_http_body_cut_short_is_retried(server: HttpServer, tmp_path: Path) -> N
     assert cache.fetch(url).read_bytes() == BODY
     gets = server.seen("/a.tar", "GET")
     assert gets[0] == TRUNCATE and len(gets) >= 2
+
+
+def test_http_server_without_range_support_serves_large_shards(tmp_path: Path) -> None:
+    """Python's own file server ignores Range; fsspec's block reads (a ranged GET per
+    block) fail on it past the first block. One streaming GET reads the whole body."""
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "a.tar").write_bytes(BODY)
+    requests: list[tuple[str, str | None]] = []
+
+    class Handler(SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            requests.append((self.command, self.headers.get("Range")))
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=served))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = httpd.server_address[1]
+        cache = _cache(tmp_path, chunk_size=64 << 10)  # several blocks of a 300 kB body
+        assert cache.fetch(f"http://127.0.0.1:{port}/a.tar").read_bytes() == BODY
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(10)
+    assert requests == [("HEAD", None), ("GET", None)]
 
 
 def test_http_connection_refused_is_transient(tmp_path: Path) -> None:
