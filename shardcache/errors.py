@@ -7,7 +7,7 @@
     ├── UrlError(ValueError)              bad URL or spec (braces, empty list, protocol)
     ├── FetchError                        url, attempts, cause
     │   ├── TransientFetchError           retries exhausted on 5xx/throttle/reset/timeout
-    │   ├── PermanentFetchError           not retried: access denied, bad bucket, ...
+    │   ├── PermanentFetchError           not retried: bad bucket, untrusted certificate, ...
     │   │   ├── RemoteNotFoundError(FileNotFoundError)       no such key / bucket / file
     │   │   ├── RemotePermissionError(PermissionError)       access denied, HTTP 401/403
     │   │   └── RemoteIsADirectoryError(IsADirectoryError)   a directory given as a shard

@@ -55,6 +55,7 @@ from .retry import (
     IS_A_DIRECTORY,
     NOT_FOUND,
     TRANSIENT,
+    UNTRUSTED,
     RetryPolicy,
     TruncatedBody,
     _http_status_and_code,
@@ -565,11 +566,29 @@ class Remote:
         if url_protocol(info.url) in {"s3", "s3a"}:
             yield from self._stream_s3(fs, path, info, offset, chunk)
             return
+        if url_protocol(info.url) in {"http", "https"}:
+            yield from self._stream_http(fs, path, info, offset, chunk)
+            return
         with fs.open(path, "rb", block_size=chunk) as f:
             if offset:
                 f.seek(offset)
             while data := f.read(chunk):
                 yield data
+
+    @staticmethod
+    def _stream_http(
+        fs: Any, path: str, info: ObjectInfo, offset: int, chunk: int
+    ) -> Iterator[bytes]:
+        """One streaming GET. fsspec's block reads send a ranged GET per block and fail
+        (ValueError) on servers that ignore Range, such as Python's ``http.server``; so a
+        resumed download reads the body again from the start and skips what is written."""
+        with fs.open(path, "rb", block_size=0, size=info.size) as f:
+            while data := f.read(chunk):
+                if offset >= len(data):
+                    offset -= len(data)
+                    continue
+                yield data[offset:]
+                offset = 0
 
     @staticmethod
     def _stream_s3(
@@ -665,6 +684,16 @@ class Remote:
             return RemoteIsADirectoryError(
                 f"{url} is a directory, expected a shard file; failed at once. List the shards "
                 "(or use a brace pattern) instead.",
+                url=url,
+                attempts=attempts,
+                cause=cause,
+            )
+        if kind == UNTRUSTED:
+            return PermanentFetchError(
+                f"could not {what} {url}: the server's TLS certificate was rejected ({cause}); "
+                "failed at once, without retries: the same certificate comes back on every "
+                "attempt. Check the host name in the URL, or make the certificate trusted "
+                "(SSL_CERT_FILE for https://, AWS_CA_BUNDLE for s3://).",
                 url=url,
                 attempts=attempts,
                 cause=cause,

@@ -6,6 +6,7 @@ import asyncio
 import errno
 import random
 import socket
+import ssl
 from dataclasses import dataclass
 
 from aiohttp import ClientError as AiohttpClientError
@@ -48,6 +49,7 @@ _DENIED_CODES = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "Sig
 
 TRANSIENT, PERMANENT, NOT_FOUND = "transient", "permanent", "not found"
 DENIED, IS_A_DIRECTORY = "permission denied", "is a directory"
+UNTRUSTED = "certificate rejected"
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,10 @@ def _kind_of_status(status: int | None, code: str | None) -> str:
 
 
 def _kind_of_type(item: BaseException) -> str | None:
+    if isinstance(item, ssl.SSLCertVerificationError):
+        # Untrusted or mismatched certificate: aiohttp and botocore wrap it in connection
+        # errors, but the same certificate is presented again on every attempt.
+        return UNTRUSTED
     if isinstance(item, FileNotFoundError):
         return NOT_FOUND
     if isinstance(item, IsADirectoryError):
@@ -157,8 +163,8 @@ def _judge(exc: BaseException) -> tuple[str, BaseException]:
 
 
 def classify(exc: BaseException) -> str:
-    """TRANSIENT, NOT_FOUND, DENIED, IS_A_DIRECTORY or PERMANENT for an error raised while
-    fetching, decided from its real cause (see :func:`_judge`)."""
+    """TRANSIENT, NOT_FOUND, DENIED, IS_A_DIRECTORY, UNTRUSTED or PERMANENT for an error
+    raised while fetching, decided from its real cause (see :func:`_judge`)."""
     return _judge(exc)[0]
 
 

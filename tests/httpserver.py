@@ -3,6 +3,7 @@ answers scripted failures first (statuses, a body cut short), and logs every req
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -103,12 +104,16 @@ def _handler(server: HttpServer) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def http_server() -> Iterator[HttpServer]:
-    """Start a threaded HTTP server on an ephemeral loopback port for the duration."""
+def http_server(tls: ssl.SSLContext | None = None) -> Iterator[HttpServer]:
+    """Start a threaded HTTP server on an ephemeral loopback port for the duration
+    (HTTPS when given a server-side ``tls`` context)."""
     state = HttpServer(url="")
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     httpd.daemon_threads = True
-    state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    if tls is not None:
+        httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
+    scheme = "https" if tls is not None else "http"
+    state.url = f"{scheme}://127.0.0.1:{httpd.server_address[1]}"
     thread = threading.Thread(target=httpd.serve_forever, name="test-http", daemon=True)
     thread.start()
     try:

@@ -4,14 +4,18 @@ local files (permissions enforced on a process that dropped root's capabilities)
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -110,6 +114,32 @@ def test_http_body_cut_short_is_retried(server: HttpServer, tmp_path: Path) -> N
     assert gets[0] == TRUNCATE and len(gets) >= 2
 
 
+def test_http_server_without_range_support_serves_large_shards(tmp_path: Path) -> None:
+    """Python's own file server ignores Range; fsspec's block reads (a ranged GET per
+    block) fail on it past the first block. One streaming GET reads the whole body."""
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "a.tar").write_bytes(BODY)
+    requests: list[tuple[str, str | None]] = []
+
+    class Handler(SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            requests.append((self.command, self.headers.get("Range")))
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=served))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = httpd.server_address[1]
+        cache = _cache(tmp_path, chunk_size=64 << 10)  # several blocks of a 300 kB body
+        assert cache.fetch(f"http://127.0.0.1:{port}/a.tar").read_bytes() == BODY
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(10)
+    assert requests == [("HEAD", None), ("GET", None)]
+
+
 def test_http_connection_refused_is_transient(tmp_path: Path) -> None:
     with socket.socket() as sock:  # a port that was just free: nothing listens on it now
         sock.bind(("127.0.0.1", 0))
@@ -152,6 +182,58 @@ def test_http_failed_name_lookup_is_transient(tmp_path: Path) -> None:
     words = result.stdout.split()
     assert words[:2] == ["transient", str(RETRIES + 1)], result.stdout + result.stderr
     assert "DNS" in result.stdout or "resolution" in result.stdout or "Name" in result.stdout
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (certificate, key) that nothing trusts."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"),
+            *("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"),
+            *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)),
+        ],
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    return cert, key
+
+
+def test_https_untrusted_certificate_fails_at_once(
+    certificate: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The same certificate comes back on every attempt: one attempt, a message about the
+    certificate, and a hint (SSL_CERT_FILE) that really makes the fetch work."""
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(*certificate)
+    hellos: list[str | None] = []
+    tls.sni_callback = lambda _sock, name, _ctx: hellos.append(name)  # every ClientHello
+    with http_server(tls) as https:
+        url = https.add("/a.tar", BODY)
+        with pytest.raises(PermanentFetchError, match="certificate was rejected") as caught:
+            _cache(tmp_path).fetch(url)
+        assert not isinstance(caught.value, TransientFetchError)
+        assert caught.value.attempts == 1
+        assert "SSL_CERT_FILE" in str(caught.value)
+        assert https.requests == []  # no request got past the handshake
+        assert len(hellos) == 2  # one attempt: fsspec's info tries HEAD, then GET
+
+        script = "import sys; from shardcache import ShardCache; "
+        script += "print(len(ShardCache(sys.argv[1]).fetch(sys.argv[2]).read_bytes()))"
+        trusted = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "trusting"), url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "SSL_CERT_FILE": str(certificate[0])},
+        )
+        assert trusted.stdout.split() == [str(len(BODY))], trusted.stderr
+        assert set(https.seen("/a.tar")) == {200} and https.seen("/a.tar", "GET") == [200]
 
 
 # -- s3:// (AccessDenied: tests/test_cache_s3.py) -------------------------------------------
