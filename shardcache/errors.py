@@ -5,7 +5,7 @@
     ShardCacheError
     ├── ConfigError(ValueError)           bad argument / SHARDCACHE_* / launcher value
     ├── UrlError(ValueError)              bad URL or spec (braces, empty list, protocol)
-    ├── FetchError                        url, attempts, cause
+    ├── FetchError(OSError)               url, attempts, cause
     │   ├── TransientFetchError           retries exhausted on 5xx/throttle/reset/timeout
     │   ├── PermanentFetchError           not retried: bad bucket, untrusted certificate, ...
     │   │   ├── RemoteNotFoundError(FileNotFoundError)       no such key / bucket / file
@@ -66,8 +66,13 @@ class UrlError(ShardCacheError, ValueError):
     """A URL or shard spec cannot be used."""
 
 
-class FetchError(ShardCacheError):
-    """Fetching a remote object failed (names the URL, attempts and last cause)."""
+class FetchError(ShardCacheError, OSError):
+    """Fetching a remote object failed (names the URL, attempts and last cause).
+
+    An ``OSError`` (``IOError``) like every failure to open a shard in webdataset, so code
+    written against webdataset's opener (``except IOError``, ``wds.ignore_and_continue``
+    wrappers that test for it) keeps working through the drop-in. ``errno`` is None: the
+    cause is in ``cause`` and ``__cause__``."""
 
     retryable = False
 

@@ -34,3 +34,7 @@ def test_builtin_bases_let_generic_handlers_catch() -> None:
     assert issubclass(errors.LockTimeout, TimeoutError)
     assert issubclass(errors.StallError, TimeoutError)
     assert issubclass(errors.CacheFullError, OSError)
+    # Every failure to open a shard is an IOError in webdataset: so through the drop-in.
+    for fetch_error in (errors.TransientFetchError, errors.PermanentFetchError):
+        assert issubclass(fetch_error, OSError)
+    assert issubclass(errors.PipeCommandError, OSError)

@@ -4,6 +4,7 @@ and the same samples as webdataset's own ``tarfile_to_samples`` (local files, re
 from __future__ import annotations
 
 import inspect
+import socket
 import subprocess
 import sys
 import textwrap
@@ -202,3 +203,25 @@ def test_schemes_fsspec_does_not_know_say_to_use_pipe(tmp_path: Path, shards: li
     assert caught.value.protocol == "ais"
     skipping = shardcache.tarfile_to_samples(lambda exn: True, cache=ShardCache(tmp_path / "c"))
     assert len(_keys(skipping, ["scp://host/x.tar", str(shards[0])])) == PER_SHARD
+
+
+def _refused_url() -> str:
+    with socket.socket() as sock:  # a port that was just free: nothing listens on it now
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}/missing.tar"
+
+
+def test_unreachable_host_is_an_ioerror_as_in_webdataset(tmp_path: Path) -> None:
+    """webdataset raises IOError when a shard cannot be opened (its own suite checks this for
+    an unreachable host); the drop-in's TransientFetchError, after its retries, is one too,
+    and so are a missing file and a failed pipe: command."""
+    cache = ShardCache(tmp_path / "c", retries=1, retry_backoff=0.01)
+    stage = shardcache.tarfile_to_samples(cache=cache)
+    with pytest.raises(IOError) as caught:
+        _keys(stage, [_refused_url()])
+    assert isinstance(caught.value, shardcache.TransientFetchError)
+    with pytest.raises(IOError):
+        _keys(stage, [str(tmp_path / "no-such-shard.tar")])
+    with pytest.raises(IOError) as failed:
+        _keys(stage, ["pipe:exit 3"])
+    assert isinstance(failed.value, shardcache.PipeCommandError)
