@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .config import Settings
-from .distributed import makedirs
 from .errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
 from .eviction import (
     CacheEntry,
@@ -48,6 +47,7 @@ from .locks import LockPolicy, ShardLock
 from .prefetch import Prefetcher
 from .remote import ObjectInfo, Progress, Remote, RemoteOptions
 from .retry import RetryPolicy
+from .trust import Trust, describe_owner
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +109,11 @@ class ShardCache:
         elif any(v is not None for v in explicit.values()):
             settings = settings.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.settings = settings
-        self.layout = CacheLayout(settings.scope_dir)
         self._init_runtime()
 
     def _init_runtime(self) -> None:
         s = self.settings
+        self.layout = CacheLayout(s.scope_dir, Trust.for_group(s.shared_group))
         self.remote = Remote(
             RemoteOptions(
                 storage_options=s.storage_options,
@@ -145,7 +145,6 @@ class ShardCache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.settings = state["settings"]
-        self.layout = CacheLayout(self.settings.scope_dir)
         self._init_runtime()
 
     def __repr__(self) -> str:
@@ -198,7 +197,7 @@ class ShardCache:
         """Return the path of a complete, verified local copy of ``url``, downloading it
         at most once across all processes sharing this cache directory."""
         final = self.path_for(url)
-        st = _regular_file_stat(final)
+        st = self._servable_stat(final)
         if st is not None and self._freshness.is_current(url, final, st, ask_store=True):
             touch(final, st.st_mtime)
             self._count(hits=1, bytes_served=st.st_size)
@@ -258,11 +257,10 @@ class ShardCache:
             self.remote.canonical_url(url), self.remote.namespace(url)
         )
         for directory in (final.parent, lock_path.parent):
-            # On every miss, before and after mkdir: a link planted inside the scope could
-            # otherwise redirect mkdir, the download and the rename outside the cache.
-            self.layout.check_inside(directory)
-            self._ensure_dir(directory)
-            self.layout.check_inside(directory)
+            # On every miss, made again if removed (a tmp cleaner), checked before and after
+            # mkdir: a link or a foreign directory planted inside the cache could otherwise
+            # redirect mkdir, the download and the rename, or serve someone else's bytes.
+            self.layout.make_dir(directory)
 
         def holder_progress(record: dict[str, Any] | None) -> None:
             if progress is not None and record is not None:
@@ -278,6 +276,7 @@ class ShardCache:
             policy=self._lock_policy(),
             rank=self.settings.rank,
             on_wait=holder_progress,
+            trust=self.layout.trust,
         )
         started = time.monotonic()
         with lock.hold(done=lambda: self._current_stat(url, final) is not None) as held:
@@ -434,13 +433,12 @@ class ShardCache:
         for _ in range(VANISHED_RETRIES):
             try:
                 # O_RDWR: a parallel download hashes the file back from disk to verify it.
-                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             except FileNotFoundError:
-                self._ensure_dir(part.parent)
-                self.layout.check_inside(part.parent)
+                self.layout.make_dir(part.parent)
                 continue
             try:
-                os.fchmod(fd, 0o644)  # never world-writable, whatever the umask
+                self.layout.trust.adopt_file(fd, self.layout.trust.file_mode)
             except BaseException:
                 os.close(fd)
                 raise
@@ -473,10 +471,9 @@ class ShardCache:
                     if os.fstat(fd).st_nlink:
                         raise  # not our directory's removal: let the caller judge
                 logger.info("%s was removed before it was published; publishing a copy", part)
-                self._ensure_dir(final.parent)
-                self.layout.check_inside(final.parent)
+                self.layout.make_dir(final.parent)
                 part = self.layout.temp_path(final)
-                _copy_file(fd, part)
+                _copy_file(fd, part, self.layout.trust)
             raise _Vanished(final.parent)
         except BaseException:
             if part != original:
@@ -540,9 +537,27 @@ class ShardCache:
 
     # -- helpers ---------------------------------------------------------------------
 
+    def _servable_stat(self, final: Path) -> os.stat_result | None:
+        """``final``'s lstat if it is a regular file this cache trusts (:class:`Trust`): a
+        file another user could have written is never served (the miss path replaces it)."""
+        try:
+            st = os.lstat(final)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if not self.layout.trust.trusts_file(st):
+            logger.warning(
+                "not serving %s: it is %s, which this cache does not trust; fetching it again",
+                final,
+                describe_owner(st),
+            )
+            return None
+        return st
+
     def _current_stat(self, url: str, final: Path) -> os.stat_result | None:
         """The published copy's lstat if it may be served without asking the store."""
-        st = _regular_file_stat(final)
+        st = self._servable_stat(final)
         if st is None or not self._freshness.is_current(url, final, st, ask_store=False):
             return None
         return st
@@ -655,11 +670,6 @@ class ShardCache:
             )
         return self._policy
 
-    @staticmethod
-    def _ensure_dir(path: Path) -> None:
-        # Made again on every miss, never remembered: a tmp cleaner may remove it any time.
-        makedirs(path)
-
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:
             for name, delta in deltas.items():
@@ -684,20 +694,12 @@ def _free_bytes(path: Path) -> int:
     return 0
 
 
-def _regular_file_stat(path: Path) -> os.stat_result | None:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st if stat.S_ISREG(st.st_mode) else None
-
-
-def _copy_file(src_fd: int, dest: Path) -> None:
+def _copy_file(src_fd: int, dest: Path, trust: Trust) -> None:
     """Copy all of ``src_fd`` into the new file ``dest`` (in the kernel), durably."""
     size = os.fstat(src_fd).st_size
-    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.fchmod(out, 0o644)
+        trust.adopt_file(out, trust.file_mode)
         offset = 0
         while offset < size:
             sent = os.sendfile(out, src_fd, offset, size - offset)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .trust import group_id
 
 T = TypeVar("T")
 
@@ -125,6 +126,15 @@ def _json_object(text: str, name: str) -> dict[str, Any]:
             value=text,
         )
     return value
+
+
+def _group(text: str, name: str) -> str | None:
+    """A group name or gid that exists; empty means unset. Whether this process is a member
+    is checked when a cache is opened (:meth:`shardcache.trust.Trust.for_group`)."""
+    value = str(text).strip()
+    if value:
+        group_id(value, name)
+    return value or None
 
 
 def _path(text: str, name: str) -> Path:
@@ -285,6 +295,21 @@ SPECS: dict[str, _Spec] = {
         0.0,
         365 * 86400,
     ),
+    "shared_group": _Spec(
+        "SHARDCACHE_SHARED_GROUP",
+        _group,
+        None,
+        "one cache shared on purpose by the members of this group (name or gid): "
+        "directories 2770 and group-owned, files group-readable; unset: private to the user "
+        "(directories 0700, files 0600; anything another user could write is refused)",
+    ),
+    "manifest_pipes": _Spec(
+        "SHARDCACHE_MANIFEST_PIPES",
+        _choice("refuse", "allow"),
+        "refuse",
+        "pipe: URLs (shell commands) listed in a manifest file: refuse (UrlError naming the "
+        "manifest and line) or allow; pipe: URLs in your own code and arguments always run",
+    ),
     "storage_options": _Spec(
         "SHARDCACHE_STORAGE_OPTIONS",
         _json_object,
@@ -330,6 +355,8 @@ class Settings:
     prefetch_depth: int = 8
     stall_timeout: float = 300.0
     revalidate: float = 0.0
+    shared_group: str | None = None
+    manifest_pipes: str = "refuse"
     storage_options: dict[str, Any] = field(default_factory=dict)
     rank: int = 0
     local_rank: int = 0
@@ -387,6 +414,12 @@ class Settings:
         rows.append(("job_id", "SLURM_JOB_ID", self.job_id, self.sources.get("job_id", "default")))
         rows.append(("scope_dir", "-", self.scope_dir, "derived"))
         return rows
+
+
+def env_setting(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """One setting from the environment alone (for code that runs without a cache)."""
+    value, _ = _resolve_one(name, SPECS[name], os.environ if env is None else env, None)
+    return value
 
 
 def _resolve_one(name: str, spec: _Spec, env: Mapping[str, str], explicit: Any) -> tuple[Any, str]:

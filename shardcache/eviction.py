@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import CacheDirError, LockTimeout
-from .layout import CacheLayout, dir_error, ensure_dir, is_temp_name
+from .layout import CacheLayout, dir_error, is_temp_name
 from .locks import lock_file_error, try_flock
 
 logger = logging.getLogger(__name__)
@@ -90,12 +90,13 @@ def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None
     meta = layout.meta_path(final)
     data = json.dumps(record, sort_keys=True)
     for attempt in range(1, 4):
-        layout.check_inside(meta.parent)
-        ensure_dir(meta.parent)
-        layout.check_inside(meta.parent)
+        layout.make_dir(meta.parent)
         tmp = meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         try:
-            tmp.write_text(data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as out:
+                layout.trust.adopt_file(fd, layout.trust.file_mode)
+                out.write(data)
             os.replace(tmp, meta)
             return
         except FileNotFoundError:  # its directory was removed meanwhile: make it again
@@ -212,9 +213,8 @@ def evict_lock(layout: CacheLayout, timeout: float = EVICT_LOCK_TIMEOUT) -> Iter
     vanished = 0
     while True:
         try:
-            layout.check_inside(path.parent)
-            ensure_dir(path.parent)
-            fd = try_flock(path)
+            layout.make_dir(path.parent)
+            fd = try_flock(path, layout.trust)
         except CacheDirError:
             raise
         except FileNotFoundError as exc:  # its directory was removed under us: make it again

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .errors import CacheDirError, ConfigError
+from .trust import Trust
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,14 @@ def is_temp_name(name: str) -> bool:
 class CacheLayout:
     """Paths of one cache scope directory (``<root>/rank-<R>`` or ``<root>/node``)."""
 
-    def __init__(self, scope_dir: Path | str) -> None:
+    def __init__(self, scope_dir: Path | str, trust: Trust | None = None) -> None:
         self.scope_dir = Path(scope_dir)
+        self.trust = Trust.private() if trust is None else trust
+
+    @property
+    def root(self) -> Path:
+        """The cache root (``SHARDCACHE_DIR``) the scope directory is in."""
+        return self.scope_dir.parent
 
     def __repr__(self) -> str:
         return f"CacheLayout({str(self.scope_dir)!r})"
@@ -175,17 +182,20 @@ class CacheLayout:
         return self.locks_dir / key[:2] / f"{key}.lock"
 
     def check_inside(self, directory: Path) -> None:
-        """Raise CacheDirError unless every component of ``directory`` below the scope
-        directory is a real directory, not a symbolic link: a link planted there (say
+        """Raise CacheDirError unless the cache root and every component of ``directory``
+        below it that exists is a directory this cache trusts (:class:`Trust`: ours, or the
+        shared group's, writable by no one else), and every component from the scope
+        directory down is a real directory, not a symbolic link: a link planted there (say
         ``data/<hh>`` -> ``/elsewhere``) would make downloads, renames and metadata writes
-        land outside the cache root. The scope directory itself may be reached through links.
+        land outside the cache root. The root itself may be reached through a link of ours.
         """
+        self._check_root()
         try:
             below = Path(directory).relative_to(self.scope_dir)
         except ValueError:
             return
         current = self.scope_dir
-        for part in below.parts:
+        for part in ("", *below.parts):
             current = current / part
             try:
                 st = os.lstat(current)
@@ -204,6 +214,30 @@ class CacheLayout:
                     seen=seen,
                     hint=DIR_HINT,
                 )
+            self.trust.check_dir(current, st, self.root)
+
+    def make_dir(self, directory: Path) -> None:
+        """Create ``directory`` inside the cache (and the root, if missing) with the cache's
+        mode, checking before and after that nothing untrusted or a link is on the way."""
+        self.check_inside(directory)
+        ensure_dir(directory, trust=self.trust)
+        self.check_inside(directory)
+
+    def _check_root(self) -> None:
+        root = self.root
+        try:
+            link = os.lstat(root)
+            st = os.stat(root) if stat.S_ISLNK(link.st_mode) else link
+        except FileNotFoundError:
+            return  # not made yet: it is made with the cache's mode
+        except OSError as exc:
+            raise dir_error(root, exc, "examining") from exc
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (self.trust.uid, 0):
+            # Whoever owns the link can point it elsewhere at any time.
+            self.trust.check_dir(root, link, root)
+        if not stat.S_ISDIR(st.st_mode):
+            raise _not_a_dir(root, root)
+        self.trust.check_dir(root, st, root)
 
     @staticmethod
     def temp_path(final: Path, token: str | None = None) -> Path:
@@ -336,7 +370,7 @@ def _refresh_listing(path: Path) -> None:
         return
 
 
-def _ensure_once(target: Path, mode: int) -> None:
+def _ensure_once(target: Path, mode: int, trust: Trust | None) -> None:
     """One pass: mkdir each missing component top-down, then stat the target."""
     missing: list[Path] = []
     probe = target
@@ -355,6 +389,8 @@ def _ensure_once(target: Path, mode: int) -> None:
     for component in reversed(missing):
         try:
             component.mkdir(mode)
+            if trust is not None:
+                trust.adopt_dir(component)
         except FileExistsError:
             # Usually another process won the race. A non-directory shows up in the
             # final stat (or as ENOTDIR below); a dangling symlink would otherwise look
@@ -366,12 +402,15 @@ def _ensure_once(target: Path, mode: int) -> None:
         raise _not_a_dir(target, target)
 
 
-def ensure_dir(path: Path | str, mode: int = 0o755, timeout: float = 30.0) -> Path:
+def ensure_dir(
+    path: Path | str, mode: int = 0o755, timeout: float = 30.0, trust: Trust | None = None
+) -> Path:
     """Create ``path`` and its parents, safely when many processes/nodes race on it.
 
     EEXIST is success; the result is verified with ``stat``. ENOENT/ESTALE/EIO (a
     component another node just made may not be visible yet) are retried with jittered
-    exponential backoff until ``timeout``. Never grants world-write. Returns the
+    exponential backoff until ``timeout``. Never grants world-write. With ``trust``, the
+    directories it makes get the cache's mode and group instead of ``mode``. Returns the
     absolute path; raises ``CacheDirError`` saying what was in the way and what to do.
     """
     target = Path(path).absolute()
@@ -383,7 +422,7 @@ def ensure_dir(path: Path | str, mode: int = 0o755, timeout: float = 30.0) -> Pa
     while True:
         attempts += 1
         try:
-            _ensure_once(target, mode)
+            _ensure_once(target, mode if trust is None else trust.dir_mode, trust)
             return target
         except CacheDirError:
             raise

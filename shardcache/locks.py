@@ -40,6 +40,7 @@ import logging
 import os
 import random
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ from .fsinfo import mount_for
 from .identity import ProcessIdentity
 from .layout import ensure_dir
 from .retry import RetryPolicy
+from .trust import Trust
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +101,10 @@ class ShardLock:
         policy: LockPolicy,
         rank: int = 0,
         on_wait: Callable[[dict[str, Any] | None], None] | None = None,
+        trust: Trust | None = None,
     ) -> None:
         self.path = Path(path)
+        self.trust = Trust.private() if trust is None else trust
         # Called with the holder's record each time it changes while we wait, so observers
         # (the prefetch watchdog) see another process's progress as progress.
         self.on_wait = on_wait
@@ -176,7 +180,7 @@ class ShardLock:
         while True:
             attempt += 1
             try:
-                ensure_dir(self.path.parent)
+                ensure_dir(self.path.parent, trust=self.trust)
                 if self.policy.mode == "lease":
                     return self._try_claim_lease()
                 return self._try_flock()
@@ -190,13 +194,13 @@ class ShardLock:
                 time.sleep(CREATE_RETRY.delay(attempt))
 
     def _try_flock(self) -> bool:
-        self._flock_fd = try_flock(self.path)
+        self._flock_fd = try_flock(self.path, self.trust)
         return self._flock_fd is not None
 
     def _try_claim_lease(self) -> bool:
         claim = self.path.with_name(f"{self.path.stem}.{self._token}.claim")
         record = self._make_record(phase="claiming", attempts=0, waited=0.0)
-        _write_new(claim, record)
+        _write_new(claim, record, self.trust)
         try:
             try:
                 os.link(claim, self.lease_path)
@@ -334,9 +338,7 @@ class ShardLock:
         self._record = self._make_record(phase="locked", attempts=attempts, waited=waited)
         if self.policy.mode == "flock":
             try:
-                self._record_fd = os.open(
-                    self.owner_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-                )
+                self._record_fd = _open_shared(self.owner_path, self.trust)
             except OSError as exc:
                 # The lock is held all the same; only what waiters can tell about us suffers.
                 self._record_failed(exc)
@@ -524,13 +526,28 @@ def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) ->
     )
 
 
-def try_flock(path: Path) -> int | None:
+def _open_shared(path: Path, trust: Trust) -> int:
+    """Open (creating if missing) a file every holder of the lock writes: never through a
+    link, never truncated; one we created gets the cache's lock-file mode and group."""
+    # No O_TRUNC: the file is shared with holders; O_NOFOLLOW: never open a link's target.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == trust.uid and stat.S_IMODE(st.st_mode) != trust.lock_mode:
+            trust.adopt_file(fd, trust.lock_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def try_flock(path: Path, trust: Trust | None = None) -> int | None:
     """Take an exclusive ``flock`` on ``path`` without blocking: the descriptor (close it to
-    release), or None if another holder has it. The file is created if missing and never
-    followed through a link, never truncated, never deleted. Raises ``OSError``; ENOENT
-    means the file was removed or replaced meanwhile: try again."""
-    # No O_TRUNC: the file is shared with holders; O_NOFOLLOW: never lock a link's target.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    release), or None if another holder has it. The file is created if missing (with
+    ``trust``'s lock-file mode) and never followed through a link, never truncated, never
+    deleted. Raises ``OSError``; ENOENT means the file was removed or replaced meanwhile:
+    try again."""
+    fd = _open_shared(path, Trust.private() if trust is None else trust)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -603,9 +620,10 @@ def _read_raw(path: Path) -> bytes | None:
         return _UNREADABLE
 
 
-def _write_new(path: Path, record: dict[str, Any]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+def _write_new(path: Path, record: dict[str, Any], trust: Trust) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
+        trust.adopt_file(fd, trust.lock_mode)
         os.write(fd, json.dumps(record, sort_keys=True).encode())
         os.fsync(fd)
     finally:

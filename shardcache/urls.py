@@ -44,6 +44,7 @@ from urllib.request import url2pathname
 from braceexpand import braceexpand
 from fsspec.registry import known_implementations, registry
 
+from .config import env_setting
 from .errors import UrlError
 
 log = logging.getLogger(__name__)
@@ -448,13 +449,20 @@ def _require_absolute(url: str, spec: object, where: str) -> None:
         )
 
 
-def read_manifest(path: str | os.PathLike[str]) -> list[ManifestEntry]:
+def read_manifest(
+    path: str | os.PathLike[str], *, allow_pipes: bool | None = None
+) -> list[ManifestEntry]:
     """Read a manifest: text (one URL or brace pattern per line, ``#`` comments) or JSON.
 
     JSON is a list of URLs, a list of ``{"url": ..., ...}`` objects, or
     ``{"shards": [...]}`` of either. String entries may use brace patterns; an object
     names exactly one object (its other keys are kept in ``meta``) and is not expanded.
+
+    A manifest is data, often written by someone else: a ``pipe:`` entry (a shell command)
+    is a ``UrlError`` unless ``allow_pipes`` (default: SHARDCACHE_MANIFEST_PIPES=allow).
     """
+    if allow_pipes is None:
+        allow_pipes = env_setting("manifest_pipes") == "allow"
     path = Path(path)
     spec = f"@{path}"
     try:
@@ -482,8 +490,27 @@ def read_manifest(path: str | os.PathLike[str]) -> list[ManifestEntry]:
             "Add shard URLs to the manifest (one per line, or a JSON list).",
             path=str(path),
         )
+    if not allow_pipes:
+        _refuse_commands(entries, spec)
     log.debug("manifest %s: %d entries", path, len(entries))
     return entries
+
+
+def _refuse_commands(entries: list[ManifestEntry], spec: str) -> None:
+    commands = [entry.url for entry in entries if is_pipe_url(entry.url)]
+    if commands:
+        raise _fail(
+            spec,
+            "Shell command in manifest",
+            "URLs the cache reads itself (s3://, https://, paths): a manifest is data, and a "
+            "pipe: entry would run whatever it says as you",
+            f"{len(commands)} pipe: entr{'y' if len(commands) == 1 else 'ies'}, the first "
+            f"{_show(commands[0])}",
+            "Write the entries as URLs; if you wrote the manifest and trust every command in "
+            "it, set SHARDCACHE_MANIFEST_PIPES=allow.",
+            command=commands[0],
+            count=len(commands),
+        )
 
 
 def _parse_text_manifest(text: str, spec: str) -> list[ManifestEntry]:

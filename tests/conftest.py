@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import fsspec
 import pytest
 import s3fs
+from accounts import Account, make_accounts, world_tmp
 
 from shardcache.testing import FaultProxy, S3Server
 
@@ -48,3 +50,16 @@ def fault_proxy(s3: S3Server) -> Iterator[FaultProxy]:
     """A fault-injecting proxy in front of the (reset) S3 server; no faults until added."""
     with FaultProxy("127.0.0.1", s3.port) as proxy:
         yield proxy
+
+
+@pytest.fixture(scope="session")
+def accounts() -> dict[str, Account]:
+    """Real second accounts (tests/accounts.py), made with useradd as root, else skipped."""
+    return make_accounts()
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A sticky, world-writable directory every account can reach, removed afterwards."""
+    with world_tmp() as path:
+        yield path

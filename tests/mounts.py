@@ -25,7 +25,7 @@ def _run(*argv: str) -> None:
 def tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (e.g. "2m") mounted at ``path`` for the ``with`` block."""
     path.mkdir(parents=True, exist_ok=True)
-    _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path))
+    _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path))
     try:
         yield path
     finally:

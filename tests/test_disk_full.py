@@ -89,7 +89,7 @@ def mount_point(tmp_path: Path) -> Iterator[Callable[[list[str]], Path]]:
 
 @pytest.fixture
 def tmpfs(mount_point: Callable[[list[str]], Path]) -> Path:
-    return mount_point(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+    return mount_point(["-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs"])
 
 
 @pytest.fixture

@@ -141,7 +141,7 @@ def tiny_disk(tmp_path: Path):
     mount = tmp_path / "tiny"
     mount.mkdir()
     result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount)],
         capture_output=True,
         text=True,
         check=False,

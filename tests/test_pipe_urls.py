@@ -30,6 +30,7 @@ from shardcache import (
     UrlError,
     expand_urls,
 )
+from shardcache.cli import main
 from shardcache.demo import make_shard
 from shardcache.layout import is_temp_name
 from shardcache.maintenance import verify
@@ -170,16 +171,45 @@ def test_pipe_urls_are_commands_with_webdataset_brace_expansion() -> None:
             expand_urls(bad)
 
 
-def test_manifests_accept_pipe_commands(tmp_path: Path) -> None:
+def test_manifests_list_pipe_commands_only_when_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text = tmp_path / "shards.txt"
-    text.write_text("pipe:cat /data/x-{0..1}.tar\n")
+    text.write_text("s3://b/a.tar\npipe:cat /data/x-{0..1}.tar\n")
     listing = tmp_path / "shards.json"
     listing.write_text(json.dumps([{"url": "pipe:curl -s http://h/a::b", "size": 3}]))
-    assert [e.url for e in read_manifest(text)] == [
+    for manifest in (text, listing):
+        with pytest.raises(UrlError, match="Shell command in manifest") as caught:
+            read_manifest(manifest)
+        assert str(manifest) in str(caught.value) and "SHARDCACHE_MANIFEST_PIPES" in str(
+            caught.value
+        )
+    assert caught.value.command == "pipe:curl -s http://h/a::b"
+    with pytest.raises(UrlError, match="Shell command in manifest"):
+        expand_urls(["s3://b/c.tar", f"@{text}"])
+    assert expand_urls("pipe:cat /data/x.tar") == ["pipe:cat /data/x.tar"]  # your own code
+    assert [e.url for e in read_manifest(text, allow_pipes=True)][1:] == [
         "pipe:cat /data/x-0.tar",
         "pipe:cat /data/x-1.tar",
     ]
+    monkeypatch.setenv("SHARDCACHE_MANIFEST_PIPES", "allow")
     assert read_manifest(listing)[0].url == "pipe:curl -s http://h/a::b"
+
+
+def test_warm_refuses_a_manifests_command_without_running_it(
+    tmp_path: Path, shard_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shardcache warm @manifest`` with a command in the manifest: exit status 2, nothing
+    run; allowed explicitly, it runs and is cached."""
+    marker = tmp_path / "ran"
+    manifest = tmp_path / "shards.txt"
+    manifest.write_text(f"pipe:touch {marker} && cat {shard_dir / 'train-000000.tar'}\n")
+    argv = ["warm", f"@{manifest}", "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    assert not marker.exists()
+    monkeypatch.setenv("SHARDCACHE_MANIFEST_PIPES", "allow")
+    assert main(argv) == 0
+    assert marker.exists()
 
 
 # ------------------------------------------------------------------------ fetch / hits

@@ -228,16 +228,25 @@ def test_cache_dir_problems_are_clear_errors(tmp_path: Path, source, figures) ->
     with pytest.raises(CacheDirError):
         ShardCache(dangling).fetch(url)
     outcomes.append("dangling symlink: CacheDirError")
-    # Not writable. As root (which writes anywhere), a directory owned by nobody (0755) and
-    # a child process without CAP_DAC_OVERRIDE; as any other user, a 0555 directory.
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o755)
+    # Another user's directory: refused before anything is written in it.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o755)
     if os.geteuid() == 0:
-        os.chown(locked, 65534, 65534)
-        drop_caps = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+        os.chown(foreign, 65534, 65534)
     else:
-        locked.chmod(0o555)
-        drop_caps = []
+        foreign.chmod(0o775)
+    with pytest.raises(CacheDirError, match="Refusing to use") as info:
+        ShardCache(foreign).fetch(url)
+    assert str(foreign) in str(info.value) and "SHARDCACHE_DIR" in str(info.value)
+    assert not list(foreign.iterdir())
+    outcomes.append("another user's (or group-writable): CacheDirError")
+    # Not writable. As root (which writes anywhere), a child process without
+    # CAP_DAC_OVERRIDE; as any other user, a 0555 directory.
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    drop_caps = []
+    if os.geteuid() == 0:
+        drop_caps = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
     code = (
         "import sys\nfrom shardcache import ShardCache, CacheDirError\n"
         f"try:\n    ShardCache({str(locked)!r}).fetch({url!r})\n"
@@ -262,7 +271,9 @@ def tmpfs(tmp_path: Path):
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True, timeout=30
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)],
+        check=True,
+        timeout=30,
     )
     try:
         yield mnt
