@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import CacheDirError, LockTimeout
-from .layout import CacheLayout, dir_error, is_temp_name
+from .layout import CacheLayout, dir_error, is_temp_name, read_record_file
 from .locks import lock_file_error, try_flock
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class EvictReport:
 def pin(path: Path) -> int | None:
     """Open ``path`` with a shared lock; None if it is gone (evicted meanwhile)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
@@ -108,7 +108,7 @@ def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None
 
 def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
     try:
-        record = json.loads(layout.meta_path(final).read_text())
+        record = json.loads(read_record_file(layout.meta_path(final)))
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -183,7 +183,7 @@ def scan(
 def remove(layout: CacheLayout, path: Path) -> bool:
     """Remove a published shard and its metadata unless a process has it pinned."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return False
     except OSError as exc:  # a link planted at a shard's name, no permission, ...

@@ -447,6 +447,19 @@ def ensure_dir(
             delay = min(delay * 2, 1.0)
 
 
+def read_record_file(path: Path, limit: int = 1 << 16) -> bytes:
+    """The first ``limit`` bytes of a small file of the cache (a metadata or lock record),
+    never through a link and never blocking: a FIFO or device planted at its name (by a
+    member of a shared cache, or by mistake) is an OSError, not a read that waits forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
 def check_writable(path: Path | str) -> None:
     """Create and remove a uniquely named probe file in ``path``; CacheDirError if that fails."""
     directory = Path(path)
@@ -478,6 +491,7 @@ __all__ = [
     "host_tag",
     "is_temp_name",
     "parse_temp_name",
+    "read_record_file",
     "sanitize_name",
     "scope_dir",
 ]

@@ -51,7 +51,7 @@ from typing import Any
 from .errors import CacheDirError, LockFileError, LockTimeout
 from .fsinfo import mount_for
 from .identity import ProcessIdentity
-from .layout import ensure_dir
+from .layout import ensure_dir, read_record_file
 from .retry import RetryPolicy
 from .trust import Trust
 
@@ -526,11 +526,13 @@ def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) ->
     )
 
 
-def _open_shared(path: Path, trust: Trust) -> int:
-    """Open (creating if missing) a file every holder of the lock writes: never through a
-    link, never truncated; one we created gets the cache's lock-file mode and group."""
+def _open_shared(path: Path, trust: Trust, access: int = os.O_RDWR) -> int:
+    """Open (creating if missing) a file every holder of the lock uses: never through a
+    link, never truncated, never blocking (a FIFO planted there); one we created gets the
+    cache's lock-file mode and group."""
     # No O_TRUNC: the file is shared with holders; O_NOFOLLOW: never open a link's target.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    flags = access | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
     try:
         st = os.fstat(fd)
         if st.st_uid == trust.uid and stat.S_IMODE(st.st_mode) != trust.lock_mode:
@@ -547,7 +549,9 @@ def try_flock(path: Path, trust: Trust | None = None) -> int | None:
     ``trust``'s lock-file mode) and never followed through a link, never truncated, never
     deleted. Raises ``OSError``; ENOENT means the file was removed or replaced meanwhile:
     try again."""
-    fd = _open_shared(path, Trust.private() if trust is None else trust)
+    # Read-only is enough for flock: a lock file another member of a shared cache made
+    # without group write permission still locks.
+    fd = _open_shared(path, Trust.private() if trust is None else trust, os.O_RDONLY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -608,15 +612,10 @@ _UNREADABLE = b"\0unreadable"  # a record that exists but cannot be read (a link
 def _read_raw(path: Path) -> bytes | None:
     """A record's bytes, never following a symbolic link; None if there is none."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        return read_record_file(path)
     except FileNotFoundError:
         return None
-    except OSError:
-        return _UNREADABLE  # judged like garbage: expires, then is broken by rename
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return f.read(1 << 16)
-    except OSError:
+    except OSError:  # a link, a FIFO, no access: judged like garbage (expires, then broken)
         return _UNREADABLE
 
 
@@ -675,7 +674,7 @@ def _summarise(record: dict[str, Any] | None) -> str:
 def read_record(path: Path) -> tuple[bytes | None, dict[str, Any] | None]:
     """The raw bytes of an owner/lease/claim record and its parsed form (None if unreadable)."""
     try:
-        raw = Path(path).read_bytes()
+        raw = read_record_file(Path(path))
     except OSError:
         return None, None
     return raw, _parse_record(raw)
@@ -703,7 +702,7 @@ def is_held(lock_path: Path) -> bool | None:
     creates or deletes the file. A holder in this very process counts as holding it.
     """
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     except OSError:

@@ -637,7 +637,7 @@ def _is_shard_lock(path: Path) -> bool:
 def _pinned(path: Path) -> bool:
     """Whether a reader holds a shared flock on the published file ``path`` right now."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:

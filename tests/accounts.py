@@ -40,23 +40,32 @@ class Account:
         The process starts as root and drops to the account once shardcache and what
         ``code`` needs are imported (as daemons drop privileges): the interpreter may live
         where only root can reach it (a pyenv under /root), and this works wherever it is."""
+        args, kwargs = self._command(code, env, cwd)
+        return subprocess.run(
+            args, capture_output=True, text=True, timeout=120, check=False, **kwargs
+        )
+
+    def popen(self, code: str, env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+        """Start ``code`` as this account (as :meth:`run`), stdin and stdout piped."""
+        args, kwargs = self._command(code, env, cwd)
+        return subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kwargs
+        )
+
+    def _command(self, code: str, env: dict[str, str], cwd: Path) -> tuple[list[str], dict]:
         prelude = (
-            "import grp, hashlib, json, os, pwd, sys, tarfile, pathlib\n"
+            "import fcntl, grp, hashlib, json, os, pwd, sys, tarfile, pathlib\n"
             "import shardcache, shardcache.cache, fsspec.implementations.local\n"
+            # What json.loads may look up for odd bytes, while the stdlib is reachable:
+            "import encodings.utf_16_be, encodings.utf_16_le, encodings.utf_32_be\n"
+            "import encodings.utf_32_le, encodings.utf_16, encodings.utf_32\n"
             f"os.setgroups({list(self.groups)!r}); os.setgid({self.gid}); os.setuid({self.uid})\n"
             f"assert os.getresuid() == ({self.uid},) * 3 and os.getresgid() == ({self.gid},) * 3\n"
             "assert int(open('/proc/self/status').read().split('CapEff:')[1].split()[0], 16) == 0\n"
             "os.umask(0o022)\n"
         )
-        return subprocess.run(
-            [sys.executable, "-c", prelude + code],
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd), **env},
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd), **env}
+        return [sys.executable, "-c", prelude + code], {"env": env, "cwd": cwd}
 
 
 def _unavailable(reason: str) -> None:

@@ -199,3 +199,44 @@ def test_a_directory_others_could_write_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CacheDirError, match="writable by no one else") as caught:
         cache.fetch(str(source))
     assert caught.value.path == str(data_dir) and caught.value.mode == 0o770
+
+
+def test_a_member_cannot_block_or_hang_the_others(
+    accounts: dict[str, Account], shared_tmp: Path, shards: dict[str, str]
+) -> None:
+    """In a shared cache bob can write lock files and records. He holds the flock of one
+    shard forever, and plants FIFOs (reads of which would wait forever) as its owner record
+    and as the other shard's metadata record: alice gets a LockTimeout for the first after
+    SHARDCACHE_LOCK_STUCK_AFTER, and the second shard, fetched, is served."""
+    blocked, other = list(shards)
+    root = shared_tmp / "team-cache"
+    team = {
+        "SHARDCACHE_DIR": str(root),
+        "SHARDCACHE_SCOPE": "node",
+        "SHARDCACHE_SHARED_GROUP": TEAM,
+        "SHARDCACHE_LOCK_STUCK_AFTER": "1s",
+    }
+    hold = f"""
+from shardcache import ShardCache
+cache = ShardCache()
+url = {blocked!r}
+lock = cache.layout.lock_path(cache.remote.canonical_url(url), cache.remote.namespace(url))
+cache.layout.make_dir(lock.parent)
+fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o660)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.mkfifo(lock.with_suffix(".owner"), 0o660)
+meta = cache.layout.meta_path(cache.path_for({other!r}))
+cache.layout.make_dir(meta.parent)
+os.mkfifo(meta, 0o660)
+print("held", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+    holder = accounts[BOB].popen(hold, team, shared_tmp)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        results = _fetch_as(accounts[ALICE], [blocked, other], team, shared_tmp)
+    finally:
+        holder.communicate(timeout=60)
+    assert results[0]["error"] == "LockTimeout", results[0]
+    assert "no readable owner record" in str(results[0]["message"]), results[0]
+    assert results[1].get("sha") == shards[other]
