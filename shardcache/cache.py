@@ -47,6 +47,7 @@ from .locks import LockPolicy, ShardLock
 from .prefetch import Prefetcher
 from .remote import ObjectInfo, Progress, Remote, RemoteOptions
 from .retry import RetryPolicy
+from .safefs import SafeFS
 from .trust import Trust, describe_owner
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class ShardCache:
             fds = self._pins.get(Path(path))
             pin_fd = fds[-1] if fds else None
         if pin_fd is None:
-            return open_pinned(Path(path))
+            return open_pinned(self.layout, Path(path))
         # A new open file description of the same inode (its own offset), which works even
         # when the name is gone; it carries its own shared flock.
         fd = os.open(f"/proc/self/fd/{pin_fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -199,7 +200,7 @@ class ShardCache:
         final = self.path_for(url)
         st = self._servable_stat(final)
         if st is not None and self._freshness.is_current(url, final, st, ask_store=True):
-            touch(final, st.st_mtime)
+            touch(self.layout, final, st.st_mtime)
             self._count(hits=1, bytes_served=st.st_size)
             return final
         try:
@@ -239,7 +240,7 @@ class ShardCache:
         went (evicted, or removed) between the two."""
         for _ in range(VANISHED_RETRIES):
             path = self.fetch(url, progress=progress)
-            fd = pin(path)
+            fd = pin(self.layout, path)
             if fd is not None:
                 return path, fd
         raise CacheFullError(
@@ -276,7 +277,7 @@ class ShardCache:
             policy=self._lock_policy(),
             rank=self.settings.rank,
             on_wait=holder_progress,
-            trust=self.layout.trust,
+            fs=self.layout.fs,
         )
         started = time.monotonic()
         with lock.hold(done=lambda: self._current_stat(url, final) is not None) as held:
@@ -387,10 +388,10 @@ class ShardCache:
             self._publish(fd, part, final)
             return info
         except ShardCacheError:
-            _unlink_quietly(part)
+            _unlink_quietly(self.layout.fs, part)
             raise
         except OSError as exc:  # local I/O: remote errors arrive as FetchError
-            _unlink_quietly(part)
+            _unlink_quietly(self.layout.fs, part)
             if exc.errno in _VANISHED_ERRNOS:  # our directory (and the .part in it) was removed
                 raise _Vanished(Path(exc.filename or part)) from exc
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -404,7 +405,7 @@ class ShardCache:
                 errno=exc.errno,
             ) from exc
         except BaseException:
-            _unlink_quietly(part)
+            _unlink_quietly(self.layout.fs, part)
             raise
         finally:
             if fd is not None:
@@ -433,7 +434,7 @@ class ShardCache:
         for _ in range(VANISHED_RETRIES):
             try:
                 # O_RDWR: a parallel download hashes the file back from disk to verify it.
-                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                fd = self.layout.fs.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             except FileNotFoundError:
                 self.layout.make_dir(part.parent)
                 continue
@@ -464,8 +465,8 @@ class ShardCache:
         try:
             for _ in range(VANISHED_RETRIES):
                 try:
-                    os.replace(part, final)
-                    _fsync_dir(final.parent)
+                    self.layout.fs.replace(part, final)
+                    self.layout.fs.fsync_dir(final.parent)
                     return
                 except FileNotFoundError:
                     if os.fstat(fd).st_nlink:
@@ -473,11 +474,11 @@ class ShardCache:
                 logger.info("%s was removed before it was published; publishing a copy", part)
                 self.layout.make_dir(final.parent)
                 part = self.layout.temp_path(final)
-                _copy_file(fd, part, self.layout.trust)
+                _copy_file(fd, part, self.layout.fs)
             raise _Vanished(final.parent)
         except BaseException:
             if part != original:
-                _unlink_quietly(part)
+                _unlink_quietly(self.layout.fs, part)
             raise
 
     def _reserve(self, fd: int, info: ObjectInfo) -> None:
@@ -541,8 +542,8 @@ class ShardCache:
         """``final``'s lstat if it is a regular file this cache trusts (:class:`Trust`): a
         file another user could have written is never served (the miss path replaces it)."""
         try:
-            st = os.lstat(final)
-        except OSError:
+            st = self.layout.fs.lstat(final)
+        except OSError:  # missing, or an untrusted directory on the way (the miss path says)
             return None
         if not stat.S_ISREG(st.st_mode):
             return None
@@ -694,12 +695,12 @@ def _free_bytes(path: Path) -> int:
     return 0
 
 
-def _copy_file(src_fd: int, dest: Path, trust: Trust) -> None:
+def _copy_file(src_fd: int, dest: Path, fs: SafeFS) -> None:
     """Copy all of ``src_fd`` into the new file ``dest`` (in the kernel), durably."""
     size = os.fstat(src_fd).st_size
-    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    out = fs.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        trust.adopt_file(out, trust.file_mode)
+        fs.trust.adopt_file(out, fs.trust.file_mode)
         offset = 0
         while offset < size:
             sent = os.sendfile(out, src_fd, offset, size - offset)
@@ -709,7 +710,7 @@ def _copy_file(src_fd: int, dest: Path, trust: Trust) -> None:
         os.fsync(out)
     except BaseException:
         os.close(out)
-        _unlink_quietly(dest)
+        _unlink_quietly(fs, dest)
         raise
     os.close(out)
 
@@ -724,19 +725,11 @@ def _written(fd: int | None) -> int:
         return 0
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(fs: SafeFS, path: Path) -> None:
     """Remove a temp file; one that cannot be removed (a read-only file system) is left for
     ``shardcache clean`` with a warning, never raised over the error being reported."""
     try:
-        path.unlink()
+        fs.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as exc:

@@ -28,9 +28,9 @@ from pathlib import Path
 from types import ModuleType
 
 from .config import Settings
+from .dirs import ensure_dir
 from .errors import ConfigError, WaitTimeout
 from .fsinfo import mount_for
-from .layout import ensure_dir
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def makedirs(path: Path | str, mode: int = 0o755, timeout: float = 30.0) -> Path
 
     Existing directories are success; ENOENT/ESTALE/EIO from a shared file system's
     caches are retried until ``timeout``. Returns the absolute path; raises
-    ``CacheDirError`` when something is in the way. See :func:`shardcache.layout.ensure_dir`.
+    ``CacheDirError`` when something is in the way. See :func:`shardcache.dirs.ensure_dir`.
     """
     return ensure_dir(path, mode=mode, timeout=timeout)
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .dirs import dir_error
 from .errors import CacheDirError, LockTimeout
-from .layout import CacheLayout, dir_error, is_temp_name, read_record_file
+from .layout import CacheLayout, is_temp_name
 from .locks import lock_file_error, try_flock
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,11 @@ class EvictReport:
     in_use_bytes: int = 0
 
 
-def pin(path: Path) -> int | None:
-    """Open ``path`` with a shared lock; None if it is gone (evicted meanwhile)."""
+def pin(layout: CacheLayout, path: Path) -> int | None:
+    """Open the published shard ``path`` with a shared lock; None if it is gone (evicted
+    meanwhile). Resolved through the cache's directory descriptors (:class:`SafeFS`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = layout.fs.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
@@ -78,11 +80,11 @@ def pin(path: Path) -> int | None:
     return fd
 
 
-def touch(path: Path, mtime: float) -> None:
+def touch(layout: CacheLayout, path: Path, mtime: float) -> None:
     """Mark a hit as recently used (rate-limited by the caller's knowledge of ``mtime``)."""
     if time.time() - mtime > TOUCH_INTERVAL:
-        with contextlib.suppress(OSError):
-            os.utime(path)
+        with contextlib.suppress(OSError), layout.fs.directory(path.parent) as dir_fd:
+            os.utime(path.name, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None:
@@ -93,30 +95,30 @@ def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None
         layout.make_dir(meta.parent)
         tmp = meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = layout.fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as out:
                 layout.trust.adopt_file(fd, layout.trust.file_mode)
                 out.write(data)
-            os.replace(tmp, meta)
+            layout.fs.replace(tmp, meta)
             return
         except FileNotFoundError:  # its directory was removed meanwhile: make it again
             with contextlib.suppress(OSError):
-                tmp.unlink()
+                layout.fs.unlink(tmp)
             if attempt == 3:
                 raise
 
 
 def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
     try:
-        record = json.loads(read_record_file(layout.meta_path(final)))
+        record = json.loads(layout.fs.read_small(layout.meta_path(final)))
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
 
 
-def open_pinned(path: Path) -> BinaryIO:
+def open_pinned(layout: CacheLayout, path: Path) -> BinaryIO:
     """Open a published shard for reading, pinned (not evictable) until closed."""
-    fd = pin(path)
+    fd = pin(layout, path)
     if fd is None:
         raise FileNotFoundError(errno.ENOENT, "evicted before it could be opened", str(path))
     return os.fdopen(fd, "rb")
@@ -183,9 +185,11 @@ def scan(
 def remove(layout: CacheLayout, path: Path) -> bool:
     """Remove a published shard and its metadata unless a process has it pinned."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = layout.fs.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return False
+    except CacheDirError:
+        raise
     except OSError as exc:  # a link planted at a shard's name, no permission, ...
         raise dir_error(path, exc, "opening") from exc
     try:
@@ -194,9 +198,9 @@ def remove(layout: CacheLayout, path: Path) -> bool:
         except BlockingIOError:
             return False  # pinned by a reader
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            layout.fs.unlink(path)
         with contextlib.suppress(FileNotFoundError):
-            layout.meta_path(path).unlink()
+            layout.fs.unlink(layout.meta_path(path))
         return True
     finally:
         os.close(fd)
@@ -214,7 +218,7 @@ def evict_lock(layout: CacheLayout, timeout: float = EVICT_LOCK_TIMEOUT) -> Iter
     while True:
         try:
             layout.make_dir(path.parent)
-            fd = try_flock(path, layout.trust)
+            fd = try_flock(layout.fs, path)
         except CacheDirError:
             raise
         except FileNotFoundError as exc:  # its directory was removed under us: make it again

@@ -13,28 +13,20 @@ sanitised hint for humans, and no URL can make a path leave ``<scope>``.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
-import random
 import re
 import secrets
 import socket
-import stat
-import time
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import CacheDirError, ConfigError
+from .errors import ConfigError
+from .safefs import SafeFS
 from .trust import Trust
 
 log = logging.getLogger(__name__)
-
-DIR_HINT = (
-    "Set SHARDCACHE_DIR (or pass cache_dir=) to a writable node-local directory, "
-    "e.g. local NVMe or /tmp/shardcache."
-)
 
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]")
 _EXT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -50,9 +42,6 @@ _MAX_STEM = 64
 _MAX_SUFFIX = 12
 _MAX_HOST = 64
 _DIGEST_CHARS = 20
-# A component that another node just created may be invisible here for a while (NFS
-# attribute/lookup caches); a dying server may return EIO. These mean "not yet".
-_RETRY_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EIO, errno.EINTR})
 
 
 def cache_key(url: str, namespace: str = "") -> str:
@@ -134,6 +123,7 @@ class CacheLayout:
     def __init__(self, scope_dir: Path | str, trust: Trust | None = None) -> None:
         self.scope_dir = Path(scope_dir)
         self.trust = Trust.private() if trust is None else trust
+        self.fs = SafeFS(self.root, self.trust)
 
     @property
     def root(self) -> Path:
@@ -181,63 +171,10 @@ class CacheLayout:
         key = cache_key(url, namespace)
         return self.locks_dir / key[:2] / f"{key}.lock"
 
-    def check_inside(self, directory: Path) -> None:
-        """Raise CacheDirError unless the cache root and every component of ``directory``
-        below it that exists is a directory this cache trusts (:class:`Trust`: ours, or the
-        shared group's, writable by no one else), and every component from the scope
-        directory down is a real directory, not a symbolic link: a link planted there (say
-        ``data/<hh>`` -> ``/elsewhere``) would make downloads, renames and metadata writes
-        land outside the cache root. The root itself may be reached through a link of ours.
-        """
-        self._check_root()
-        try:
-            below = Path(directory).relative_to(self.scope_dir)
-        except ValueError:
-            return
-        current = self.scope_dir
-        for part in ("", *below.parts):
-            current = current / part
-            try:
-                st = os.lstat(current)
-            except FileNotFoundError:
-                return  # not made yet: mkdir will make a real directory
-            except OSError as exc:
-                raise dir_error(current, exc, "examining") from exc
-            if not stat.S_ISDIR(st.st_mode):
-                seen = f"{_kind(st)} at {current}"
-                raise CacheDirError(
-                    f"Refusing to use {current} inside the cache {self.scope_dir}: expected a "
-                    f"directory, but saw {seen} (a link there could redirect writes outside the "
-                    "cache). Remove it, or run 'shardcache clean'. " + DIR_HINT,
-                    path=str(current),
-                    expected="a directory",
-                    seen=seen,
-                    hint=DIR_HINT,
-                )
-            self.trust.check_dir(current, st, self.root)
-
     def make_dir(self, directory: Path) -> None:
         """Create ``directory`` inside the cache (and the root, if missing) with the cache's
-        mode, checking before and after that nothing untrusted or a link is on the way."""
-        self.check_inside(directory)
-        ensure_dir(directory, trust=self.trust)
-        self.check_inside(directory)
-
-    def _check_root(self) -> None:
-        root = self.root
-        try:
-            link = os.lstat(root)
-            st = os.stat(root) if stat.S_ISLNK(link.st_mode) else link
-        except FileNotFoundError:
-            return  # not made yet: it is made with the cache's mode
-        except OSError as exc:
-            raise dir_error(root, exc, "examining") from exc
-        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (self.trust.uid, 0):
-            # Whoever owns the link can point it elsewhere at any time.
-            self.trust.check_dir(root, link, root)
-        if not stat.S_ISDIR(st.st_mode):
-            raise _not_a_dir(root, root)
-        self.trust.check_dir(root, st, root)
+        mode, every component checked on the way (:class:`SafeFS`)."""
+        self.fs.mkdirs(directory)
 
     @staticmethod
     def temp_path(final: Path, token: str | None = None) -> Path:
@@ -272,226 +209,13 @@ def scope_dir(root: Path | str, scope: str, rank: int) -> Path:
     )
 
 
-# ------------------------------------------------------------------------ directories
-
-
-def _describe_parent(path: Path) -> str:
-    parent = path.parent
-    try:
-        st = parent.stat()
-    except OSError as exc:
-        return f"parent {parent} cannot be examined: {exc.strerror or exc}"
-    return (
-        f"parent {parent} owned by uid {st.st_uid}, mode {oct(stat.S_IMODE(st.st_mode))}; "
-        f"this process runs as uid {os.geteuid()}"
-    )
-
-
-def _file_in_the_way(path: Path) -> Path | None:
-    """The deepest existing non-directory among ``path`` and its ancestors."""
-    for candidate in (path, *path.parents):
-        try:
-            st = candidate.stat()
-        except OSError:
-            continue
-        return None if stat.S_ISDIR(st.st_mode) else candidate
-    return None
-
-
-def _kind(st: os.stat_result) -> str:
-    mode = st.st_mode
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a non-directory"
-
-
-def _not_a_dir(target: Path, blocker: Path) -> CacheDirError:
-    try:
-        what = _kind(blocker.stat())
-    except OSError:
-        what = "a dangling symbolic link" if blocker.is_symlink() else "a non-directory"
-    seen = f"{what} exists at {blocker}"
-    return CacheDirError(
-        f"Cannot create cache directory {target}: expected a writable directory, but "
-        f"{seen}. Remove or rename it. {DIR_HINT}",
-        path=str(target),
-        expected="a writable directory",
-        seen=seen,
-        hint=DIR_HINT,
-        errno=errno.ENOTDIR if blocker != target else errno.EEXIST,
-    )
-
-
-def dir_error(target: Path, exc: OSError, action: str) -> CacheDirError:
-    """Turn an OSError met while ``action`` (e.g. "creating") ``target`` into a CacheDirError."""
-    where = Path(exc.filename) if exc.filename else target
-    code = exc.errno
-    if code in (errno.EACCES, errno.EPERM):
-        seen = f"permission denied {action} {where} ({_describe_parent(where)})"
-    elif code == errno.EROFS:
-        seen = f"read-only file system at {where}"
-    elif code in (errno.ENOSPC, errno.EDQUOT):
-        seen = f"no space or quota left at {where} ({exc.strerror})"
-    elif code == errno.ENOTDIR:
-        blocker = _file_in_the_way(where) or where
-        return _not_a_dir(target, blocker)
-    elif code == errno.ENAMETOOLONG:
-        seen = f"path too long: {where}"
-    elif code == errno.ELOOP:
-        seen = f"too many levels of symbolic links at {where}"
-    else:
-        name = errno.errorcode.get(code or 0, "unknown error")
-        seen = f"{name} ({exc.strerror or exc}) {action} {where}"
-    return CacheDirError(
-        f"Cannot use cache directory {target}: expected a writable directory, but saw "
-        f"{seen}. {DIR_HINT}",
-        path=str(target),
-        expected="a writable directory",
-        seen=seen,
-        hint=DIR_HINT,
-        errno=code,
-    )
-
-
-def _refresh_listing(path: Path) -> None:
-    """List the nearest existing ancestor: on NFS this revalidates cached lookups."""
-    for ancestor in path.parents:
-        try:
-            # A full listing: on NFS, reading the directory revalidates its cache.
-            list(ancestor.iterdir())
-        except OSError:
-            continue
-        return
-
-
-def _ensure_once(target: Path, mode: int, trust: Trust | None) -> None:
-    """One pass: mkdir each missing component top-down, then stat the target."""
-    missing: list[Path] = []
-    probe = target
-    while True:
-        try:
-            st = probe.stat()
-        except FileNotFoundError:
-            missing.append(probe)
-            if probe.parent == probe:
-                raise
-            probe = probe.parent
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            raise _not_a_dir(target, probe)
-        break
-    for component in reversed(missing):
-        try:
-            component.mkdir(mode)
-            if trust is not None:
-                trust.adopt_dir(component)
-        except FileExistsError:
-            # Usually another process won the race. A non-directory shows up in the
-            # final stat (or as ENOTDIR below); a dangling symlink would otherwise look
-            # like a transient ENOENT and be retried until the deadline.
-            if component.is_symlink() and not component.exists():
-                raise _not_a_dir(target, component) from None
-    st = target.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise _not_a_dir(target, target)
-
-
-def ensure_dir(
-    path: Path | str, mode: int = 0o755, timeout: float = 30.0, trust: Trust | None = None
-) -> Path:
-    """Create ``path`` and its parents, safely when many processes/nodes race on it.
-
-    EEXIST is success; the result is verified with ``stat``. ENOENT/ESTALE/EIO (a
-    component another node just made may not be visible yet) are retried with jittered
-    exponential backoff until ``timeout``. Never grants world-write. With ``trust``, the
-    directories it makes get the cache's mode and group instead of ``mode``. Returns the
-    absolute path; raises ``CacheDirError`` saying what was in the way and what to do.
-    """
-    target = Path(path).absolute()
-    mode &= ~0o002
-    start = time.monotonic()
-    deadline = start + timeout
-    delay = 0.005
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            _ensure_once(target, mode if trust is None else trust.dir_mode, trust)
-            return target
-        except CacheDirError:
-            raise
-        except OSError as exc:
-            now = time.monotonic()
-            if exc.errno not in _RETRY_ERRNOS:
-                raise dir_error(target, exc, "creating") from exc
-            if now >= deadline:
-                error = dir_error(target, exc, "creating")
-                raise CacheDirError(
-                    f"{error.message} Still failing after {attempts} attempts over "
-                    f"{now - start:.1f}s; on NFS a directory made on another node can take "
-                    "up to the attribute-cache time (actimeo, 60 s by default) to appear.",
-                    **error.details,
-                    attempts=attempts,
-                    elapsed=now - start,
-                ) from exc
-            log.debug("ensure_dir %s: %s (attempt %d), retrying", target, exc, attempts)
-            _refresh_listing(Path(exc.filename) if exc.filename else target)
-            # Full jitter spreads out processes that failed together.
-            time.sleep(min(delay * random.uniform(0.5, 1.5), max(deadline - now, 0.0)))
-            delay = min(delay * 2, 1.0)
-
-
-def read_record_file(path: Path, limit: int = 1 << 16) -> bytes:
-    """The first ``limit`` bytes of a small file of the cache (a metadata or lock record),
-    never through a link and never blocking: a FIFO or device planted at its name (by a
-    member of a shared cache, or by mistake) is an OSError, not a read that waits forever."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
-
-
-def check_writable(path: Path | str) -> None:
-    """Create and remove a uniquely named probe file in ``path``; CacheDirError if that fails."""
-    directory = Path(path)
-    probe = directory / f".shardcache-probe-{host_tag()}-{os.getpid()}-{secrets.token_hex(6)}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        raise dir_error(directory, exc, "creating a file in") from exc
-    try:
-        # Write a byte: ENOSPC/EDQUOT may only show on write, not on create.
-        os.write(fd, b"\0")
-    except OSError as exc:
-        raise dir_error(directory, exc, "writing a file in") from exc
-    finally:
-        os.close(fd)
-        try:
-            probe.unlink()
-        except OSError as exc:
-            log.warning("could not remove write probe %s: %s", probe, exc)
-
-
 __all__ = [
     "CacheLayout",
     "TempName",
     "cache_key",
-    "check_writable",
-    "dir_error",
-    "ensure_dir",
     "host_tag",
     "is_temp_name",
     "parse_temp_name",
-    "read_record_file",
     "sanitize_name",
     "scope_dir",
 ]

@@ -51,8 +51,8 @@ from typing import Any
 from .errors import CacheDirError, LockFileError, LockTimeout
 from .fsinfo import mount_for
 from .identity import ProcessIdentity
-from .layout import ensure_dir, read_record_file
 from .retry import RetryPolicy
+from .safefs import SafeFS
 from .trust import Trust
 
 logger = logging.getLogger(__name__)
@@ -101,10 +101,12 @@ class ShardLock:
         policy: LockPolicy,
         rank: int = 0,
         on_wait: Callable[[dict[str, Any] | None], None] | None = None,
-        trust: Trust | None = None,
+        fs: SafeFS | None = None,
     ) -> None:
         self.path = Path(path)
-        self.trust = Trust.private() if trust is None else trust
+        # Every file operation goes through the cache's directory descriptors; a lock used
+        # on its own is rooted at its directory.
+        self.fs = SafeFS(self.path.parent, Trust.private()) if fs is None else fs
         # Called with the holder's record each time it changes while we wait, so observers
         # (the prefetch watchdog) see another process's progress as progress.
         self.on_wait = on_wait
@@ -180,7 +182,7 @@ class ShardLock:
         while True:
             attempt += 1
             try:
-                ensure_dir(self.path.parent, trust=self.trust)
+                self.fs.mkdirs(self.path.parent)
                 if self.policy.mode == "lease":
                     return self._try_claim_lease()
                 return self._try_flock()
@@ -194,36 +196,37 @@ class ShardLock:
                 time.sleep(CREATE_RETRY.delay(attempt))
 
     def _try_flock(self) -> bool:
-        self._flock_fd = try_flock(self.path, self.trust)
+        self._flock_fd = try_flock(self.fs, self.path)
         return self._flock_fd is not None
 
     def _try_claim_lease(self) -> bool:
         claim = self.path.with_name(f"{self.path.stem}.{self._token}.claim")
         record = self._make_record(phase="claiming", attempts=0, waited=0.0)
-        _write_new(claim, record, self.trust)
+        _write_new(self.fs, claim, record)
         try:
             try:
-                os.link(claim, self.lease_path)
+                self.fs.link(claim, self.lease_path)
             except FileExistsError:
                 return False
             except OSError:
                 # NFS may report failure for a link that happened: the link count tells.
-                if os.stat(claim).st_nlink != 2:
+                if self.fs.lstat(claim).st_nlink != 2:
                     raise
-            fd = os.open(self.lease_path, os.O_RDWR | os.O_NOFOLLOW)
-            if os.fstat(fd).st_ino != os.stat(claim).st_ino:
+            fd = self.fs.open(self.lease_path, os.O_RDWR | os.O_NONBLOCK)
+            if os.fstat(fd).st_ino != self.fs.lstat(claim).st_ino:
                 os.close(fd)
                 return False
             self._record_fd = fd
             return True
         finally:
             with contextlib.suppress(FileNotFoundError):
-                claim.unlink()
+                self.fs.unlink(claim)
 
     # -- judging the holder --------------------------------------------------------------
 
     def _read_holder_raw(self) -> bytes | None:
-        return _read_raw(self.lease_path if self.policy.mode == "lease" else self.owner_path)
+        path = self.lease_path if self.policy.mode == "lease" else self.owner_path
+        return _read_raw(self.fs, path)
 
     def _judge(self, watch: _RecordWatch, now: float, start: float, attempts: int) -> None:
         verdict, why = _verdict(watch.record)
@@ -256,7 +259,7 @@ class ShardLock:
             )
 
     def _break_lease(self, judged: bytes, reason: str) -> None:
-        if remove_lease_if_unchanged(self.lease_path, judged):
+        if remove_lease_if_unchanged(self.fs, self.lease_path, judged):
             logger.warning("broke the stale lease of %s: %s", self.url, reason)
 
     def _timeout(
@@ -338,7 +341,7 @@ class ShardLock:
         self._record = self._make_record(phase="locked", attempts=attempts, waited=waited)
         if self.policy.mode == "flock":
             try:
-                self._record_fd = _open_shared(self.owner_path, self.trust)
+                self._record_fd = _open_shared(self.fs, self.owner_path)
             except OSError as exc:
                 # The lock is held all the same; only what waiters can tell about us suffers.
                 self._record_failed(exc)
@@ -395,7 +398,7 @@ class ShardLock:
             os.ftruncate(fd, len(data))
             if self.policy.mode == "lease":
                 os.fsync(fd)  # make the renewal visible to other NFS clients
-                if os.stat(self.lease_path).st_ino != os.fstat(fd).st_ino:
+                if self.fs.lstat(self.lease_path).st_ino != os.fstat(fd).st_ino:
                     self._lease_lost()
         except FileNotFoundError:  # the lease was renamed away (broken) or its dir removed
             self._lease_lost()
@@ -447,16 +450,16 @@ class ShardLock:
         # Rename first, then check: unlinking by name could delete a successor's lease.
         aside = self.path.with_name(f"{self.path.stem}.{self._token}.released")
         try:
-            os.rename(self.lease_path, aside)
+            self.fs.replace(self.lease_path, aside)
         except FileNotFoundError:
             return
         try:
-            if os.stat(aside).st_ino != os.fstat(fd).st_ino:
+            if self.fs.lstat(aside).st_ino != os.fstat(fd).st_ino:
                 with contextlib.suppress(FileExistsError):
-                    os.link(aside, self.lease_path)  # not ours: give it back
+                    self.fs.link(aside, self.lease_path)  # not ours: give it back
         finally:
             with contextlib.suppress(FileNotFoundError):
-                aside.unlink()
+                self.fs.unlink(aside)
 
 
 class _Renewer:
@@ -526,13 +529,13 @@ def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) ->
     )
 
 
-def _open_shared(path: Path, trust: Trust, access: int = os.O_RDWR) -> int:
+def _open_shared(fs: SafeFS, path: Path, access: int = os.O_RDWR) -> int:
     """Open (creating if missing) a file every holder of the lock uses: never through a
     link, never truncated, never blocking (a FIFO planted there); one we created gets the
     cache's lock-file mode and group."""
-    # No O_TRUNC: the file is shared with holders; O_NOFOLLOW: never open a link's target.
-    flags = access | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    fd = os.open(path, flags, 0o600)
+    # No O_TRUNC: the file is shared with holders; never a link's target (SafeFS).
+    fd = fs.open(path, access | os.O_CREAT | os.O_NONBLOCK, 0o600)
+    trust = fs.trust
     try:
         st = os.fstat(fd)
         if st.st_uid == trust.uid and stat.S_IMODE(st.st_mode) != trust.lock_mode:
@@ -543,15 +546,15 @@ def _open_shared(path: Path, trust: Trust, access: int = os.O_RDWR) -> int:
     return fd
 
 
-def try_flock(path: Path, trust: Trust | None = None) -> int | None:
+def try_flock(fs: SafeFS, path: Path) -> int | None:
     """Take an exclusive ``flock`` on ``path`` without blocking: the descriptor (close it to
-    release), or None if another holder has it. The file is created if missing (with
-    ``trust``'s lock-file mode) and never followed through a link, never truncated, never
+    release), or None if another holder has it. The file is created if missing (with the
+    cache's lock-file mode) and never followed through a link, never truncated, never
     deleted. Raises ``OSError``; ENOENT means the file was removed or replaced meanwhile:
     try again."""
     # Read-only is enough for flock: a lock file another member of a shared cache made
     # without group write permission still locks.
-    fd = _open_shared(path, Trust.private() if trust is None else trust, os.O_RDONLY)
+    fd = _open_shared(fs, path, os.O_RDONLY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -562,7 +565,7 @@ def try_flock(path: Path, trust: Trust | None = None) -> int | None:
             raise
         # Removed or replaced between our open and our flock (a tmp cleaner): the next
         # contender would lock another inode, so retry on the file that is there now.
-        if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+        if os.fstat(fd).st_ino != fs.lstat(path).st_ino:
             raise FileNotFoundError(errno.ENOENT, "lock file replaced while locking", str(path))
     except BaseException:
         with contextlib.suppress(OSError):
@@ -609,20 +612,20 @@ def _progress_of(record: dict[str, Any] | None, raw: bytes | None) -> object:
 _UNREADABLE = b"\0unreadable"  # a record that exists but cannot be read (a link, no access)
 
 
-def _read_raw(path: Path) -> bytes | None:
+def _read_raw(fs: SafeFS, path: Path) -> bytes | None:
     """A record's bytes, never following a symbolic link; None if there is none."""
     try:
-        return read_record_file(path)
+        return fs.read_small(path)
     except FileNotFoundError:
         return None
     except OSError:  # a link, a FIFO, no access: judged like garbage (expires, then broken)
         return _UNREADABLE
 
 
-def _write_new(path: Path, record: dict[str, Any], trust: Trust) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def _write_new(fs: SafeFS, path: Path, record: dict[str, Any]) -> None:
+    fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        trust.adopt_file(fd, trust.lock_mode)
+        fs.trust.adopt_file(fd, fs.trust.lock_mode)
         os.write(fd, json.dumps(record, sort_keys=True).encode())
         os.fsync(fd)
     finally:
@@ -671,18 +674,18 @@ def _summarise(record: dict[str, Any] | None) -> str:
 # -- inspection (``shardcache status`` / ``clean``) ---------------------------------------
 
 
-def read_record(path: Path) -> tuple[bytes | None, dict[str, Any] | None]:
+def read_record(fs: SafeFS, path: Path) -> tuple[bytes | None, dict[str, Any] | None]:
     """The raw bytes of an owner/lease/claim record and its parsed form (None if unreadable)."""
     try:
-        raw = read_record_file(Path(path))
+        raw = fs.read_small(Path(path))
     except OSError:
         return None, None
     return raw, _parse_record(raw)
 
 
-def read_owner(lock_path: Path) -> dict[str, Any] | None:
+def read_owner(fs: SafeFS, lock_path: Path) -> dict[str, Any] | None:
     """The owner record (``<hash>.owner``) beside the flock file ``lock_path``, if readable."""
-    return read_record(Path(lock_path).with_suffix(".owner"))[1]
+    return read_record(fs, Path(lock_path).with_suffix(".owner"))[1]
 
 
 def holder_verdict(record: dict[str, Any] | None) -> tuple[str, str]:
@@ -695,14 +698,14 @@ def describe_holder(record: dict[str, Any] | None) -> str:
     return _summarise(record)
 
 
-def is_held(lock_path: Path) -> bool | None:
+def is_held(fs: SafeFS, lock_path: Path) -> bool | None:
     """Whether some process holds the flock on ``lock_path`` right now (None: cannot tell).
 
     Probes with a non-blocking ``flock`` on a fresh descriptor, released at once; never
     creates or deletes the file. A holder in this very process counts as holding it.
     """
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = fs.open(lock_path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return False
     except OSError:
@@ -718,7 +721,7 @@ def is_held(lock_path: Path) -> bool | None:
         os.close(fd)
 
 
-def remove_lease_if_unchanged(lease_path: Path, judged: bytes) -> bool:
+def remove_lease_if_unchanged(fs: SafeFS, lease_path: Path, judged: bytes) -> bool:
     """Remove the lease ``lease_path`` only if it still holds exactly ``judged``.
 
     Like breaking a stale lease while waiting: rename it aside, compare, and put it back
@@ -727,15 +730,15 @@ def remove_lease_if_unchanged(lease_path: Path, judged: bytes) -> bool:
     lease_path = Path(lease_path)
     aside = lease_path.with_name(f"{lease_path.stem}.{secrets.token_hex(8)}.broken")
     try:
-        os.rename(lease_path, aside)
+        fs.replace(lease_path, aside)
     except FileNotFoundError:
         return False
     try:
-        if _read_raw(aside) == judged:
+        if _read_raw(fs, aside) == judged:
             return True
         with contextlib.suppress(FileExistsError):
-            os.link(aside, lease_path)  # renewed or replaced meanwhile: give it back
+            fs.link(aside, lease_path)  # renewed or replaced meanwhile: give it back
         return False
     finally:
         with contextlib.suppress(FileNotFoundError):
-            aside.unlink()
+            fs.unlink(aside)

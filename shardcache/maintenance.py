@@ -20,8 +20,6 @@ lease of a live (or unjudgeable) holder, a temp file of a living process.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import logging
 import os
@@ -48,6 +46,7 @@ from .locks import (
     read_record,
     remove_lease_if_unchanged,
 )
+from .safefs import SafeFS
 from .urls import is_pipe_url, read_manifest
 from .warm import format_bytes
 
@@ -235,7 +234,7 @@ def status(cache: ShardCache) -> StatusReport:
     entries = scan(layout, with_meta=True, unreadable=report.unreadable)[0]
     report.entries = len(entries)
     report.bytes = sum(e.size for e in entries)
-    report.in_use = sum(1 for e in entries if _pinned(e.path))
+    report.in_use = sum(1 for e in entries if is_held(layout.fs, e.path))
     try:
         usage = shutil.disk_usage(layout.scope_dir)
         report.disk_total, report.disk_free = usage.total, usage.free
@@ -263,21 +262,21 @@ def _scan_locks(layout: CacheLayout, report: StatusReport) -> None:
     for path in _files(layout.locks_dir, report.unreadable):
         name = path.name
         if name.endswith(".lock"):
-            if not is_held(path):
+            if not is_held(layout.fs, path):
                 continue
-            holder = read_owner(path) if _is_shard_lock(path) else None
+            holder = read_owner(layout.fs, path) if _is_shard_lock(path) else None
             verdict, why = holder_verdict(holder) if holder else ("unknown", "no owner record")
             report.locks_held.append(HeldLock(path, "flock", holder, verdict, why))
         elif name.endswith(".lease"):
-            stale = _judge_lease(path)
+            stale = _judge_lease(layout.fs, path)
             if stale is not None:
                 report.stale_locks.append(stale)
                 continue
-            record = read_record(path)[1]
+            record = read_record(layout.fs, path)[1]
             verdict, why = holder_verdict(record)
             report.locks_held.append(HeldLock(path, "lease", record, verdict, why))
         elif name.endswith(_LEFTOVER_SUFFIXES):
-            stale = _judge_lock_leftover(path)
+            stale = _judge_lock_leftover(layout.fs, path)
             if stale is not None:
                 report.stale_locks.append(stale)
 
@@ -302,9 +301,9 @@ def clean(cache: ShardCache) -> CleanReport:
         try:
             if again.kind == "lease":
                 assert again.raw is not None
-                removed = remove_lease_if_unchanged(again.path, again.raw)
+                removed = remove_lease_if_unchanged(layout.fs, again.path, again.raw)
             else:
-                again.path.unlink()
+                layout.fs.unlink(again.path)
                 removed = True
         except FileNotFoundError:
             removed = False
@@ -321,9 +320,9 @@ def clean(cache: ShardCache) -> CleanReport:
 
 def _rejudge(layout: CacheLayout, item: Leftover) -> Leftover | None:
     if item.kind == "lease":
-        return _judge_lease(item.path)
+        return _judge_lease(layout.fs, item.path)
     if item.kind in ("claim", "broken", "released"):
-        return _judge_lock_leftover(item.path)
+        return _judge_lock_leftover(layout.fs, item.path)
     if item.kind == "part":
         return _judge_temp(item.path)
     return _judge_meta_file(layout, item.path)
@@ -332,8 +331,8 @@ def _rejudge(layout: CacheLayout, item: Leftover) -> Leftover | None:
 # ---------------------------------------------------------------------------- judging
 
 
-def _judge_lease(path: Path) -> Leftover | None:
-    raw, record = read_record(path)
+def _judge_lease(fs: SafeFS, path: Path) -> Leftover | None:
+    raw, record = read_record(fs, path)
     if raw is None:
         return None
     verdict, why = holder_verdict(record)
@@ -351,8 +350,8 @@ def _judge_lease(path: Path) -> Leftover | None:
     return None
 
 
-def _judge_lock_leftover(path: Path) -> Leftover | None:
-    raw, record = read_record(path)
+def _judge_lock_leftover(fs: SafeFS, path: Path) -> Leftover | None:
+    raw, record = read_record(fs, path)
     if raw is None:
         return None
     kind = path.suffix.lstrip(".")
@@ -632,23 +631,6 @@ def _unreadable_lines(unreadable: list[tuple[Path, str]]) -> list[str]:
 
 def _is_shard_lock(path: Path) -> bool:
     return len(path.stem) == 64 and all(c in "0123456789abcdef" for c in path.stem)
-
-
-def _pinned(path: Path) -> bool:
-    """Whether a reader holds a shared flock on the published file ``path`` right now."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
 
 
 def _size(path: Path) -> int:

@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 
+from shardcache.dirs import dir_error, ensure_dir
 from shardcache.errors import CacheDirError, ConfigError
 from shardcache.layout import (
     CacheLayout,
     TempName,
     cache_key,
-    check_writable,
-    ensure_dir,
     host_tag,
     is_temp_name,
     parse_temp_name,
@@ -370,55 +369,19 @@ def test_ensure_dir_read_only_parent(tmp_path: Path) -> None:
     try:
         with pytest.raises(CacheDirError, match="permission denied"):
             ensure_dir(parent / "child")
-        with pytest.raises(CacheDirError, match="permission denied"):
-            check_writable(parent)
     finally:
         parent.chmod(0o755)
 
 
-# ---------------------------------------------------------------------- check_writable
-
-
-def test_check_writable_ok_leaves_nothing(tmp_path: Path) -> None:
-    check_writable(tmp_path)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_check_writable_missing_dir(tmp_path: Path) -> None:
-    with pytest.raises(CacheDirError) as info:
-        check_writable(tmp_path / "missing")
-    assert "ENOENT" in str(info.value)
-
-
-def test_check_writable_on_a_file(tmp_path: Path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    with pytest.raises(CacheDirError, match="a regular file exists"):
-        check_writable(blocker)
+# ------------------------------------------------------------------------- dir_error
 
 
 @pytest.mark.parametrize(
     ("code", "word"),
     [(errno.EROFS, "read-only"), (errno.EACCES, "permission denied"), (errno.ENOSPC, "no space")],
 )
-def test_check_writable_errors(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, word: str
-) -> None:
-    def failing(*args: Any, **kwargs: Any) -> int:
-        raise OSError(code, os.strerror(code), os.fspath(args[0]))
-
-    monkeypatch.setattr(os, "open", failing)
-    with pytest.raises(CacheDirError, match=word) as info:
-        check_writable(tmp_path)
-    assert info.value.errno == code
-
-
-def test_check_writable_enospc_on_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def full(fd: int, data: bytes) -> int:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(os, "write", full)
-    with pytest.raises(CacheDirError, match="no space"):
-        check_writable(tmp_path)
-    monkeypatch.undo()
-    assert list(tmp_path.iterdir()) == []  # the probe was removed
+def test_dir_error_says_what_was_seen(tmp_path: Path, code: int, word: str) -> None:
+    exc = OSError(code, os.strerror(code), str(tmp_path / "probe"))
+    error = dir_error(tmp_path, exc, "creating a file in")
+    assert isinstance(error, CacheDirError) and error.errno == code
+    assert word in str(error) and str(tmp_path) in str(error) and "SHARDCACHE_DIR" in str(error)

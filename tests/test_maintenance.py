@@ -22,6 +22,8 @@ from shardcache import ShardCache
 from shardcache.layout import CacheLayout
 from shardcache.locks import LockPolicy, ShardLock, is_held, remove_lease_if_unchanged
 from shardcache.maintenance import clean, status, verify
+from shardcache.safefs import SafeFS
+from shardcache.trust import Trust
 
 CTX = mp.get_context("spawn")
 BUCKET = "maint"
@@ -185,7 +187,7 @@ def test_status_and_clean_judge_every_lock_and_temp_file(tmp_path: Path) -> None
         for path in [*lock_files, *owners, my_part, my_meta, published, ok_meta]:
             assert path.exists(), path
         assert _lock_path(cache, lease_url).with_suffix(".lease").exists()
-        assert is_held(_lock_path(cache, held_url))
+        assert is_held(cache.layout.fs, _lock_path(cache, held_url))
 
         after = status(cache)
         assert (after.stale_locks, after.orphans) == ([], [])
@@ -380,10 +382,11 @@ def test_a_lease_of_another_host_is_stale_only_when_old(tmp_path: Path) -> None:
 def test_a_lease_renewed_since_it_was_judged_is_not_removed(tmp_path: Path) -> None:
     lease = tmp_path / "abc.lease"
     lease.write_bytes(b'{"seq": 2}')
-    assert not remove_lease_if_unchanged(lease, b'{"seq": 1}')
+    fs = SafeFS(tmp_path, Trust.private())
+    assert not remove_lease_if_unchanged(fs, lease, b'{"seq": 1}')
     assert lease.read_bytes() == b'{"seq": 2}'
     assert [p.name for p in tmp_path.iterdir()] == ["abc.lease"]  # nothing left aside
-    assert remove_lease_if_unchanged(lease, b'{"seq": 2}')
+    assert remove_lease_if_unchanged(fs, lease, b'{"seq": 2}')
     assert list(tmp_path.iterdir()) == []
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import s3fs  # noqa: F401  (imported once by the fork server, with aiobotocore)
 from fsspec.asyn import sync
 
-from shardcache import ShardCache, cache, locks, remote
+from shardcache import ShardCache, cache, locks, remote, safefs
 
 INSTANTS = (
     "locked",  # lock held, nothing downloaded yet (not even the HEAD)
@@ -132,17 +132,17 @@ def _instrument(instant: str, url: str, final: str, stop_at: int) -> None:
 
         cache.write_meta = write_meta
     elif instant in ("rename", "renamed"):
-        real_replace = os.replace
+        real_replace = safefs.SafeFS.replace
 
-        def replace(src: Any, dst: Any, *args: Any, **kw: Any) -> None:
+        def replace(self: Any, src: Any, dst: Any) -> None:
             if os.fspath(dst) == final:
                 if instant == "rename":
                     _stop(instant)
-                real_replace(src, dst, *args, **kw)
+                real_replace(self, src, dst)
                 _stop(instant)
-            real_replace(src, dst, *args, **kw)
+            real_replace(self, src, dst)
 
-        os.replace = replace
+        safefs.SafeFS.replace = replace  # type: ignore[method-assign]
 
 
 def run(argv: list[str], env: dict[str, str], pipe: Connection) -> None:

@@ -227,9 +227,9 @@ def _fetch_next(
     def progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
         if phase == "stat" and not held:  # we hold the lock and our record is written
             if lock_mode == "lease":
-                record = read_record(lock_path.with_suffix(".lease"))[1]
+                record = read_record(cache.layout.fs, lock_path.with_suffix(".lease"))[1]
             else:
-                record = read_owner(lock_path)
+                record = read_owner(cache.layout.fs, lock_path)
             held.update(record or {})
 
     before = cache.stats()
@@ -301,7 +301,7 @@ class _Torture:
         lock_path = cache.layout.lock_path(
             cache.remote.canonical_url(url), cache.remote.namespace(url)
         )
-        lease_raw, lease = read_record(lock_path.with_suffix(".lease"))
+        lease_raw, lease = read_record(cache.layout.fs, lock_path.with_suffix(".lease"))
         if lease_raw is not None:  # the dead child's lease: judged dead, so broken at once
             assert holder_verdict(lease)[0] == "dead", (where, lease_raw, holder_verdict(lease))
         nxt = _fetch_next(cache, url, lock_path, self.lock_mode, self.link)

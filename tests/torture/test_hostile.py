@@ -169,7 +169,7 @@ def test_every_variable_with_garbage_is_rejected_or_safe(tmp_path: Path, source,
     url, data = source
     rejected = accepted = 0
     for name, spec in SPECS.items():
-        for value in GARBAGE:
+        for index, value in enumerate(GARBAGE):
             env = {spec.env: value, "SHARDCACHE_DIR": str(tmp_path / "c")}
             if spec.env == "SHARDCACHE_DIR":
                 env[spec.env] = value
@@ -190,8 +190,10 @@ def test_every_variable_with_garbage_is_rejected_or_safe(tmp_path: Path, source,
                 # path (it is resolved against the working directory).
                 assert "\x00" not in str(got)
                 continue
-            # An accepted value must give a cache that works.
-            cache = ShardCache(settings=settings.replace(cache_dir=tmp_path / f"ok-{name}"))
+            # An accepted value must give a cache that works (a directory of its own: a
+            # shared group's cache is not a private one's).
+            root = tmp_path / f"ok-{name}-{index}"
+            cache = ShardCache(settings=settings.replace(cache_dir=root))
             assert cache.fetch(url).read_bytes() == data, (name, value)
     figures.add(
         "bad input",
