@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import logging
 import os
 import random
 import re
@@ -27,8 +26,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .errors import CacheDirError, ConfigError
+from .redact import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 DIR_HINT = (
     "Set SHARDCACHE_DIR (or pass cache_dir=) to a writable node-local directory, "
