@@ -13,9 +13,12 @@ to fsspec and the cache key are never changed.
   and credential query parameters (``X-Amz-Signature``, ``X-Amz-Credential``,
   ``X-Amz-Security-Token``, ``sig``, ``token``, ...) of presigned URLs.
 - :func:`redact_text`: every URL in a message, ``NAME=value`` pairs of secret-looking
-  environment variables (``AWS_SECRET_ACCESS_KEY=...``) and ``Authorization:`` headers.
+  environment variables (``AWS_SECRET_ACCESS_KEY=...``), quoted ``"name": "value"`` pairs
+  with a secret name (JSON, dict and header reprs) and ``Authorization:`` headers.
 - :func:`get_logger`: a module logger whose records (message, arguments and traceback)
-  pass through :func:`redact_text`.
+  pass through :func:`redact_text`. The CLI also puts :class:`RedactingFilter` on its log
+  handler, so ``-v`` redacts third-party records (botocore's request headers) too; a
+  program that configures logging itself redacts only shardcache's own records.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ _QUERY_PARAM_RE = re.compile(r"([?&;])([^=&;#]+)=([^&;#]*)")
 _ENV_PAIR_RE = re.compile(
     r"\b([A-Z0-9_]*(?:SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL)[A-Z0-9_]*)=(\S+)"
 )
+# A quoted name, ':' or '=', a quoted value (JSON, dict and header reprs; b'' values).
+_QUOTED_PAIR_RE = re.compile(r"""(['"])([^'"\n]{1,64})\1(\s*[:=]\s*)(b?)(['"])([^'"\n]*)\5""")
 _HEADER_RE = re.compile(
     r"\b(authorization|x-amz-security-token|cookie)(\s*:\s*)[^'\"\n,}]+", re.IGNORECASE
 )
@@ -101,7 +106,15 @@ def redact_text(text: str) -> str:
     ``Authorization:`` headers replaced by ``***``."""
     text = _URL_RE.sub(lambda m: redact_url(m.group(0)), text)
     text = _ENV_PAIR_RE.sub(lambda m: f"{m.group(1)}={REDACTED}", text)
+    text = _QUOTED_PAIR_RE.sub(_redact_pair, text)
     return _HEADER_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+
+
+def _redact_pair(match: re.Match[str]) -> str:
+    quote, name, sep, prefix, vquote, value = match.groups()
+    if not value or not is_secret_name(name):
+        return match.group(0)
+    return f"{quote}{name}{quote}{sep}{prefix}{vquote}{REDACTED}{vquote}"
 
 
 class RedactingFilter(logging.Filter):
