@@ -121,7 +121,8 @@ def _json_object(text: str, name: str) -> dict[str, Any]:
             value=None,
         ) from None
     if not isinstance(value, dict):
-        shown = json.dumps(redact_options(value))
+        redacted = redact_options(value)
+        shown = text if redacted == value else json.dumps(redacted)
         raise ConfigError(
             f"{name}={shown!r} is JSON but not an object; expected a JSON object such as "
             "'{\"anon\": true}'.",
