@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import shutil
 import stat
@@ -45,12 +44,13 @@ from .fsinfo import mount_for
 from .layout import CacheLayout
 from .locks import LockPolicy, ShardLock
 from .prefetch import Prefetcher
+from .redact import get_logger, redact_url
 from .remote import ObjectInfo, Progress, Remote, RemoteOptions
 from .retry import RetryPolicy
 from .safefs import SafeFS
 from .trust import Trust, describe_owner
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 VANISHED_RETRIES = 8  # a miss is made again at most this often when its files vanish
 _VANISHED_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
@@ -370,12 +370,16 @@ class ShardCache:
                 with evict_lock(self.layout):  # now that the size is known: within the limit
                     self._make_room(final, info, on_disk=True)
             report(phase="publishing", bytes_done=info.size, bytes_total=info.size)
+            url = self.remote.canonical_url(info.url)
             write_meta(
                 self.layout,
                 final,
                 {
-                    "url": self.remote.canonical_url(info.url),
-                    "namespace": self.remote.namespace(info.url),
+                    # Never a credential on disk: a presigned URL's signature or a password
+                    # in it is recorded as ***, flagged so that verify knows it cannot reuse it.
+                    "url": redact_url(url),
+                    "url_redacted": redact_url(url) != url,
+                    "namespace": redact_url(self.remote.namespace(info.url)),
                     "size": info.size,
                     "etag": info.etag,
                     "md5": info.md5,

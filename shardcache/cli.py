@@ -17,6 +17,7 @@ from typing import Any
 
 from .config import Settings, parse_size
 from .errors import ConfigError, ShardCacheError, UrlError
+from .redact import RedactingFilter
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EVICT_LIST_LIMIT = 20  # removed shards listed by "evict" (all of them with --json)
@@ -421,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:  # -v: botocore logs request headers
+        handler.addFilter(RedactingFilter())
     try:
         return int(args.func(args))
     except UsageError as exc:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .redact import redact_options, redact_text
 from .trust import group_id
 
 T = TypeVar("T")
@@ -112,18 +113,22 @@ def _json_object(text: str, name: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError as exc:
+        # Not parsed, so its secrets cannot be found: the text itself is not shown.
         raise ConfigError(
-            f"{name}={text!r} is not valid JSON ({exc}); expected a JSON object such as "
+            f"{name} ({len(text)} characters, not shown: it may hold credentials) is not "
+            f"valid JSON ({exc}); expected a JSON object such as "
             '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.',
             name=name,
-            value=text,
+            value=None,
         ) from None
     if not isinstance(value, dict):
+        redacted = redact_options(value)
+        shown = text if redacted == value else json.dumps(redacted)
         raise ConfigError(
-            f"{name}={text!r} is JSON but not an object; expected a JSON object such as "
+            f"{name}={shown!r} is JSON but not an object; expected a JSON object such as "
             "'{\"anon\": true}'.",
             name=name,
-            value=text,
+            value=shown,
         )
     return value
 
@@ -331,9 +336,11 @@ LAUNCHER_ENV: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class Settings:
-    """Every shardcache setting, resolved. Build with :meth:`Settings.resolve`."""
+    """Every shardcache setting, resolved. Build with :meth:`Settings.resolve`.
+
+    Its ``repr`` and :meth:`describe` show ``storage_options`` with credentials redacted."""
 
     cache_dir: Path
     scope: str = "rank"
@@ -406,10 +413,16 @@ class Settings:
             merged[name], _ = _resolve_one(name, SPECS[name], {}, value)
         return dataclasses.replace(self, **merged, sources=sources)
 
+    def __repr__(self) -> str:
+        shown = (f"{n}={_shown(n, getattr(self, n))!r}" for n in [*SPECS, "job_id"])
+        return f"Settings({', '.join(shown)})"
+
     def describe(self) -> list[tuple[str, str, Any, str]]:
-        """Rows of (setting, env variable, value, source) for ``shardcache config``."""
+        """Rows of (setting, env variable, value, source) for ``shardcache config``;
+        credentials in ``storage_options`` are redacted."""
         rows = [
-            (n, s.env, getattr(self, n), self.sources.get(n, "default")) for n, s in SPECS.items()
+            (n, s.env, _shown(n, getattr(self, n)), self.sources.get(n, "default"))
+            for n, s in SPECS.items()
         ]
         rows.append(("job_id", "SLURM_JOB_ID", self.job_id, self.sources.get("job_id", "default")))
         rows.append(("scope_dir", "-", self.scope_dir, "derived"))
@@ -420,6 +433,13 @@ def env_setting(name: str, env: Mapping[str, str] | None = None) -> Any:
     """One setting from the environment alone (for code that runs without a cache)."""
     value, _ = _resolve_one(name, SPECS[name], os.environ if env is None else env, None)
     return value
+
+
+def _shown(name: str, value: Any) -> Any:
+    """``value`` of setting ``name`` as shown to people: credentials redacted."""
+    if name == "storage_options":
+        return redact_options(value)
+    return redact_text(value) if isinstance(value, str) else value
 
 
 def _resolve_one(name: str, spec: _Spec, env: Mapping[str, str], explicit: Any) -> tuple[Any, str]:

@@ -9,7 +9,6 @@ the same across runs and a second run shows all hits.
 from __future__ import annotations
 
 import io
-import logging
 import shutil
 import tarfile
 import time
@@ -19,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from .cache import ShardCache
+from .redact import get_logger
 from .testing.s3server import S3Server
 from .urls import expand_urls
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEMO_BUCKET = "shardcache-demo"
 DEMO_PORT = 47913

@@ -4,7 +4,6 @@ the errors that say what is in the way."""
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import random
 import stat
@@ -12,9 +11,10 @@ import time
 from pathlib import Path
 
 from .errors import CacheDirError
+from .redact import get_logger
 from .trust import Trust
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 DIR_HINT = (
     "Set SHARDCACHE_DIR (or pass cache_dir=) to a writable node-local directory, "

@@ -14,7 +14,6 @@ imported ``torch.distributed``, so that module is looked up in ``sys.modules``.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import random
 import re
@@ -31,8 +30,9 @@ from .config import Settings
 from .dirs import ensure_dir
 from .errors import ConfigError, WaitTimeout
 from .fsinfo import mount_for
+from .redact import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # How often a long wait logs "still waiting" at INFO (seconds).
 PROGRESS_EVERY = 30.0

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .redact import redact_text
+
 
 def _rebuild(cls: type[ShardCacheError], message: str, details: dict[str, Any]) -> ShardCacheError:
     exc = cls.__new__(cls)
@@ -41,10 +43,12 @@ class ShardCacheError(Exception):
     """Base class of every shardcache error.
 
     ``details`` become attributes (``exc.url``, ``exc.path``, ...) so handlers can act
-    on the facts without parsing the message.
+    on the facts without parsing the message. The message is redacted
+    (:func:`shardcache.redact.redact_text`); the attributes keep the real values.
     """
 
     def __init__(self, message: str, **details: Any) -> None:
+        message = redact_text(message)  # credentials in URLs never reach a message
         super().__init__(message)
         self.message = message
         self.details = details

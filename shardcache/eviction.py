@@ -19,7 +19,6 @@ import dataclasses
 import errno
 import fcntl
 import json
-import logging
 import os
 import stat
 import time
@@ -32,8 +31,9 @@ from .dirs import dir_error
 from .errors import CacheDirError, LockTimeout
 from .layout import CacheLayout, is_temp_name
 from .locks import lock_file_error, try_flock
+from .redact import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 TOUCH_INTERVAL = 60.0  # refresh a hit's "last used" time at most this often
 EVICT_LOCK_TIMEOUT = 600.0
@@ -46,9 +46,10 @@ class CacheEntry:
     path: Path
     size: int
     last_used: float
-    url: str | None = None
+    url: str | None = None  # credentials in it are redacted (``url_redacted``)
     etag: str | None = None
     md5: str | None = None
+    url_redacted: bool = False
 
 
 @dataclass
@@ -176,6 +177,7 @@ def scan(
                     url=meta.get("url"),
                     etag=meta.get("etag"),
                     md5=meta.get("md5"),
+                    url_redacted=bool(meta.get("url_redacted")),
                 )
             )
     entries.sort(key=lambda e: e.last_used)

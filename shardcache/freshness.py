@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -24,10 +23,11 @@ from typing import Any
 from .errors import FetchError
 from .eviction import read_meta, write_meta
 from .layout import CacheLayout
+from .redact import get_logger
 from .remote import ObjectInfo, Remote
 from .urls import local_path, url_protocol
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 

@@ -14,7 +14,6 @@ sanitised hint for humans, and no URL can make a path leave ``<scope>``.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 import secrets
@@ -25,8 +24,6 @@ from typing import NamedTuple
 from .errors import ConfigError
 from .safefs import SafeFS
 from .trust import Trust
-
-log = logging.getLogger(__name__)
 
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]")
 _EXT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")

@@ -36,7 +36,6 @@ import contextlib
 import errno
 import fcntl
 import json
-import logging
 import os
 import random
 import secrets
@@ -51,11 +50,12 @@ from typing import Any
 from .errors import CacheDirError, LockFileError, LockTimeout
 from .fsinfo import mount_for
 from .identity import ProcessIdentity
+from .redact import get_logger, redact_url
 from .retry import RetryPolicy
 from .safefs import SafeFS
 from .trust import Trust
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 STILL_WAITING_EVERY = 30.0
 RECORD_INTERVAL = 0.5  # seconds between progress-record writes while holding
@@ -331,7 +331,7 @@ class ShardLock:
             "rank": self.rank,
             "thread": threading.current_thread().name,
             "token": self._token,
-            "url": self.url,
+            "url": redact_url(self.url),  # the record is on disk: no credentials
             "since": time.time(),
             "seq": 0,
             **extra,

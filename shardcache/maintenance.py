@@ -21,7 +21,6 @@ lease of a live (or unjudgeable) holder, a temp file of a living process.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 import shutil
@@ -46,11 +45,12 @@ from .locks import (
     read_record,
     remove_lease_if_unchanged,
 )
+from .redact import get_logger
 from .safefs import SafeFS
 from .urls import is_pipe_url, read_manifest
 from .warm import format_bytes
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 OTHER_HOST_AGE = 24 * 3600.0  # a file of another host untouched this long is abandoned
 META_TMP_AGE = 3600.0  # a metadata write takes milliseconds: an hour-old temp is abandoned
@@ -506,12 +506,12 @@ def verify(
     A ``pipe:`` command is never run again to verify its output (it may be slow, costly or
     not repeatable): without a manifest entry its copy is only checked against the size
     recorded when the command ran, and reported as skipped when that matches."""
-    expected: dict[str, dict[str, Any]] = {}
+    expected: dict[Path, dict[str, Any]] = {}  # by cached path: recorded URLs may be redacted
     if manifest is not None:
         # Checksums only: nothing in a manifest is run here, so pipe: entries are data.
         for entry in read_manifest(manifest, allow_pipes=True):
             if {"size", "md5", "sha256"} & entry.meta.keys():
-                expected[entry.url] = entry.meta
+                expected[cache.path_for(entry.url)] = entry.meta
     report = VerifyReport(scope_dir=cache.layout.scope_dir)
     entries = scan(cache.layout, with_meta=True, unreadable=report.unreadable)[0]
     threads = cache.settings.threads if threads is None else threads
@@ -520,16 +520,25 @@ def verify(
     return report
 
 
-def _verify_one(cache: ShardCache, entry: Any, expected: dict[str, dict[str, Any]]) -> VerifyItem:
+def _verify_one(cache: ShardCache, entry: Any, expected: dict[Path, dict[str, Any]]) -> VerifyItem:
     path, url = Path(entry.path), entry.url
     if url is None:
         return VerifyItem(path, None, "unknown-origin", "no metadata record")
-    if cache.path_for(url) != path:
+    want = expected.get(path)
+    if entry.url_redacted and want is None:
+        return VerifyItem(
+            path,
+            url,
+            "skipped",
+            "its URL carries credentials (a password or a presigned signature), which "
+            "shardcache does not record; list it with size/md5/sha256 in a manifest to check it",
+        )
+    if not entry.url_redacted and cache.path_for(url) != path:
         return VerifyItem(
             path, url, "skipped", "cached from another endpoint than the current configuration"
         )
     try:
-        if is_pipe_url(url) and url not in expected:
+        if is_pipe_url(url) and want is None:
             problem = _check_recorded_size(cache, entry)
             if problem is None:
                 return VerifyItem(
@@ -541,7 +550,7 @@ def _verify_one(cache: ShardCache, entry: Any, expected: dict[str, dict[str, Any
                     "in a manifest to check its content)",
                 )
         else:
-            problem = _check(cache, entry, expected.get(url))
+            problem = _check(cache, entry, want)
     except FileNotFoundError:
         return VerifyItem(path, url, "skipped", "removed from the cache meanwhile")
     except (ShardCacheError, OSError) as exc:

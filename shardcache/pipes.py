@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import os
 import selectors
 import signal
@@ -39,9 +38,10 @@ import time
 from collections.abc import Callable
 
 from .errors import UrlError
+from .redact import get_logger
 from .urls import PIPE_PREFIX
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SHELL = "/bin/sh"
 STDERR_TAIL = 4096

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import os
 import socket
 import sys
@@ -59,9 +58,10 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 
 from .distributed import rank_info
 from .errors import ConfigError, FetchError, ShardCacheError, StallError
+from .redact import get_logger
 from .remote import Progress
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 THREAD_NAME_PREFIX = "shardcache-prefetch"
 """Every worker thread's name starts with this (``shardcache-prefetch-<n>-<i>``)."""

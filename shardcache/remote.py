@@ -25,14 +25,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import hashlib
-import logging
 import os
 import re
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, BinaryIO, Protocol
 
 import fsspec
@@ -50,6 +49,7 @@ from .errors import (
     UrlError,
 )
 from .pipes import CommandFailed, check_allowed, command_of, run_command
+from .redact import get_logger, redact_options
 from .retry import (
     DENIED,
     IS_A_DIRECTORY,
@@ -64,7 +64,7 @@ from .retry import (
 )
 from .urls import local_path, url_protocol
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 _LOCAL_PROTOCOLS = {"file", "local"}
@@ -92,11 +92,11 @@ class ObjectInfo:
     mtime_ns: int | None = None  # a local source's modification time (its version)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RemoteOptions:
-    """How to reach remote stores and how hard to try."""
+    """How to reach remote stores and how hard to try (``repr``: credentials redacted)."""
 
-    storage_options: dict[str, Any]
+    storage_options: dict[str, Any] = field(repr=False)  # may hold credentials
     retry: RetryPolicy
     io_timeout: float = 60.0
     chunk_size: int = 8 << 20
@@ -106,6 +106,10 @@ class RemoteOptions:
     part_size: int = 16 << 20
     max_parts_in_flight: int = 8
     """Concurrent ranged GETs per download; 1 disables the parallel path."""
+
+    def __repr__(self) -> str:
+        rest = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"RemoteOptions(storage_options={redact_options(self.storage_options)!r}, {rest})"
 
 
 _PART_PIECE = 1 << 20  # bytes read from a part's body at a time (bounds memory per part)

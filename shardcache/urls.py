@@ -31,7 +31,6 @@ object (in a spec string '::' separates specs, as in webdataset).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -46,8 +45,9 @@ from fsspec.registry import known_implementations, registry
 
 from .config import env_setting
 from .errors import UrlError
+from .redact import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 Spec = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 

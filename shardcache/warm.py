@@ -20,7 +20,6 @@ are the same):
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 import os
 import threading
 import time
@@ -30,8 +29,9 @@ from pathlib import Path
 from typing import TextIO
 
 from .cache import CacheStats, ShardCache
+from .redact import get_logger, redact_text
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SPLITS = ("auto", "none")
 LOG_EVERY = 5.0  # seconds between plain progress lines when stderr is not a terminal
@@ -118,7 +118,7 @@ class WarmResult:
         ]
         if self.failed:
             lines.append(f"failed shards ({len(self.failed)}):")
-            lines += [f"  {f.url}: {f.error}" for f in self.failed]
+            lines += [redact_text(f"  {f.url}: {f.error}") for f in self.failed]
         return "\n".join(lines)
 
 

@@ -21,7 +21,6 @@ the whole data path, so it always propagates.
 
 from __future__ import annotations
 
-import logging
 import sys
 import weakref
 from collections import deque
@@ -35,8 +34,9 @@ from .cache import ShardCache
 from .distributed import rank_info
 from .errors import ShardCacheError, StallError
 from .prefetch import Prefetcher, check_prefetch_options
+from .redact import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 Handler = Callable[[BaseException], bool]
 Sample = dict[str, Any]
