@@ -70,6 +70,10 @@ def pin(layout: CacheLayout, path: Path) -> int | None:
         fd = layout.fs.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link put at the shard's name: not ours, fetch again
+            return None
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         if os.fstat(fd).st_nlink == 0:  # removed while we waited for the lock
