@@ -32,6 +32,7 @@ from .errors import CacheDirError, LockTimeout
 from .layout import CacheLayout, is_temp_name
 from .locks import lock_file_error, try_flock
 from .redact import get_logger
+from .safefs import SafeFS
 
 logger = get_logger(__name__)
 
@@ -130,13 +131,25 @@ def open_pinned(layout: CacheLayout, path: Path) -> BinaryIO:
 
 
 def list_dir(
-    path: Path, unreadable: list[tuple[Path, str]] | None = None
-) -> list[os.DirEntry[str]]:
-    """The entries of ``path``; none if it is gone (a tmp cleaner). A directory that cannot
-    be listed raises CacheDirError, or is appended to ``unreadable`` (with why)."""
+    fs: SafeFS, path: Path, unreadable: list[tuple[Path, str]] | None = None
+) -> list[tuple[str, os.stat_result]]:
+    """The names in the cache directory ``path`` with their lstat, listed through its
+    descriptor (:class:`SafeFS`); none if it is gone (a tmp cleaner), and entries removed
+    while listing are left out. A directory that cannot be listed (or a link, or a foreign
+    directory, on the way) raises CacheDirError, or is appended to ``unreadable``."""
     try:
-        return list(os.scandir(path))
+        with fs.directory(path) as dir_fd:
+            listed = []
+            for name in os.listdir(dir_fd):
+                with contextlib.suppress(FileNotFoundError):
+                    listed.append((name, os.stat(name, dir_fd=dir_fd, follow_symlinks=False)))
+            return listed
     except (FileNotFoundError, NotADirectoryError):
+        return []
+    except CacheDirError as exc:
+        if unreadable is None:
+            raise
+        unreadable.append((path, exc.message))
         return []
     except OSError as exc:
         if unreadable is None:
@@ -159,19 +172,17 @@ def scan(
     # names: count every file (inode) once.
     seen: set[int] = set()
 
-    for bucket in list_dir(layout.data_dir, unreadable):
-        for item in list_dir(Path(bucket.path), unreadable):
-            try:
-                st = item.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+    for bucket, bucket_st in list_dir(layout.fs, layout.data_dir, unreadable):
+        if not stat.S_ISDIR(bucket_st.st_mode):
+            continue
+        for name, st in list_dir(layout.fs, layout.data_dir / bucket, unreadable):
             if not stat.S_ISREG(st.st_mode) or st.st_ino in seen:
                 continue
             seen.add(st.st_ino)
-            if is_temp_name(item.name):
+            if is_temp_name(name):
                 partial += st.st_size
                 continue
-            path = Path(item.path)
+            path = layout.data_dir / bucket / name
             meta = read_meta(layout, path) if with_meta else {}
             entries.append(
                 CacheEntry(

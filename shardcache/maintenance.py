@@ -24,6 +24,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -241,16 +242,16 @@ def status(cache: ShardCache) -> StatusReport:
     except OSError:
         pass
     _scan_locks(layout, report)
-    for path in _files(layout.data_dir, report.unreadable):
+    for path in _files(layout.fs, layout.data_dir, report.unreadable):
         if parse_temp_name(path.name) is None:
             continue
-        orphan = _judge_temp(path)
+        orphan = _judge_temp(layout.fs, path)
         if orphan is not None:
             report.orphans.append(orphan)
         else:
             report.downloads += 1
-            report.download_bytes += _size(path)
-    for path in _files(layout.meta_dir, report.unreadable):
+            report.download_bytes += _size(layout.fs, path)
+    for path in _files(layout.fs, layout.meta_dir, report.unreadable):
         orphan = _judge_meta_file(layout, path)
         if orphan is not None:
             report.orphans.append(orphan)
@@ -259,7 +260,7 @@ def status(cache: ShardCache) -> StatusReport:
 
 
 def _scan_locks(layout: CacheLayout, report: StatusReport) -> None:
-    for path in _files(layout.locks_dir, report.unreadable):
+    for path in _files(layout.fs, layout.locks_dir, report.unreadable):
         name = path.name
         if name.endswith(".lock"):
             if not is_held(layout.fs, path):
@@ -324,7 +325,7 @@ def _rejudge(layout: CacheLayout, item: Leftover) -> Leftover | None:
     if item.kind in ("claim", "broken", "released"):
         return _judge_lock_leftover(layout.fs, item.path)
     if item.kind == "part":
-        return _judge_temp(item.path)
+        return _judge_temp(layout.fs, item.path)
     return _judge_meta_file(layout, item.path)
 
 
@@ -340,7 +341,7 @@ def _judge_lease(fs: SafeFS, path: Path) -> Leftover | None:
         assert record is not None
         reason = f"lock of {record.get('url')}, holder pid {record.get('pid')}: {why}"
         return Leftover(path, "lease", len(raw), reason, raw)
-    age = _age(path)
+    age = _age(fs, path)
     if record is not None and record.get("host") != hostname() and age > OTHER_HOST_AGE:
         reason = (
             f"lock of {record.get('url')}, holder on host {record.get('host')}, unchanged "
@@ -356,7 +357,7 @@ def _judge_lock_leftover(fs: SafeFS, path: Path) -> Leftover | None:
         return None
     kind = path.suffix.lstrip(".")
     if record is None:
-        age = _age(path)
+        age = _age(fs, path)
         if age > OTHER_HOST_AGE:
             return Leftover(path, kind, len(raw), f"unreadable, untouched for {age / 3600:.0f} h")
         return None
@@ -364,7 +365,7 @@ def _judge_lock_leftover(fs: SafeFS, path: Path) -> Leftover | None:
     if verdict == "dead":
         reason = f"lock of {record.get('url')}, pid {record.get('pid')}: {why}"
         return Leftover(path, kind, len(raw), reason)
-    age = _age(path)
+    age = _age(fs, path)
     if record.get("host") != hostname() and age > OTHER_HOST_AGE:
         return Leftover(
             path, kind, len(raw), f"host {record.get('host')}, untouched for {age / 3600:.0f} h"
@@ -372,13 +373,13 @@ def _judge_lock_leftover(fs: SafeFS, path: Path) -> Leftover | None:
     return None
 
 
-def _judge_temp(path: Path) -> Leftover | None:
+def _judge_temp(fs: SafeFS, path: Path) -> Leftover | None:
     """An orphan download temp file, or None while its writer may be alive."""
     temp = parse_temp_name(path.name)
     if temp is None:
         return None
     try:
-        st = os.lstat(path)
+        st = fs.lstat(path)
     except OSError:
         return None
     if temp.host != host_tag():
@@ -398,32 +399,30 @@ def _judge_temp(path: Path) -> Leftover | None:
 
 
 def _judge_meta_file(layout: CacheLayout, path: Path) -> Leftover | None:
+    fs = layout.fs
     match = _META_TMP_RE.match(path.name)
     if match is not None:
-        age = _age(path)
+        age = _age(fs, path)
         if age > META_TMP_AGE:
             reason = f"unfinished metadata write of pid {match['pid']}, {age / 60:.0f} min old"
-            return Leftover(path, "meta-tmp", _size(path), reason)
+            return Leftover(path, "meta-tmp", _size(fs, path), reason)
         return None
     if not path.name.endswith(".json") or path.name.startswith("."):
         return None
     data = layout.data_path_of_meta(path)
     # Order matters: a download writes the record, then renames its temp file into place.
-    if _live_download_of(data):
+    if _live_download_of(fs, data):
         return None
-    if os.path.lexists(data) or not os.path.lexists(path):
+    if _exists(fs, data) or not _exists(fs, path):
         return None
-    return Leftover(path, "meta", _size(path), "its shard is no longer in the cache")
+    return Leftover(path, "meta", _size(fs, path), "its shard is no longer in the cache")
 
 
-def _live_download_of(data: Path) -> bool:
-    try:
-        names = os.listdir(data.parent)
-    except OSError:
-        return False
-    for name in names:
+def _live_download_of(fs: SafeFS, data: Path) -> bool:
+    for name, _ in list_dir(fs, data.parent, []):
         temp = parse_temp_name(name)
-        if temp is not None and temp.final == data.name and _judge_temp(data.parent / name) is None:
+        live = temp is not None and temp.final == data.name
+        if live and _judge_temp(fs, data.parent / name) is None:
             return True
     return False
 
@@ -564,7 +563,7 @@ def _verify_one(cache: ShardCache, entry: Any, expected: dict[Path, dict[str, An
 
 def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | None:
     """What is wrong with the cached copy, or None."""
-    size = os.lstat(entry.path).st_size
+    size = cache.layout.fs.lstat(entry.path).st_size
     if meta is not None:
         source = "the manifest"
         want_size = meta.get("size")
@@ -582,7 +581,7 @@ def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | 
     if want_size is not None and int(want_size) != size:
         return f"size {size} bytes, {source} has {want_size}"
     if want:
-        got = _hashes(entry.path, want.keys())
+        got = _hashes(cache.layout.fs, entry.path, want.keys())
         for name, value in want.items():
             if got[name] != value:
                 return f"{name} {got[name]}, {source} has {value}"
@@ -591,7 +590,7 @@ def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | 
 
 def _check_recorded_size(cache: ShardCache, entry: Any) -> str | None:
     """What is wrong with a cached copy's size against its metadata record, or None."""
-    size = os.lstat(entry.path).st_size
+    size = cache.layout.fs.lstat(entry.path).st_size
     recorded = read_meta(cache.layout, entry.path).get("size")
     if recorded is None:
         return "no size was recorded when the command ran"
@@ -600,9 +599,9 @@ def _check_recorded_size(cache: ShardCache, entry: Any) -> str | None:
     return None
 
 
-def _hashes(path: Path, names: Any) -> dict[str, str]:
+def _hashes(fs: SafeFS, path: Path, names: Any) -> dict[str, str]:
     hashers = {name: hashlib.new(name) for name in names}
-    with open(path, "rb") as f:
+    with os.fdopen(fs.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             for h in hashers.values():
                 h.update(chunk)
@@ -612,19 +611,16 @@ def _hashes(path: Path, names: Any) -> dict[str, str]:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _files(root: Path, unreadable: list[tuple[Path, str]]) -> Iterator[Path]:
+def _files(fs: SafeFS, root: Path, unreadable: list[tuple[Path, str]]) -> Iterator[Path]:
     """Files directly in ``root`` and in its subdirectories (one level: ``<hh>/``); a
     directory that exists but cannot be listed is appended to ``unreadable``."""
-    for item in list_dir(root, unreadable):
-        try:
-            if item.is_dir(follow_symlinks=False):
-                for sub in list_dir(Path(item.path), unreadable):
-                    if sub.is_file(follow_symlinks=False):
-                        yield Path(sub.path)
-            elif item.is_file(follow_symlinks=False):
-                yield Path(item.path)
-        except OSError:
-            continue  # removed meanwhile
+    for name, st in list_dir(fs, root, unreadable):
+        if stat.S_ISDIR(st.st_mode):
+            for sub, sub_st in list_dir(fs, root / name, unreadable):
+                if stat.S_ISREG(sub_st.st_mode):
+                    yield root / name / sub
+        elif stat.S_ISREG(st.st_mode):
+            yield root / name
 
 
 def _unreadable_json(unreadable: list[tuple[Path, str]]) -> list[dict[str, str]]:
@@ -642,18 +638,26 @@ def _is_shard_lock(path: Path) -> bool:
     return len(path.stem) == 64 and all(c in "0123456789abcdef" for c in path.stem)
 
 
-def _size(path: Path) -> int:
+def _size(fs: SafeFS, path: Path) -> int:
     try:
-        return os.lstat(path).st_size
+        return fs.lstat(path).st_size
     except OSError:
         return 0
 
 
-def _age(path: Path) -> float:
+def _age(fs: SafeFS, path: Path) -> float:
     try:
-        return time.time() - os.lstat(path).st_mtime
+        return time.time() - fs.lstat(path).st_mtime
     except OSError:
         return 0.0
+
+
+def _exists(fs: SafeFS, path: Path) -> bool:
+    try:
+        fs.lstat(path)
+    except OSError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=1)
