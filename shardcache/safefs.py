@@ -40,6 +40,8 @@ class SafeFS:
     def __init__(self, root: Path, trust: Trust) -> None:
         self.root = Path(root).absolute()
         self.trust = trust
+        self._prefix = os.path.join(os.fspath(self.root), "")  # the root with a final "/"
+        self._real_prefix: str | None = None  # the same, links resolved (the fast lstat)
 
     # -- directories ---------------------------------------------------------------------
 
@@ -47,7 +49,7 @@ class SafeFS:
     def directory(self, path: Path, *, create: bool = False) -> Iterator[int]:
         """A descriptor of the directory ``path`` (the root or below), closed afterwards;
         with ``create``, missing components are made with the cache's mode and group."""
-        fd = self._open_dir(Path(path), create)
+        fd = self._open_dir(path, create)
         try:
             yield fd
         finally:
@@ -72,8 +74,36 @@ class SafeFS:
             return os.open(path.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
 
     def lstat(self, path: Path) -> os.stat_result:
+        """``os.lstat`` of ``path``, resolved where the walk would resolve it.
+
+        Fast path (every hit takes it): one ``O_PATH`` open by name, kept only if the kernel
+        resolved it to the very place below the real root (``/proc/self/fd``), which no link
+        on the way allows; anything else takes the descriptor walk."""
+        st = self._lstat_resolved(path)
+        if st is not None:
+            return st
         with self.directory(path.parent) as dir_fd:
             return os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+
+    def _lstat_resolved(self, path: Path) -> os.stat_result | None:
+        text = os.fspath(path)
+        if not text.startswith(self._prefix):
+            return None
+        try:
+            fd = os.open(text, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None  # the walk says what is wrong
+        try:
+            if self._real_prefix is None:
+                self._real_prefix = os.path.join(os.path.realpath(self.root), "")
+            expected = self._real_prefix + text[len(self._prefix) :]
+            if os.readlink(f"/proc/self/fd/{fd}") != expected:
+                return None
+            return os.fstat(fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def replace(self, src: Path, dst: Path) -> None:
         with self.directory(src.parent) as src_fd, self.directory(dst.parent) as dst_fd:
@@ -101,13 +131,16 @@ class SafeFS:
 
     # -- the walk ------------------------------------------------------------------------
 
-    def _parts(self, path: Path) -> tuple[str, ...]:
-        try:
-            parts = path.absolute().relative_to(self.root).parts
-        except ValueError:
-            raise ValueError(f"{path} is not inside the cache root {self.root}") from None
-        if any(part in ("..", ".") for part in parts):
-            raise ValueError(f"{path} has '.' or '..' components")
+    def _parts(self, path: Path) -> list[str]:
+        # String operations: this runs on every hit, where pathlib's parsing would dominate.
+        text = os.fspath(path)
+        if text == os.fspath(self.root):
+            return []
+        if not text.startswith(self._prefix):
+            raise ValueError(f"{path} is not inside the cache root {self.root}")
+        parts = text[len(self._prefix) :].split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"{path} has empty, '.' or '..' components")
         return parts
 
     def _open_dir(self, path: Path, create: bool) -> int:
@@ -127,11 +160,11 @@ class SafeFS:
             time.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
 
-    def _walk(self, path: Path, parts: tuple[str, ...], *, create: bool) -> int:
+    def _walk(self, path: Path, parts: list[str], *, create: bool) -> int:
         fd = self._open_root(create)
-        current = self.root
+        current = os.fspath(self.root)
         for name in parts:
-            current = current / name
+            current = f"{current}/{name}"
             fd = self._step(fd, name, current, create)  # closes the parent, come what may
         return fd
 
@@ -163,7 +196,7 @@ class SafeFS:
             raise
         return fd
 
-    def _step(self, parent: int, name: str, path: Path, create: bool) -> int:
+    def _step(self, parent: int, name: str, path: str, create: bool) -> int:
         """Open ``name`` in ``parent`` (closing ``parent``) as a trusted real directory."""
         try:
             made = False
@@ -183,20 +216,22 @@ class SafeFS:
                     raise self._not_a_real_dir(parent, name, path) from None
                 if exc.errno == errno.EACCES:  # someone else's? say whose, not just EACCES
                     st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                    self.trust.check_dir(path, st, self.root)
+                    self.trust.check_dir(Path(path), st, self.root)
                 raise
         finally:
             os.close(parent)
         try:
             if made:
                 self.trust.adopt_file(fd, self.trust.dir_mode)
-            self.trust.check_dir(path, os.fstat(fd), self.root)
+            st = os.fstat(fd)
+            if not self.trust.trusts_dir(st):
+                self.trust.check_dir(Path(path), st, self.root)
         except BaseException:
             os.close(fd)
             raise
         return fd
 
-    def _not_a_real_dir(self, parent: int, name: str, path: Path) -> CacheDirError:
+    def _not_a_real_dir(self, parent: int, name: str, path: str) -> CacheDirError:
         try:
             seen = f"{kind_of(os.stat(name, dir_fd=parent, follow_symlinks=False))} at {path}"
         except OSError:

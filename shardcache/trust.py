@@ -125,13 +125,17 @@ class Trust:
             return self.shared or not mode & stat.S_IWGRP
         return self.shared and st.st_gid == self.gid
 
+    def trusts_dir(self, st: os.stat_result) -> bool:
+        """Whether a directory may hold the cache (:meth:`check_dir` says why not)."""
+        return self._trusted(st)
+
     def trusts_file(self, st: os.stat_result) -> bool:
         """Whether a cached file may be served: ours (or the group's), writable by no other."""
         return self._trusted(st)
 
     def check_dir(self, path: Path, st: os.stat_result, root: Path) -> None:
         """Raise CacheDirError unless the directory ``path`` (stat ``st``) may hold the cache."""
-        if self._trusted(st):
+        if self.trusts_dir(st):
             return
         if self.shared:
             expected = (

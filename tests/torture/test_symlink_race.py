@@ -19,7 +19,6 @@ import random
 import traceback
 from pathlib import Path
 
-from conftest import scale
 from processes import CTX
 
 from shardcache import ShardCache, ShardCacheError
@@ -142,6 +141,10 @@ def _prepare(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
 
 
 def test_symlink_swaps_never_redirect_reads_or_writes(tmp_path: Path, figures) -> None:
+    # Imported here, not at module level: the spawned children import this module, and
+    # their ``conftest`` may be tests/conftest.py, depending on the order pytest collected.
+    from conftest import scale
+
     expected, root, outside = _prepare(tmp_path)
     urls, scope = list(expected), root / "node"
     before = _snapshot(outside)
