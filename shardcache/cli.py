@@ -362,7 +362,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_evict(args: argparse.Namespace) -> int:
-    from .warm import format_bytes
+    from .units import format_bytes
 
     cache = _cache(args)
     limit = args.max_bytes if args.max_bytes is not None else cache.settings.max_bytes

@@ -20,9 +20,10 @@ DIR_HINT = (
     "Set SHARDCACHE_DIR (or pass cache_dir=) to a writable node-local directory, "
     "e.g. local NVMe or /tmp/shardcache."
 )
-# A component that another node just created may be invisible here for a while (NFS
-# attribute/lookup caches); a dying server may return EIO. These mean "not yet".
-_RETRY_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EIO, errno.EINTR})
+# "Not yet", on a shared file system: something another node just made may be invisible
+# here for a while (NFS attribute/lookup caches: ENOENT), a handle may point at something
+# replaced on the server (ESTALE), a dying server may return EIO. The one list of them.
+NOT_YET_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EIO, errno.EINTR})
 
 
 def _describe_parent(path: Path) -> str:
@@ -178,7 +179,7 @@ def ensure_dir(
             raise
         except OSError as exc:
             now = time.monotonic()
-            if exc.errno not in _RETRY_ERRNOS:
+            if exc.errno not in NOT_YET_ERRNOS:
                 raise dir_error(target, exc, "creating") from exc
             if now >= deadline:
                 error = dir_error(target, exc, "creating")

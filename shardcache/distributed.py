@@ -13,7 +13,6 @@ imported ``torch.distributed``, so that module is looked up in ``sys.modules``.
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 import re
@@ -27,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .config import Settings
-from .dirs import ensure_dir
+from .dirs import NOT_YET_ERRNOS, ensure_dir
 from .errors import ConfigError, WaitTimeout
 from .fsinfo import mount_for
 from .redact import get_logger
@@ -36,9 +35,6 @@ log = get_logger(__name__)
 
 # How often a long wait logs "still waiting" at INFO (seconds).
 PROGRESS_EVERY = 30.0
-# Errors a predicate may raise that mean "not there yet": ENOENT until the lookup cache
-# expires, ESTALE for a handle to something replaced on the server, EIO from a dying server.
-NOT_YET_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EIO})
 # Entries of the parent directory shown in a WaitTimeout message.
 LISTING_LIMIT = 20
 

@@ -65,6 +65,25 @@ def proc_state(pid: int) -> str:
     return ", ".join(parts)
 
 
+@lru_cache(maxsize=1)
+def _boot_time() -> float | None:
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def start_time(ticks: int) -> float | None:
+    """Wall-clock start time of a process from its start ticks (None if unknown)."""
+    boot = _boot_time()
+    if ticks < 0 or boot is None:
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class ProcessIdentity:
     """Enough to decide later, from any process on any host, whether this one still runs."""

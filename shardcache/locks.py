@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .dirs import NOT_YET_ERRNOS
 from .errors import CacheDirError, LockFileError, LockTimeout
 from .fsinfo import mount_for
 from .identity import ProcessIdentity
@@ -60,10 +61,9 @@ logger = get_logger(__name__)
 STILL_WAITING_EVERY = 30.0
 RECORD_INTERVAL = 0.5  # seconds between progress-record writes while holding
 RENEWALS_PER_LEASE = 4  # a lease is renewed this many times per lease_time
-# Errors that may clear by themselves while creating a lock file: a directory another
-# node just made is not visible yet (ENOENT), a stale NFS handle, an interrupted call, an
-# I/O error of a server that is failing over, a claim name that is still being removed.
-_TRANSIENT_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EINTR, errno.EIO, errno.EEXIST})
+# Errors that may clear by themselves while creating a lock file: the "not yet" errors of
+# a shared file system, and a claim name that is still being removed (EEXIST).
+_TRANSIENT_ERRNOS = NOT_YET_ERRNOS | {errno.EEXIST}
 # At most ~2 s in all (5 ms doubling to 0.25 s); then the error is reported, not waited out.
 CREATE_RETRY = RetryPolicy(retries=12, backoff=0.005, max_backoff=0.25)
 _UNSUPPORTED_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})

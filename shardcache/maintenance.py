@@ -29,14 +29,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from .cache import ShardCache
 from .errors import ShardCacheError
 from .eviction import list_dir, read_meta, scan
-from .identity import hostname, start_ticks
+from .identity import hostname, start_ticks, start_time
 from .layout import CacheLayout, host_tag, parse_temp_name
 from .locks import (
     describe_holder,
@@ -48,8 +47,8 @@ from .locks import (
 )
 from .redact import get_logger
 from .safefs import SafeFS
+from .units import format_bytes
 from .urls import is_pipe_url, read_manifest
-from .warm import format_bytes
 
 logger = get_logger(__name__)
 
@@ -391,7 +390,7 @@ def _judge_temp(fs: SafeFS, path: Path) -> Leftover | None:
     ticks = start_ticks(temp.pid)
     if ticks is None:
         return Leftover(path, "part", st.st_size, f"pid {temp.pid} no longer exists")
-    started = _start_time(ticks)
+    started = start_time(ticks)
     if started is not None and started > st.st_mtime + _CLOCK_SLACK:
         reason = f"pid {temp.pid} now belongs to a process started after the file was written"
         return Leftover(path, "part", st.st_size, reason)
@@ -658,25 +657,6 @@ def _exists(fs: SafeFS, path: Path) -> bool:
     except OSError:
         return False
     return True
-
-
-@lru_cache(maxsize=1)
-def _boot_time() -> float | None:
-    try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _start_time(ticks: int) -> float | None:
-    """Wall-clock start time of a process from its start ticks (None if unknown)."""
-    boot = _boot_time()
-    if ticks < 0 or boot is None:
-        return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 __all__ = [

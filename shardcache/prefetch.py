@@ -60,6 +60,7 @@ from .distributed import rank_info
 from .errors import ConfigError, FetchError, ShardCacheError, StallError
 from .redact import get_logger
 from .remote import Progress
+from .units import format_bytes, format_rate
 
 logger = get_logger(__name__)
 
@@ -561,7 +562,7 @@ class Prefetcher:
         idle = now - task.last_change
         total = task.bytes_total
         if total:
-            expected = f"{total} expected ({_fmt_bytes(total)}; {task.bytes_done / total:.1%})"
+            expected = f"{total} expected ({format_bytes(total)}; {task.bytes_done / total:.1%})"
         else:
             expected = "an unknown total (size not known yet)"
         in_flight = sum(1 for t in self._window if t.state != _DONE)
@@ -597,9 +598,9 @@ class Prefetcher:
             f"  worker thread: {thread}\n"
             f"  elapsed since the shard started: {elapsed:.1f}s (phase {task.phase!r})\n"
             f"  bytes: {task.bytes_done} done of {expected}\n"
-            f"  recent rate: {_fmt_rate(task.meter.rate(now))} for this shard, "
-            f"{_fmt_rate(shared.meter.rate(now))} for all workers (last {RATE_WINDOW:.0f}s); "
-            f"{_fmt_rate(task.bytes_done / elapsed if elapsed > 0 else 0.0)} since it started\n"
+            f"  recent rate: {format_rate(task.meter.rate(now))} for this shard, "
+            f"{format_rate(shared.meter.rate(now))} for all workers (last {RATE_WINDOW:.0f}s); "
+            f"{format_rate(task.bytes_done / elapsed if elapsed > 0 else 0.0)} since it started\n"
             f"  queue: {in_flight} in flight, {unconsumed} done unconsumed, depth {self.depth}, "
             f"threads {len(shared.threads)}\n"
             "  workers:\n" + "\n".join(workers) + "\n"
@@ -719,22 +720,8 @@ def _where() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, {rank}, {in_loader}"
 
 
-def _fmt_bytes(n: float) -> str:
-    if abs(n) < 1000:
-        return f"{n:.0f} B"
-    for unit in ("KB", "MB"):
-        n /= 1000
-        if abs(n) < 1000:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1000:.1f} GB"
-
-
 def _fmt_total(total: int | None) -> str:
     return "?" if total is None else str(total)
-
-
-def _fmt_rate(bytes_per_second: float) -> str:
-    return f"{_fmt_bytes(bytes_per_second)}/s"
 
 
 __all__ = [

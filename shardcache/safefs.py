@@ -23,14 +23,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .dirs import DIR_HINT, dir_error, ensure_dir, kind_of, not_a_dir
+from .dirs import DIR_HINT, NOT_YET_ERRNOS, dir_error, ensure_dir, kind_of, not_a_dir
 from .errors import CacheDirError
 from .trust import Trust
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# A directory made on another node may not be visible yet (NFS), or one just made here
-# removed again (a tmp cleaner): retried with backoff for this long.
-_RETRY_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EIO})
+# Directories not visible yet (NFS), or removed again just after being made (a tmp
+# cleaner), are made again with backoff for this long.
 MKDIR_TIMEOUT = 30.0
 
 
@@ -155,7 +154,7 @@ class SafeFS:
             except CacheDirError:
                 raise
             except OSError as exc:
-                if exc.errno not in _RETRY_ERRNOS or time.monotonic() >= deadline:
+                if exc.errno not in NOT_YET_ERRNOS or time.monotonic() >= deadline:
                     raise dir_error(path, exc, "creating") from exc
             time.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)

@@ -30,6 +30,7 @@ from typing import TextIO
 
 from .cache import CacheStats, ShardCache
 from .redact import get_logger, redact_text
+from .units import format_bytes
 
 logger = get_logger(__name__)
 
@@ -316,24 +317,12 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in decimal units: ``"7.4 MB"``."""
-    if abs(n) < 1000:
-        return f"{n:.0f} B"
-    for unit in ("KB", "MB", "GB", "TB"):
-        n /= 1000
-        if abs(n) < 1000:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1000:.1f} PB"
-
-
 __all__ = [
     "LOG_EVERY",
     "SPLITS",
     "WarmFailure",
     "WarmPlan",
     "WarmResult",
-    "format_bytes",
     "plan_warm",
     "warm",
 ]
