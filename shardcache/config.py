@@ -343,32 +343,32 @@ class Settings:
     Its ``repr`` and :meth:`describe` show ``storage_options`` with credentials redacted."""
 
     cache_dir: Path
-    scope: str = "rank"
-    max_bytes: int | None = None
-    lock_mode: str = "auto"
-    lock_timeout: float = 3600.0
-    lock_stuck_after: float = 300.0
-    lease_time: float = 60.0
-    retries: int = 5
-    retry_backoff: float = 0.5
-    io_timeout: float = 60.0
-    chunk_size: int = 8 << 20
-    parallel_threshold: int = 64 << 20
-    part_size: int = 16 << 20
-    parallel_parts: int = 8
-    preallocate: str = "auto"
-    verify: str = "etag"
-    threads: int = 4
-    prefetch_depth: int = 8
-    stall_timeout: float = 300.0
-    revalidate: float = 0.0
-    shared_group: str | None = None
-    manifest_pipes: str = "refuse"
+    scope: str = SPECS["scope"].default
+    max_bytes: int | None = SPECS["max_bytes"].default
+    lock_mode: str = SPECS["lock_mode"].default
+    lock_timeout: float = SPECS["lock_timeout"].default
+    lock_stuck_after: float = SPECS["lock_stuck_after"].default
+    lease_time: float = SPECS["lease_time"].default
+    retries: int = SPECS["retries"].default
+    retry_backoff: float = SPECS["retry_backoff"].default
+    io_timeout: float = SPECS["io_timeout"].default
+    chunk_size: int = SPECS["chunk_size"].default
+    parallel_threshold: int = SPECS["parallel_threshold"].default
+    part_size: int = SPECS["part_size"].default
+    parallel_parts: int = SPECS["parallel_parts"].default
+    preallocate: str = SPECS["preallocate"].default
+    verify: str = SPECS["verify"].default
+    threads: int = SPECS["threads"].default
+    prefetch_depth: int = SPECS["prefetch_depth"].default
+    stall_timeout: float = SPECS["stall_timeout"].default
+    revalidate: float = SPECS["revalidate"].default
+    shared_group: str | None = SPECS["shared_group"].default
+    manifest_pipes: str = SPECS["manifest_pipes"].default
     storage_options: dict[str, Any] = field(default_factory=dict)
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    node_rank: int = 0
+    rank: int = SPECS["rank"].default
+    local_rank: int = SPECS["local_rank"].default
+    world_size: int = SPECS["world_size"].default
+    node_rank: int = SPECS["node_rank"].default
     job_id: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -479,6 +479,21 @@ def _format_size(size: int) -> str:
         if size >= _SIZE_UNITS[unit] and size % _SIZE_UNITS[unit] == 0:
             return f"{size // _SIZE_UNITS[unit]}{unit}"
     return str(size)
+
+
+def check_argument(name: str, value: Any, label: str) -> None:
+    """Check ``value``, given in code for setting ``name``, by that setting's own rules: its
+    type (an integer, or a number of seconds; never a string or a bool) and bounds."""
+    spec = SPECS[name]
+    whole = spec.parse in (parse_int, parse_size)
+    if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
+        raise ConfigError(
+            f"{label}={value!r} has the wrong type; expected "
+            f"{'an integer' if whole else 'a number of seconds'} ({spec.help}).",
+            name=label,
+            value=value,
+        )
+    _check_bounds(label, value, spec, value)
 
 
 def _check_bounds(label: str, raw: Any, spec: _Spec, value: Any) -> None:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .config import SPECS
 from .dirs import NOT_YET_ERRNOS
 from .errors import CacheDirError, LockFileError, LockTimeout
 from .fsinfo import mount_for
@@ -75,9 +76,12 @@ class LockPolicy:
     """How long and how to wait for a shard lock."""
 
     mode: str = "flock"  # "flock" or "lease"
-    timeout: float = 3600.0  # hard limit on the wait
-    stuck_after: float = 300.0  # flock: give up on a holder whose record did not change
-    lease_time: float = 60.0  # lease: break a lease whose record did not change
+    # Defaults from the settings' specs (one place): SHARDCACHE_LOCK_TIMEOUT (hard limit on
+    # the wait), _LOCK_STUCK_AFTER (give up on a holder whose progress record did not
+    # change), _LEASE_TIME (break a lease whose record did not change).
+    timeout: float = SPECS["lock_timeout"].default
+    stuck_after: float = SPECS["lock_stuck_after"].default
+    lease_time: float = SPECS["lease_time"].default
 
     @property
     def backoff(self) -> tuple[float, float]:

@@ -56,8 +56,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn, Protocol
 
+from .config import check_argument
 from .distributed import rank_info
-from .errors import ConfigError, FetchError, ShardCacheError, StallError
+from .errors import FetchError, ShardCacheError, StallError
 from .redact import get_logger
 from .remote import Progress
 from .units import format_bytes, format_rate
@@ -310,27 +311,15 @@ class _StarvationMonitor:
 def check_prefetch_options(
     *, threads: int | None = None, depth: int | None = None, stall_timeout: float | None = None
 ) -> None:
-    """Raise :class:`ConfigError` for a prefetch option that cannot be used (None: not given)."""
-    for name, value in (("threads", threads), ("depth", depth)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ConfigError(
-                f"prefetch option {name}={value!r} is not allowed; expected an integer >= 1.",
-                name=name,
-                value=value,
-            )
-    if stall_timeout is not None and (
-        isinstance(stall_timeout, bool)
-        or not isinstance(stall_timeout, int | float)
-        or not stall_timeout > 0
+    """Raise :class:`ConfigError` for a prefetch option that cannot be used (None: not given),
+    by the rules of the setting it overrides (SHARDCACHE_THREADS, _PREFETCH_DEPTH, ...)."""
+    for setting, option, value in (
+        ("threads", "threads", threads),
+        ("prefetch_depth", "depth", depth),
+        ("stall_timeout", "stall_timeout", stall_timeout),
     ):
-        raise ConfigError(
-            f"prefetch option stall_timeout={stall_timeout!r} is not allowed; expected a "
-            "number of seconds > 0.",
-            name="stall_timeout",
-            value=stall_timeout,
-        )
+        if value is not None:
+            check_argument(setting, value, f"prefetch option {option}")
 
 
 class Prefetcher:
