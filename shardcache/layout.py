@@ -118,7 +118,9 @@ class CacheLayout:
     """Paths of one cache scope directory (``<root>/rank-<R>`` or ``<root>/node``)."""
 
     def __init__(self, scope_dir: Path | str, trust: Trust | None = None) -> None:
-        self.scope_dir = Path(scope_dir)
+        # Absolute from the start: a relative SHARDCACHE_DIR means the working directory of
+        # when the cache was made, not of each later call (and SafeFS resolves from it).
+        self.scope_dir = Path(scope_dir).absolute()
         self.trust = Trust.private() if trust is None else trust
         self.fs = SafeFS(self.root, self.trust)
 

@@ -119,11 +119,10 @@ class Trust:
 
     def _trusted(self, st: os.stat_result) -> bool:
         mode = stat.S_IMODE(st.st_mode)
-        if mode & stat.S_IWOTH:
-            return False
-        if st.st_uid == self.uid:
-            return self.shared or not mode & stat.S_IWGRP
-        return self.shared and st.st_gid == self.gid
+        ours = self.shared and st.st_gid == self.gid  # the shared group's
+        if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and not ours):
+            return False  # writable by others, or by a group we do not trust
+        return st.st_uid == self.uid or ours
 
     def trusts_dir(self, st: os.stat_result) -> bool:
         """Whether a directory may hold the cache (:meth:`check_dir` says why not)."""

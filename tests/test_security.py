@@ -240,3 +240,39 @@ sys.stdin.read()  # until the test closes our stdin
     assert results[0]["error"] == "LockTimeout", results[0]
     assert "no readable owner record" in str(results[0]["message"]), results[0]
     assert results[1].get("sha") == shards[other]
+
+
+def test_in_a_shared_cache_only_the_chosen_group_may_write(
+    accounts: dict[str, Account], shared_tmp: Path, shards: dict[str, str]
+) -> None:
+    """A directory of the user's own that another group can write is refused in a shared
+    cache too: trust extends to the chosen group, not to any group."""
+    url = next(iter(shards))
+    root = shared_tmp / "team-cache"
+    team = {"SHARDCACHE_DIR": str(root), "SHARDCACHE_SCOPE": "node"}
+    team["SHARDCACHE_SHARED_GROUP"] = TEAM
+    first = _fetch_as(accounts[ALICE], [url], team, shared_tmp)
+    assert first[0].get("sha") == shards[url]
+    alice = accounts[ALICE]
+    data = root / "node" / "data"
+    os.chown(data, alice.uid, alice.gid)  # her own primary group, still group-writable
+    cached = ShardCache(root, scope="node").path_for(url)
+    cached.unlink()
+    [outcome, _] = _fetch_as(alice, [url], team, shared_tmp)
+    assert outcome["error"] == "CacheDirError", outcome
+    assert str(data) in str(outcome["message"]) and f"group {alice.gid}" in str(outcome["message"])
+
+
+def test_a_relative_cache_dir_stays_where_it_was_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "shard.tar"
+    source.write_bytes(b"x" * 1000)
+    monkeypatch.chdir(tmp_path)
+    cache = ShardCache("relative-cache")
+    path = cache.fetch(str(source))
+    assert path.is_absolute() and path.is_relative_to(tmp_path / "relative-cache")
+    monkeypatch.chdir("/")
+    with cache.open(str(source)) as f:
+        assert f.read() == source.read_bytes()
+    assert (cache.stats().hits, cache.stats().misses) == (1, 1)
