@@ -41,7 +41,7 @@ from .eviction import (
 )
 from .freshness import Freshness
 from .fsinfo import mount_for
-from .layout import CacheLayout
+from .layout import CacheLayout, ShardId, namespace
 from .locks import LockPolicy, ShardLock
 from .prefetch import Prefetcher
 from .redact import get_logger, redact_url
@@ -49,6 +49,7 @@ from .remote import ObjectInfo, Progress, Remote, RemoteOptions
 from .retry import RetryPolicy
 from .safefs import SafeFS
 from .trust import Trust, describe_owner
+from .urls import url_protocol
 
 logger = get_logger(__name__)
 
@@ -128,6 +129,7 @@ class ShardCache:
             )
         )
         self._freshness = Freshness(self.layout, self.remote, s.revalidate)
+        self._namespaces: dict[str, str] = {}  # protocol -> its store, resolved once
         self._stats = CacheStats()
         self._stats_lock = threading.Lock()
         self._policy: LockPolicy | None = None
@@ -155,12 +157,21 @@ class ShardCache:
 
     def path_for(self, url: str) -> Path:
         """Where ``url`` is (or would be) cached. Does not touch the network or the disk."""
-        return self.layout.data_path(self.remote.canonical_url(url), self.remote.namespace(url))
+        return self._identify(url).data_path
 
     def contains(self, url: str) -> bool:
         """True if a complete, current copy of ``url`` is in the cache (a local source
         unchanged since; a remote one checked within SHARDCACHE_REVALIDATE, when set)."""
-        return self._current_stat(url, self.path_for(url)) is not None
+        return self._current_stat(self._identify(url)) is not None
+
+    def _identify(self, url: str) -> ShardId:
+        """``url``'s identity and paths; the fetch path computes them once and passes them on."""
+        protocol = url_protocol(url)
+        store = self._namespaces.get(protocol)
+        if store is None:
+            store = namespace(protocol, self.remote.storage_options_for(protocol))
+            self._namespaces[protocol] = store
+        return self.layout.identify(url, protocol, store)
 
     def stats(self) -> CacheStats:
         """A snapshot of this process's counters."""
@@ -197,42 +208,42 @@ class ShardCache:
     def fetch(self, url: str, progress: Progress | None = None) -> Path:
         """Return the path of a complete, verified local copy of ``url``, downloading it
         at most once across all processes sharing this cache directory."""
-        final = self.path_for(url)
-        st = self._servable_stat(final)
-        if st is not None and self._freshness.is_current(url, final, st, ask_store=True):
-            touch(self.layout, final, st.st_mtime)
+        shard = self._identify(url)
+        st = self._servable_stat(shard.data_path)
+        if st is not None and self._freshness.is_current(shard, st, ask_store=True):
+            touch(self.layout, shard.data_path, st.st_mtime)
             self._count(hits=1, bytes_served=st.st_size)
-            return final
+            return shard.data_path
         try:
-            return self._fetch_missing(url, final, progress)
+            return self._fetch_missing(shard, progress)
         except Exception:  # a cancelled prefetch (a BaseException) is not an error
             self._count(errors=1)
             raise
 
-    def _fetch_missing(self, url: str, final: Path, progress: Progress | None) -> Path:
+    def _fetch_missing(self, shard: ShardId, progress: Progress | None) -> Path:
         """The miss path, made again when the cache's own directories or files vanish
         under it (tmp cleaners, a user's ``rm -rf``): every step recreates what it needs."""
         attempt = 0
         while True:
             attempt += 1
             try:
-                return self._fetch_miss(url, final, progress)
+                return self._fetch_miss(shard, progress)
             except _Vanished as exc:
                 if attempt == VANISHED_RETRIES:
                     raise CacheDirError(
-                        f"cannot cache {url}: the cache's files kept disappearing while it was "
-                        f"being fetched ({attempt} attempts; last: {exc.path} vanished). "
+                        f"cannot cache {shard.url}: the cache's files kept disappearing while it "
+                        f"was being fetched ({attempt} attempts; last: {exc.path} vanished). "
                         f"Something is deleting {self.settings.scope_dir} (a tmp cleaner such "
                         "as systemd-tmpfiles, a job epilogue): exclude it, or point "
                         "SHARDCACHE_DIR elsewhere.",
                         path=str(exc.path),
-                        url=url,
+                        url=shard.url,
                         attempts=attempt,
                     ) from exc
                 logger.warning(
                     "%s vanished while caching %s (removed by a tmp cleaner?); fetching again",
                     exc.path,
-                    url,
+                    shard.url,
                 )
 
     def _fetch_and_pin(self, url: str, progress: Progress | None) -> tuple[Path, int]:
@@ -253,11 +264,9 @@ class ShardCache:
             max_bytes=self.settings.max_bytes,
         )
 
-    def _fetch_miss(self, url: str, final: Path, progress: Progress | None) -> Path:
-        lock_path = self.layout.lock_path(
-            self.remote.canonical_url(url), self.remote.namespace(url)
-        )
-        for directory in (final.parent, lock_path.parent):
+    def _fetch_miss(self, shard: ShardId, progress: Progress | None) -> Path:
+        url, final = shard.url, shard.data_path
+        for directory in (final.parent, shard.lock_path.parent):
             # On every miss, made again if removed (a tmp cleaner), checked before and after
             # mkdir: a link or a foreign directory planted inside the cache could otherwise
             # redirect mkdir, the download and the rename, or serve someone else's bytes.
@@ -272,7 +281,7 @@ class ShardCache:
                 )
 
         lock = ShardLock(
-            lock_path,
+            shard.lock_path,
             url=url,
             policy=self._lock_policy(),
             rank=self.settings.rank,
@@ -280,9 +289,9 @@ class ShardCache:
             fs=self.layout.fs,
         )
         started = time.monotonic()
-        with lock.hold(done=lambda: self._current_stat(url, final) is not None) as held:
+        with lock.hold(done=lambda: self._current_stat(shard) is not None) as held:
             waited = time.monotonic() - started
-            st = self._current_stat(url, final)
+            st = self._current_stat(shard)
             if st is not None:  # published by another process while we waited
                 self._count(shared=1, bytes_served=st.st_size, lock_wait_seconds=waited)
                 return final
@@ -297,7 +306,7 @@ class ShardCache:
             report(phase="stat", bytes_done=0, bytes_total=None)
             info = self.remote.info(url)
             t0 = time.monotonic()
-            info = self._download_and_publish(info, final, report)
+            info = self._download_and_publish(info, shard, report)
             self._count(
                 misses=1,
                 bytes_downloaded=info.size,
@@ -307,7 +316,9 @@ class ShardCache:
             )
             return final
 
-    def _download_and_publish(self, info: ObjectInfo, final: Path, report: Progress) -> ObjectInfo:
+    def _download_and_publish(
+        self, info: ObjectInfo, shard: ShardId, report: Progress
+    ) -> ObjectInfo:
         """Download ``info`` into a private temp file and publish it, verified.
 
         A disk that fills up meanwhile (ENOSPC/EDQUOT from the reservation, a write, the
@@ -318,8 +329,9 @@ class ShardCache:
         unknown ahead (a ``pipe:`` command) gets no eviction pass: there is no size to make
         room for, so a full disk is a :class:`CacheFullError` at once.
         """
+        final = shard.data_path
         try:
-            return self._publish_once(info, final, report)
+            return self._publish_once(info, shard, report)
         except _DiskFull as exc:
             first = exc.__cause__
             if info.size is None:
@@ -345,7 +357,7 @@ class ShardCache:
                 **full.details,
             ) from first
         try:
-            return self._publish_once(info, final, report)
+            return self._publish_once(info, shard, report)
         except _DiskFull as exc:
             raise self._full_error(
                 final,
@@ -353,7 +365,8 @@ class ShardCache:
                 f"the disk filled up again after one eviction pass and one retry ({exc.__cause__})",
             ) from exc.__cause__
 
-    def _publish_once(self, info: ObjectInfo, final: Path, report: Progress) -> ObjectInfo:
+    def _publish_once(self, info: ObjectInfo, shard: ShardId, report: Progress) -> ObjectInfo:
+        final = shard.data_path
         part = self.layout.temp_path(final)
         fd: int | None = None
         sized_ahead = info.size is not None
@@ -370,7 +383,7 @@ class ShardCache:
                 with evict_lock(self.layout):  # now that the size is known: within the limit
                     self._make_room(final, info, on_disk=True)
             report(phase="publishing", bytes_done=info.size, bytes_total=info.size)
-            url = self.remote.canonical_url(info.url)
+            url = shard.canonical_url
             write_meta(
                 self.layout,
                 final,
@@ -379,7 +392,7 @@ class ShardCache:
                     # in it is recorded as ***, flagged so that verify knows it cannot reuse it.
                     "url": redact_url(url),
                     "url_redacted": redact_url(url) != url,
-                    "namespace": redact_url(self.remote.namespace(info.url)),
+                    "namespace": redact_url(shard.namespace),
                     "size": info.size,
                     "etag": info.etag,
                     "md5": info.md5,
@@ -560,10 +573,10 @@ class ShardCache:
             return None
         return st
 
-    def _current_stat(self, url: str, final: Path) -> os.stat_result | None:
+    def _current_stat(self, shard: ShardId) -> os.stat_result | None:
         """The published copy's lstat if it may be served without asking the store."""
-        st = self._servable_stat(final)
-        if st is None or not self._freshness.is_current(url, final, st, ask_store=False):
+        st = self._servable_stat(shard.data_path)
+        if st is None or not self._freshness.is_current(shard, st, ask_store=False):
             return None
         return st
 

@@ -22,14 +22,12 @@ from typing import Any
 
 from .errors import FetchError
 from .eviction import read_meta, write_meta
-from .layout import CacheLayout
+from .layout import CacheLayout, ShardId
 from .redact import get_logger
 from .remote import ObjectInfo, Remote
-from .urls import local_path, url_protocol
+from .urls import LOCAL_PROTOCOLS, local_path
 
 logger = get_logger(__name__)
-
-_LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 
 class Freshness:
@@ -43,16 +41,15 @@ class Freshness:
         self._recorded: dict[Path, tuple[int, tuple[int, int] | None]] = {}
         self._lock = threading.Lock()
 
-    def is_current(self, url: str, final: Path, st: os.stat_result, *, ask_store: bool) -> bool:
-        """May the copy ``final`` (``st``: its lstat) be served for ``url``? ``ask_store``
+    def is_current(self, shard: ShardId, st: os.stat_result, *, ask_store: bool) -> bool:
+        """May the cached copy of ``shard`` (``st``: its lstat) be served? ``ask_store``
         allows a HEAD (the hit path); waits for a lock and re-checks under it pass False
         and then accept only a copy checked within the interval."""
-        protocol = url_protocol(url)
-        if protocol in _LOCAL_PROTOCOLS:
-            return self._local_is_current(url, final, st)
-        if not self.revalidate or protocol == "pipe":
+        if shard.protocol in LOCAL_PROTOCOLS:
+            return self._local_is_current(shard.url, shard.data_path, st)
+        if not self.revalidate or shard.protocol == "pipe":
             return True
-        return self._remote_is_current(url, final, ask_store)
+        return self._remote_is_current(shard.url, shard.data_path, ask_store)
 
     # -- local sources -----------------------------------------------------------------
 

@@ -1,10 +1,12 @@
-"""Where things live in the cache, and race-free directory creation.
+"""A shard's identity and where its files live in the cache.
 
-::
+A URL is canonicalised and hashed once per fetch into a :class:`ShardId`, which carries
+every path of the shard down the fetch path (data, lock, metadata). Layout::
 
     <scope>/data/<hh>/<readable>-<digest20><suffix>        published shards
     <scope>/data/<hh>/.<final>.<host>.<pid>.<token>.part   downloads in progress
     <scope>/.locks/<hh>/<digest64>.lock                    lock files (never deleted)
+    <scope>/.meta/<hh>/<final>.json                        metadata of a published shard
 
 ``<digest>`` is the sha256 of the endpoint namespace and the full URL, so distinct URLs
 (or the same key on two endpoints) never share a path; ``<readable>`` is only a
@@ -18,12 +20,15 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .errors import ConfigError
 from .safefs import SafeFS
 from .trust import Trust
+from .urls import LOCAL_PROTOCOLS, local_path
 
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]")
 _EXT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -39,6 +44,43 @@ _MAX_STEM = 64
 _MAX_SUFFIX = 12
 _MAX_HOST = 64
 _DIGEST_CHARS = 20
+
+
+def canonical_url(url: str, protocol: str) -> str:
+    """``url`` (of ``protocol``) with a local path made an absolute ``file://`` URL, so each
+    file has one cache entry however it is named."""
+    if protocol in LOCAL_PROTOCOLS:
+        return "file://" + local_path(url)
+    return url
+
+
+def namespace(protocol: str, storage_options: Mapping[str, Any]) -> str:
+    """The store behind URLs of ``protocol`` (its resolved ``storage_options``): equal keys on
+    two S3 endpoints never share a cache entry."""
+    if protocol not in {"s3", "s3a"}:
+        return protocol
+    endpoint = (
+        storage_options.get("endpoint_url")
+        or (storage_options.get("client_kwargs") or {}).get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or "aws"
+    )
+    return f"s3@{endpoint}"
+
+
+@dataclass(frozen=True)
+class ShardId:
+    """One shard: its URL as given, its canonical URL and store, and its files' paths.
+    Computed once per fetch (:meth:`CacheLayout.identify`) and passed down."""
+
+    url: str
+    protocol: str
+    canonical_url: str
+    namespace: str
+    data_path: Path
+    lock_path: Path
+    meta_path: Path
 
 
 def cache_key(url: str, namespace: str = "") -> str:
@@ -147,6 +189,14 @@ class CacheLayout:
         """Where each shard's metadata record lives (``<scope>/.meta``)."""
         return self.scope_dir / ".meta"
 
+    def identify(self, url: str, protocol: str, namespace: str) -> ShardId:
+        """The identity and paths of ``url`` (of ``protocol``, from the store ``namespace``)."""
+        canonical = canonical_url(url, protocol)
+        key = cache_key(canonical, namespace)
+        data = self._data_path(canonical, key)
+        lock = self.locks_dir / key[:2] / f"{key}.lock"
+        return ShardId(url, protocol, canonical, namespace, data, lock, self.meta_path(data))
+
     def meta_path(self, final: Path) -> Path:
         """The metadata record of the published file ``final``: ``.meta/<hh>/<name>.json``."""
         return self.meta_dir / final.parent.name / f"{final.name}.json"
@@ -155,20 +205,14 @@ class CacheLayout:
         """The published file a metadata record describes (inverse of :meth:`meta_path`)."""
         return self.data_dir / meta.parent.name / meta.name.removesuffix(".json")
 
-    def data_path(self, url: str, namespace: str = "") -> Path:
-        """The published file for ``url``: ``data/<hh>/<readable>-<digest20><suffix>``."""
-        key = cache_key(url, namespace)
+    def _data_path(self, url: str, key: str) -> Path:
+        """The published file: ``data/<hh>/<readable>-<digest20><suffix>``."""
         stem, suffix = _split_suffix(sanitize_name(_readable_name(url)))
         stem = stem[:_MAX_STEM] or "shard"
         # Invariant: the name has no '/', is never '.' or '..' (it holds the digest) and
         # stays below 255 bytes even inside a temp name: 64 + 1 + 20 + 12 = 97.
         name = f"{stem}-{key[:_DIGEST_CHARS]}{suffix}"
         return self.data_dir / key[:2] / name
-
-    def lock_path(self, url: str, namespace: str = "") -> Path:
-        """The lock file for ``url``: ``.locks/<hh>/<digest64>.lock``."""
-        key = cache_key(url, namespace)
-        return self.locks_dir / key[:2] / f"{key}.lock"
 
     def make_dir(self, directory: Path) -> None:
         """Create ``directory`` inside the cache (and the root, if missing) with the cache's
@@ -210,10 +254,13 @@ def scope_dir(root: Path | str, scope: str, rank: int) -> Path:
 
 __all__ = [
     "CacheLayout",
+    "ShardId",
     "TempName",
     "cache_key",
+    "canonical_url",
     "host_tag",
     "is_temp_name",
+    "namespace",
     "parse_temp_name",
     "sanitize_name",
     "scope_dir",

@@ -151,11 +151,19 @@ class Remote:
     def __init__(self, options: RemoteOptions) -> None:
         self.options = options
         self._local = threading.local()
+        self._resolved_options: dict[str, dict[str, Any]] = {}
 
     # -- file systems ----------------------------------------------------------------
 
     def storage_options_for(self, protocol: str) -> dict[str, Any]:
-        """Options for ``protocol``: per-protocol (``{"s3": {...}}``) or flat (non-local only)."""
+        """Options for ``protocol``: per-protocol (``{"s3": {...}}``) or flat (non-local only).
+        Resolved once per protocol; callers must not modify the result."""
+        resolved = self._resolved_options.get(protocol)
+        if resolved is None:
+            resolved = self._resolved_options[protocol] = self._resolve_options(protocol)
+        return resolved
+
+    def _resolve_options(self, protocol: str) -> dict[str, Any]:
         opts = self.options.storage_options
         protocols = set(fsspec.available_protocols())
         per_protocol = {k: v for k, v in opts.items() if k in protocols and isinstance(v, dict)}
@@ -195,28 +203,6 @@ class Remote:
         if protocol in _LOCAL_PROTOCOLS:
             return fs, local_path(url)
         return fs, fs._strip_protocol(url)
-
-    @staticmethod
-    def canonical_url(url: str) -> str:
-        """``url`` with local paths made absolute ``file://`` URLs (one cache entry each)."""
-        if url_protocol(url) in _LOCAL_PROTOCOLS:
-            return "file://" + local_path(url)
-        return url
-
-    def namespace(self, url: str) -> str:
-        """Identifies the store behind ``url`` so equal keys on two endpoints never collide."""
-        protocol = url_protocol(url)
-        if protocol not in {"s3", "s3a"}:
-            return protocol
-        opts = self.storage_options_for(protocol)
-        endpoint = (
-            opts.get("endpoint_url")
-            or (opts.get("client_kwargs") or {}).get("endpoint_url")
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-            or "aws"
-        )
-        return f"s3@{endpoint}"
 
     # -- metadata --------------------------------------------------------------------
 

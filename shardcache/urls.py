@@ -124,6 +124,9 @@ def _is_known_protocol(proto: str) -> bool:
     return proto in registry or proto in known_implementations
 
 
+LOCAL_PROTOCOLS = frozenset({"file", "local"})  # protocols whose URLs name local files
+
+
 def is_pipe_url(url: str) -> bool:
     """True for webdataset's ``pipe:<command>`` URLs (case-sensitive, as in webdataset)."""
     return url.startswith(PIPE_PREFIX)
@@ -636,6 +639,7 @@ def expand_urls(spec: Spec) -> list[str]:
 
 
 __all__ = [
+    "LOCAL_PROTOCOLS",
     "MAX_EXPANSION",
     "MAX_URL_BYTES",
     "PIPE_PREFIX",

@@ -22,8 +22,10 @@ from shardcache import (
     RemoteNotFoundError,
     ShardCache,
     TransientFetchError,
+    layout,
 )
 from shardcache.layout import is_temp_name
+from shardcache.remote import Remote
 
 BUCKET = "shards"
 CTX = mp.get_context("spawn")
@@ -86,6 +88,42 @@ def test_same_key_on_two_endpoints_never_collides(s3, tmp_path: Path) -> None:
     a = _cache(tmp_path, storage_options={"endpoint_url": "http://127.0.0.1:1"})
     b = _cache(tmp_path, storage_options={"endpoint_url": "http://127.0.0.1:2"})
     assert a.path_for("s3://b/k.tar") != b.path_for("s3://b/k.tar")
+
+
+def test_a_fetch_computes_the_shards_identity_once(
+    s3, shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One canonicalisation per fetch (miss, hit, open, prefetch), and the storage options
+    resolved once per cache however many shards it fetches."""
+    canonicalised: list[str] = []
+    resolved: list[str] = []
+    canonical_url = layout.canonical_url
+    resolve = Remote._resolve_options
+
+    def counting_canonical(url: str, protocol: str) -> str:
+        canonicalised.append(url)
+        return canonical_url(url, protocol)
+
+    def counting_resolve(self: Remote, protocol: str) -> dict:
+        resolved.append(protocol)
+        return resolve(self, protocol)
+
+    monkeypatch.setattr(layout, "canonical_url", counting_canonical)
+    monkeypatch.setattr(Remote, "_resolve_options", counting_resolve)
+    cache = _cache(tmp_path)
+    urls = list(shards)
+    cache.fetch(urls[0])  # a miss: hit check, lock, re-check, metadata, publish
+    assert canonicalised == [urls[0]]
+    cache.fetch(urls[0])  # a hit
+    with cache.open(urls[0]):
+        pass
+    assert canonicalised == [urls[0]] * 3
+    canonicalised.clear()
+    with cache.prefetch(urls[1:4], threads=2) as shards_ahead:
+        assert [url for url, _path in shards_ahead] == urls[1:4]
+    assert sorted(canonicalised) == sorted(urls[1:4])
+    assert resolved == ["s3"]
+    assert cache.stats().misses == 4
 
 
 def _race_worker(cache_dir: str, urls: list[str], seed: int, lock_mode: str, start, out) -> None:

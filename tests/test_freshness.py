@@ -135,7 +135,7 @@ def test_a_stale_copy_is_not_taken_for_another_processs_work(tmp_path: Path) -> 
     cache.fetch(str(source))
     _rewrite(source, b"N" * 6000)
     lock = ShardLock(
-        cache.layout.lock_path(cache.remote.canonical_url(str(source)), "file"),
+        cache._identify(str(source)).lock_path,
         url=str(source),
         policy=cache._lock_policy(),
     )

@@ -97,6 +97,15 @@ def _assert_inside(path: Path, parent: Path) -> None:
     assert normal.startswith(str(parent) + os.sep), normal
 
 
+def _shard(layout: CacheLayout, url: str, namespace: str = "") -> Path:
+    """The data path of ``url`` taken as already canonical (no local-path rewriting)."""
+    return layout.identify(url, "s3", namespace).data_path
+
+
+def _lock(layout: CacheLayout, url: str, namespace: str = "") -> Path:
+    return layout.identify(url, "s3", namespace).lock_path
+
+
 @pytest.mark.parametrize("namespace", ["", "s3@http://127.0.0.1:9000"])
 def test_hostile_urls_stay_inside_scope(tmp_path: Path, namespace: str) -> None:
     layout = CacheLayout(tmp_path / "scope")
@@ -104,8 +113,8 @@ def test_hostile_urls_stay_inside_scope(tmp_path: Path, namespace: str) -> None:
     urls = list(dict.fromkeys(urls))  # distinct inputs only
     data_paths, lock_paths = set(), set()
     for url in urls:
-        data = layout.data_path(url, namespace)
-        lock = layout.lock_path(url, namespace)
+        data = _shard(layout, url, namespace)
+        lock = _lock(layout, url, namespace)
         temp = layout.temp_path(data)
         _assert_inside(data, layout.data_dir)
         _assert_inside(lock, layout.locks_dir)
@@ -123,12 +132,12 @@ def test_hostile_urls_stay_inside_scope(tmp_path: Path, namespace: str) -> None:
 def test_hostile_names_are_creatable(tmp_path: Path) -> None:
     layout = CacheLayout(tmp_path / "scope")
     for url in HOSTILE_URLS:
-        data = layout.data_path(url)
+        data = _shard(layout, url)
         ensure_dir(data.parent)
         temp = layout.temp_path(data)
         temp.write_bytes(b"x")
         os.replace(temp, data)
-        lock = layout.lock_path(url)
+        lock = _lock(layout, url)
         ensure_dir(lock.parent)
         lock.touch()
     created = [p for p in (tmp_path / "scope").rglob("*") if p.is_file()]
@@ -140,20 +149,20 @@ def test_data_path_shape() -> None:
     layout = CacheLayout(Path("/cache/node"))
     url = "s3://bucket/train-000123.tar"
     key = cache_key(url)
-    path = layout.data_path(url)
+    path = _shard(layout, url)
     assert path == Path(f"/cache/node/data/{key[:2]}/train-000123-{key[:20]}.tar")
-    assert layout.lock_path(url) == Path(f"/cache/node/.locks/{key[:2]}/{key}.lock")
-    assert layout.data_path("s3://b/x.tar.gz").name.endswith(".tar.gz")
-    assert layout.data_path("s3://b/train.000123.tar").name.startswith("train.000123-")
+    assert _lock(layout, url) == Path(f"/cache/node/.locks/{key[:2]}/{key}.lock")
+    assert _shard(layout, "s3://b/x.tar.gz").name.endswith(".tar.gz")
+    assert _shard(layout, "s3://b/train.000123.tar").name.startswith("train.000123-")
     long_ext = "s3://b/x." + "e" * 40  # extension too long to be a suffix: stays in the stem
-    assert layout.data_path(long_ext).name == "x." + "e" * 40 + "-" + cache_key(long_ext)[:20]
-    assert layout.data_path("s3://b/shard.tar?versionId=1").name.startswith("shard-")
+    assert _shard(layout, long_ext).name == "x." + "e" * 40 + "-" + cache_key(long_ext)[:20]
+    assert _shard(layout, "s3://b/shard.tar?versionId=1").name.startswith("shard-")
     # '?' and '#' are ordinary characters in local names.
-    assert layout.data_path("/d/a#b.tar").name.startswith("a_b-")
-    long_stem = layout.data_path("s3://b/" + "a" * 1024 + ".tar").name
+    assert _shard(layout, "/d/a#b.tar").name.startswith("a_b-")
+    long_stem = _shard(layout, "s3://b/" + "a" * 1024 + ".tar").name
     assert long_stem == "a" * 64 + "-" + cache_key("s3://b/" + "a" * 1024 + ".tar")[:20] + ".tar"
-    assert layout.data_path("s3://b/").name.startswith("b-")
-    assert layout.data_path("s3://b/..").name.startswith("shard-")
+    assert _shard(layout, "s3://b/").name.startswith("b-")
+    assert _shard(layout, "s3://b/..").name.startswith("shard-")
     assert layout.data_dir == Path("/cache/node/data")
     assert layout.locks_dir == Path("/cache/node/.locks")
 
@@ -163,7 +172,7 @@ def test_cache_key_namespaces() -> None:
     assert cache_key(url) == hashlib.sha256(b"\ns3://b/k.tar").hexdigest()
     assert cache_key(url, "s3@http://a:9000") != cache_key(url, "s3@http://b:9000")
     layout = CacheLayout(Path("/c"))
-    assert layout.data_path(url, "ep1") != layout.data_path(url, "ep2")
+    assert _shard(layout, url, "ep1") != _shard(layout, url, "ep2")
     with pytest.raises(ConfigError):
         cache_key(url, "bad\nnamespace")
 
@@ -171,7 +180,7 @@ def test_cache_key_namespaces() -> None:
 def test_temp_name_round_trip(tmp_path: Path) -> None:
     layout = CacheLayout(tmp_path)
     for url in HOSTILE_URLS:
-        final = layout.data_path(url)
+        final = _shard(layout, url)
         temp = layout.temp_path(final)
         parsed = parse_temp_name(temp.name)
         assert parsed is not None

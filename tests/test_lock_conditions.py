@@ -46,7 +46,7 @@ def test_fetch_into_read_only_lock_tree_raises_lock_file_error(tmp_path: Path) -
     src = tmp_path / "shard.tar"
     src.write_bytes(b"x" * 1000)
     cache = ShardCache(tmp_path / "cache", scope="node", lock_mode="flock", lock_timeout=3600)
-    lock_dir = cache.layout.lock_path(cache.remote.canonical_url(str(src)), "file").parent
+    lock_dir = cache._identify(str(src)).lock_path.parent
     lock_dir.mkdir(parents=True)
     with read_only(lock_dir), pytest.raises(LockFileError) as info:
         cache.fetch(str(src))

@@ -73,7 +73,7 @@ def _child(target: Callable[..., None], *args: Any, kill: bool = False) -> Itera
 
 
 def _lock_path(cache: ShardCache, url: str) -> Path:
-    return cache.layout.lock_path(cache.remote.canonical_url(url), cache.remote.namespace(url))
+    return cache._identify(url).lock_path
 
 
 def _final(cache: ShardCache, url: str) -> Path:

@@ -229,7 +229,7 @@ def test_output_is_cached_under_the_command_and_the_command_runs_once(
     stats = cache.stats()
     assert (stats.misses, stats.hits, stats.bytes_downloaded) == (1, 1, src.stat().st_size)
     # The key is the exact command string, never a file:// path.
-    assert cache.remote.canonical_url(url) == url and cache.remote.namespace(url) == "pipe"
+    assert cache._identify(url).canonical_url == url and cache._identify(url).namespace == "pipe"
     [entry] = cache.entries()
     assert entry.url == url and entry.size == src.stat().st_size
     assert not [p for p in _data_files(cache) if is_temp_name(p.name)]

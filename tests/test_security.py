@@ -220,7 +220,7 @@ def test_a_member_cannot_block_or_hang_the_others(
 from shardcache import ShardCache
 cache = ShardCache()
 url = {blocked!r}
-lock = cache.layout.lock_path(cache.remote.canonical_url(url), cache.remote.namespace(url))
+lock = cache._identify(url).lock_path
 cache.layout.make_dir(lock.parent)
 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o660)
 fcntl.flock(fd, fcntl.LOCK_EX)

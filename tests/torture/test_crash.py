@@ -298,9 +298,7 @@ class _Torture:
         Returns whether the dead child left its lease.
         """
         cache = self.cache
-        lock_path = cache.layout.lock_path(
-            cache.remote.canonical_url(url), cache.remote.namespace(url)
-        )
+        lock_path = cache._identify(url).lock_path
         lease_raw, lease = read_record(cache.layout.fs, lock_path.with_suffix(".lease"))
         if lease_raw is not None:  # the dead child's lease: judged dead, so broken at once
             assert holder_verdict(lease)[0] == "dead", (where, lease_raw, holder_verdict(lease))

@@ -333,7 +333,7 @@ def test_symlink_swaps_never_write_outside_the_root(
     (outside / "victim").write_bytes(b"precious")
     cache = ShardCache(cache_root, scope="node")
     final = cache.path_for(url)
-    lock = cache.layout.lock_path(cache.remote.canonical_url(url), "file")
+    lock = cache._identify(url).lock_path
     meta = cache.layout.meta_path(final)
     swap = {
         "data": cache.layout.data_dir,
@@ -424,7 +424,7 @@ def test_bad_lock_files_are_handled(tmp_path: Path, source, mode: str, figures) 
             lock_timeout=30,
             lock_stuck_after=3600,
         )
-        lock = cache.layout.lock_path(cache.remote.canonical_url(url), "file")
+        lock = cache._identify(url).lock_path
         lock.parent.mkdir(parents=True)
         target = lock.with_suffix(".lease" if mode == "lease" else ".owner")
         target.write_bytes(raw)
