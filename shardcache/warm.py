@@ -318,8 +318,6 @@ def _one_line(exc: BaseException) -> str:
 
 
 __all__ = [
-    "LOG_EVERY",
-    "SPLITS",
     "WarmFailure",
     "WarmPlan",
     "WarmResult",
