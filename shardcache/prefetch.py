@@ -56,7 +56,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn, Protocol
 
-from .config import check_argument
+from .config import prefetch_overrides
 from .errors import FetchError, ShardCacheError, StallError
 from .prefetch_diagnostics import STARVATION_SHARE, RateMeter, StarvationMonitor, stall_error
 from .redact import get_logger
@@ -227,13 +227,7 @@ def check_prefetch_options(
 ) -> None:
     """Raise :class:`ConfigError` for a prefetch option that cannot be used (None: not given),
     by the rules of the setting it overrides (SHARDCACHE_THREADS, _PREFETCH_DEPTH, ...)."""
-    for setting, option, value in (
-        ("threads", "threads", threads),
-        ("prefetch_depth", "depth", depth),
-        ("stall_timeout", "stall_timeout", stall_timeout),
-    ):
-        if value is not None:
-            check_argument(setting, value, f"prefetch option {option}")
+    prefetch_overrides(threads=threads, depth=depth, stall_timeout=stall_timeout)
 
 
 class Prefetcher:
