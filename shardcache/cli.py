@@ -397,7 +397,7 @@ def _cmd_evict(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .maintenance import verify
+    from .verify import verify
 
     report = verify(_cache(args), args.manifest, threads=args.threads)
     _emit(report, args.json)

@@ -496,6 +496,32 @@ def check_argument(name: str, value: Any, label: str) -> None:
     _check_bounds(label, value, spec, value)
 
 
+PREFETCH_OPTIONS: dict[str, str] = {
+    "threads": "threads",
+    "depth": "prefetch_depth",
+    "stall_timeout": "stall_timeout",
+}
+"""The prefetch options (``ShardCache.prefetch``, ``Prefetcher``, the WebDataset stage), each
+with the setting it overrides: that setting's spec gives its default, type and bounds."""
+
+
+def prefetch_overrides(**options: Any) -> dict[str, Any]:
+    """The prefetch ``options`` given in code (None: not given, left out), each checked by
+    the rules of the setting it overrides (:data:`PREFETCH_OPTIONS`, :func:`check_argument`)."""
+    unknown = options.keys() - PREFETCH_OPTIONS.keys()
+    if unknown:
+        raise ConfigError(
+            f"unknown prefetch option(s) {sorted(unknown)}; expected some of "
+            f"{sorted(PREFETCH_OPTIONS)}.",
+            name=", ".join(sorted(unknown)),
+            value=None,
+        )
+    given = {option: value for option, value in options.items() if value is not None}
+    for option, value in given.items():
+        check_argument(PREFETCH_OPTIONS[option], value, f"prefetch option {option}")
+    return given
+
+
 def _check_bounds(label: str, raw: Any, spec: _Spec, value: Any) -> None:
     if spec.low is None or spec.high is None:
         return

@@ -31,9 +31,10 @@ from typing import Any
 import webdataset as wds
 
 from .cache import ShardCache
+from .config import prefetch_overrides
 from .distributed import rank_info
 from .errors import ShardCacheError, StallError
-from .prefetch import Prefetcher, check_prefetch_options
+from .prefetch import Prefetcher
 from .redact import get_logger
 
 logger = get_logger(__name__)
@@ -64,11 +65,13 @@ class CacheStage:
         _check_callable("handler", handler, optional=False)
         if cache is not None and not isinstance(cache, ShardCache):
             raise TypeError(f"cache must be a shardcache.ShardCache or None, not {_kind(cache)}")
-        check_prefetch_options(threads=threads, depth=depth, stall_timeout=stall_timeout)
         self.cache = cache
         self.handler = handler
-        options = {"threads": threads, "depth": depth, "stall_timeout": stall_timeout}
-        self.prefetch_options = {k: v for k, v in options.items() if v is not None}
+        # Checked now (in the constructing process), applied by cache.prefetch() over the
+        # cache's settings when iteration starts.
+        self.prefetch_options = prefetch_overrides(
+            threads=threads, depth=depth, stall_timeout=stall_timeout
+        )
         self._live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 
     def __getstate__(self) -> dict[str, Any]:

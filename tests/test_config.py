@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from shardcache.config import SPECS, Settings, parse_duration, parse_size
+from shardcache.config import (
+    PREFETCH_OPTIONS,
+    SPECS,
+    Settings,
+    parse_duration,
+    parse_size,
+    prefetch_overrides,
+)
 from shardcache.errors import ConfigError
 
 
@@ -160,6 +167,24 @@ def test_bad_explicit_argument_names_the_argument() -> None:
         Settings.resolve(env={}, threads=0)
     with pytest.raises(ConfigError, match="unknown setting"):
         Settings.resolve(env={}, thread=2)
+
+
+def test_prefetch_options_are_checked_by_the_settings_they_override() -> None:
+    assert prefetch_overrides(threads=2, depth=None, stall_timeout=0.5) == {
+        "threads": 2,
+        "stall_timeout": 0.5,
+    }
+    for option, setting in PREFETCH_OPTIONS.items():
+        spec = SPECS[setting]
+        kind = type(spec.default)
+        assert prefetch_overrides(**{option: kind(spec.high)}) == {option: spec.high}
+        for outside in (spec.low - 1, spec.high + 1):
+            with pytest.raises(ConfigError, match=f"prefetch option {option}=.*out of range"):
+                prefetch_overrides(**{option: kind(outside)})
+        with pytest.raises(ConfigError, match=f"prefetch option {option}=.*wrong type"):
+            prefetch_overrides(**{option: "2"})
+    with pytest.raises(ConfigError, match="unknown prefetch option"):
+        prefetch_overrides(prefetch_depth=2)
 
 
 def test_max_bytes_unlimited_spellings() -> None:

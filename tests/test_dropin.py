@@ -15,7 +15,9 @@ import webdataset as wds
 
 import shardcache
 from shardcache import ConfigError, ShardCache, UrlError
+from shardcache.config import PREFETCH_OPTIONS
 from shardcache.demo import make_shard
+from shardcache.prefetch import Prefetcher
 
 pytestmark = pytest.mark.timeout(120)
 PER_SHARD = 5
@@ -48,6 +50,21 @@ def test_signature_matches_webdatasets_with_cache_options_keyword_only() -> None
     assert keyword_only == {"cache", "threads", "depth", "stall_timeout"}
     samples = inspect.signature(shardcache.tarfile_samples).parameters
     assert list(samples)[: len(theirs)] == list(theirs)
+
+
+def test_every_prefetch_entry_point_names_the_options_as_the_settings_do() -> None:
+    """The stage, its drop-ins, ``ShardCache.prefetch`` and ``Prefetcher`` all take the
+    prefetch options by the names config.PREFETCH_OPTIONS maps to settings."""
+    for call in (
+        shardcache.stage,
+        shardcache.tarfile_to_samples,
+        shardcache.tarfile_samples,
+        ShardCache.prefetch,
+        Prefetcher,
+    ):
+        names = set(inspect.signature(call).parameters)
+        assert PREFETCH_OPTIONS.keys() <= names, call
+        assert not names & {"prefetch_depth", "thread"}, call
 
 
 def test_handler_first_as_in_webdataset(tmp_path: Path, shards: list[Path]) -> None:

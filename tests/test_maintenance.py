@@ -21,9 +21,10 @@ import pytest
 from shardcache import ShardCache
 from shardcache.layout import CacheLayout
 from shardcache.locks import LockPolicy, ShardLock, is_held, remove_lease_if_unchanged
-from shardcache.maintenance import clean, status, verify
+from shardcache.maintenance import clean, status
 from shardcache.safefs import SafeFS
 from shardcache.trust import Trust
+from shardcache.verify import verify
 
 CTX = mp.get_context("spawn")
 BUCKET = "maint"

@@ -33,9 +33,9 @@ from shardcache import (
 from shardcache.cli import main
 from shardcache.demo import make_shard
 from shardcache.layout import is_temp_name
-from shardcache.maintenance import verify
 from shardcache.pipes import STDERR_TAIL
 from shardcache.urls import read_manifest, url_protocol
+from shardcache.verify import verify
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 from processes import CTX
 
-from shardcache import ShardCache, StallError
-from shardcache import prefetch as prefetch_module
+from shardcache import ShardCache, StallError, prefetch_diagnostics
 from shardcache.demo import make_shard
 from shardcache.prefetch import Prefetcher
 from shardcache.testing import FaultProxy
@@ -89,8 +88,8 @@ def test_a_slow_but_moving_link_is_not_a_stall_and_warns_of_starvation_once(
     # The starvation monitor's evidence thresholds (5 shards over 10 s, made for
     # production) are shrunk so three slow shards are enough to judge; the share that
     # counts as starving and the one-warning-per-minute limit stay as they are.
-    monkeypatch.setattr(prefetch_module, "STARVATION_MIN_SHARDS", 1)
-    monkeypatch.setattr(prefetch_module, "STARVATION_MIN_SPAN", 1.0)
+    monkeypatch.setattr(prefetch_diagnostics, "STARVATION_MIN_SHARDS", 1)
+    monkeypatch.setattr(prefetch_diagnostics, "STARVATION_MIN_SPAN", 1.0)
     cache = ShardCache(
         tmp_path / "cache", storage_options={"endpoint_url": slow_proxy.endpoint_url}, retries=0
     )

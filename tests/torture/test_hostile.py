@@ -23,7 +23,7 @@ from shardcache import (
     ShardCacheError,
     UrlError,
     expand_urls,
-    maintenance,
+    verify,
 )
 from shardcache.config import SPECS, Settings
 from shardcache.identity import ProcessIdentity
@@ -374,7 +374,7 @@ def test_altered_and_truncated_shards_are_detected_and_refetched(s3, tmp_path: P
         f.write(b"\xff\x00")
     with open(cache.path_for(truncated), "r+b") as f:
         f.truncate(1000)
-    report = maintenance.verify(cache)
+    report = verify.verify(cache)
     bad = {i.url for i in report.of("bad")}
     assert bad == {altered, truncated} and all(i.removed for i in report.of("bad"))
     for u, v in urls.items():
