@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .config import Settings
+from .config import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from .errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
 from .eviction import (
     CacheEntry,
@@ -526,15 +526,11 @@ class ShardCache:
         """Fetch ``urls`` ahead of the consumer; iterate the result for ``(url, path)`` in
         input order. Defaults: ``SHARDCACHE_THREADS``, ``SHARDCACHE_PREFETCH_DEPTH``,
         ``SHARDCACHE_STALL_TIMEOUT`` (see :class:`shardcache.prefetch.Prefetcher`)."""
-        s = self.settings
-        return Prefetcher(
-            self._fetch_pinned,
-            urls,
-            threads=s.threads if threads is None else threads,
-            depth=s.prefetch_depth if depth is None else depth,
-            stall_timeout=s.stall_timeout if stall_timeout is None else stall_timeout,
-            release=self._unpin,
-        )
+        given = prefetch_overrides(threads=threads, depth=depth, stall_timeout=stall_timeout)
+        defaults = {
+            option: getattr(self.settings, name) for option, name in PREFETCH_OPTIONS.items()
+        }
+        return Prefetcher(self._fetch_pinned, urls, **(defaults | given), release=self._unpin)
 
     def _fetch_pinned(self, url: str, progress: Progress) -> Path:
         """``fetch`` for the prefetcher: the shard stays pinned (not evictable) until the
