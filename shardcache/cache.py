@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import shutil
 import stat
@@ -32,8 +31,6 @@ from .eviction import (
     evict_lock,
     evict_locked,
     evict_lru,
-    open_pinned,
-    pin,
     remove,
     scan,
     touch,
@@ -43,6 +40,7 @@ from .freshness import Freshness
 from .fsinfo import mount_for
 from .layout import CacheLayout, ShardId, namespace
 from .locks import LockPolicy, ShardLock
+from .pins import open_pinned, pin, reopen_pinned
 from .prefetch import Prefetcher
 from .redact import get_logger, redact_url
 from .remote import ObjectInfo, Progress, Remote, RemoteOptions
@@ -195,15 +193,7 @@ class ShardCache:
             pin_fd = fds[-1] if fds else None
         if pin_fd is None:
             return open_pinned(self.layout, Path(path))
-        # A new open file description of the same inode (its own offset), which works even
-        # when the name is gone; it carries its own shared flock.
-        fd = os.open(f"/proc/self/fd/{pin_fd}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        except BaseException:
-            os.close(fd)
-            raise
-        return os.fdopen(fd, "rb")
+        return reopen_pinned(pin_fd)
 
     def fetch(self, url: str, progress: Progress | None = None) -> Path:
         """Return the path of a complete, verified local copy of ``url``, downloading it

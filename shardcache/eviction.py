@@ -1,11 +1,9 @@
-"""Cache entries, pins and least-recently-used eviction.
+"""Cache entries and least-recently-used eviction.
 
-A shard in use is *pinned*: its reader holds a shared ``flock`` on the published file (an
-open file from :meth:`ShardCache.open`, the WebDataset stage's stream, a prefetched shard
-not yet consumed). The evictor removes a file only while holding an exclusive ``flock``
-on it, taken without blocking, so it never removes a pinned shard; the kernel drops the
-pins of a process that dies. A reader that opens a file the evictor is removing gets a
-complete copy anyway (an open file outlives its name).
+The evictor removes a file only while holding an exclusive ``flock`` on it, taken without
+blocking, so it never removes a shard a reader has pinned (:mod:`shardcache.pins`). A
+reader that opens a file the evictor is removing gets a complete copy anyway (an open file
+outlives its name).
 
 Evictions of one scope directory are serialised by ``.locks/evict.lock`` so two processes
 never both count the same free space. "Last used" is the file's mtime, refreshed on hits
@@ -25,12 +23,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from .dirs import dir_error
 from .errors import CacheDirError, LockTimeout
 from .layout import CacheLayout, is_temp_name
-from .locks import lock_file_error, try_flock
+from .lock_flock import try_flock
+from .locks import lock_file_error
 from .redact import get_logger
 from .safefs import SafeFS
 
@@ -62,28 +61,6 @@ class EvictReport:
     kept_bytes: int = 0  # published bytes left, plus downloads in progress
     in_use: int = 0  # candidates skipped because a process had them pinned
     in_use_bytes: int = 0
-
-
-def pin(layout: CacheLayout, path: Path) -> int | None:
-    """Open the published shard ``path`` with a shared lock; None if it is gone (evicted
-    meanwhile). Resolved through the cache's directory descriptors (:class:`SafeFS`)."""
-    try:
-        fd = layout.fs.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a link put at the shard's name: not ours, fetch again
-            return None
-        raise
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if os.fstat(fd).st_nlink == 0:  # removed while we waited for the lock
-            os.close(fd)
-            return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def touch(layout: CacheLayout, path: Path, mtime: float) -> None:
@@ -120,14 +97,6 @@ def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
-
-
-def open_pinned(layout: CacheLayout, path: Path) -> BinaryIO:
-    """Open a published shard for reading, pinned (not evictable) until closed."""
-    fd = pin(layout, path)
-    if fd is None:
-        raise FileNotFoundError(errno.ENOENT, "evicted before it could be opened", str(path))
-    return os.fdopen(fd, "rb")
 
 
 def list_dir(

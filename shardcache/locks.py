@@ -1,28 +1,22 @@
-"""Per-shard, stale-lock-aware locks.
+"""Per-shard, stale-lock-aware locks: the wait, the judgement of the holder and the timeout.
 
 The lock only avoids downloading a shard twice. Correctness never depends on it: every
 writer downloads into its own temp file and publishes with an atomic rename, so even two
 holders at once (a broken lease that was in fact alive) cost bandwidth, never data.
 
-Two modes:
+:class:`ShardLock` waits (backoff with jitter) for one of two backends (:class:`LockBackend`):
 
-* ``flock`` (local disks): ``fcntl.flock`` on ``<hash>.lock``, taken directly rather than
-  through ``filelock``, whose behaviour changed across versions (lock-file removal on
-  release, a silent fallback to a soft lock): these invariants are ours to keep. The kernel
-  frees the lock of a dead holder at once, so "stale" here means *stuck*: the holder's
-  progress (phase, bytes in ``<hash>.owner``) has not changed for ``stuck_after`` on the
-  waiter's own clock. Lock files are never deleted: unlinking a locked file lets the next
-  contender lock a new inode while the old holder still holds the old one (two holders).
-* ``lease`` (network file systems, where flock may silently exclude only within a node):
-  the lock *is* the file ``<hash>.lease``, created atomically with ``os.link`` from a
-  private claim file holding the owner record. The holder rewrites the record as it makes
-  progress, and a renewal thread rewrites it every ``lease_time / 4`` whatever the
-  progress, so a live holder on a slow link or a loaded machine keeps its lease. A waiter
-  breaks a lease whose holder is provably dead (same host and boot, pid gone or reused) at
-  once, or one whose record has not changed for ``lease_time`` on the waiter's clock
-  (clocks of different hosts are never compared). Breaking renames the lease to a unique
-  name and checks that it is still the record that was judged. A live holder that makes
-  no progress for ``stuck_after`` gives waiters a ``LockTimeout``, as in flock mode.
+* ``flock`` (local disks, :mod:`shardcache.lock_flock`): the kernel frees the lock of a dead
+  holder at once, so "stale" here means *stuck*: the holder's progress (phase, bytes in
+  ``<hash>.owner``) has not changed for ``stuck_after`` on the waiter's own clock.
+* ``lease`` (network file systems, :mod:`shardcache.lock_lease`): a waiter breaks a lease
+  whose holder is provably dead (same host and boot, pid gone or reused) at once, or one
+  whose record has not changed for ``lease_time`` on the waiter's clock (clocks of
+  different hosts are never compared). A live holder that makes no progress for
+  ``stuck_after`` gives waiters a ``LockTimeout``, as in flock mode.
+
+The holder's record (:mod:`shardcache.lock_records`) is kept here: written on acquisition,
+on progress (rate-limited) and, for a lease, on each renewal.
 
 Creating a lock file can fail transiently on network file systems (a directory another
 node just made is not visible yet, ESTALE, EIO); those are retried with backoff to a
@@ -34,25 +28,33 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import json
-import os
 import random
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .config import SPECS
 from .dirs import NOT_YET_ERRNOS
 from .errors import CacheDirError, LockFileError, LockTimeout
 from .fsinfo import mount_for
 from .identity import ProcessIdentity
-from .redact import get_logger, redact_url
+from .lock_flock import FlockBackend
+from .lock_lease import LeaseBackend, Renewer
+from .lock_records import (
+    RecordWatch,
+    describe_holder,
+    encode_record,
+    holder_verdict,
+    lease_path,
+    new_record,
+    owner_path,
+    read_raw,
+)
+from .redact import get_logger
 from .retry import RetryPolicy
 from .safefs import SafeFS
 from .trust import Trust
@@ -68,7 +70,6 @@ _TRANSIENT_ERRNOS = NOT_YET_ERRNOS | {errno.EEXIST}
 # At most ~2 s in all (5 ms doubling to 0.25 s); then the error is reported, not waited out.
 CREATE_RETRY = RetryPolicy(retries=12, backoff=0.005, max_backoff=0.25)
 _UNSUPPORTED_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
-_CONTENTION_ERRNOS = frozenset({errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +90,34 @@ class LockPolicy:
         if self.mode == "lease":
             return 0.05, max(0.05, min(10.0, self.lease_time / 4))
         return 0.01, 1.0
+
+
+class LockBackend(Protocol):
+    """How one lock mode takes, records and gives up a shard's lock file; :class:`ShardLock`
+    does the waiting, judging and timing out around it. Methods raise ``OSError``."""
+
+    record_path: Path  # where the holder's record is, for waiters to read
+    expires: bool  # True: a silent holder's lock is broken, so the holder must renew it
+
+    def try_acquire(self) -> bool:
+        """One attempt, never blocking: True if the lock is now ours."""
+        ...
+
+    def open_record(self) -> None:
+        """After acquiring: make the holder's record writable."""
+        ...
+
+    def write_record(self, data: bytes) -> bool:
+        """Replace the holder's record; False if the lock turned out to be lost."""
+        ...
+
+    def break_stale(self, judged: bytes) -> bool:
+        """Remove a stale holder's lock if its record is still ``judged``; True if removed."""
+        ...
+
+    def release(self) -> None:
+        """Give the lock up (idempotent); only a lock still ours is removed."""
+        ...
 
 
 class ShardLock:
@@ -118,22 +147,26 @@ class ShardLock:
         self.policy = policy
         self.rank = rank
         self._token = secrets.token_hex(8)
+        self._backend: LockBackend = (
+            LeaseBackend(self.fs, self.path, token=self._token, new_record=self._make_record)
+            if policy.mode == "lease"
+            else FlockBackend(self.fs, self.path)
+        )
         self._record: dict[str, Any] = {}
-        self._record_fd: int | None = None
+        self._recording = False  # the record is open for writing (held, not released)
         self._last_write = 0.0
-        self._flock_fd: int | None = None
         self._write_lock = threading.Lock()  # the holder's thread and the renewal thread
-        self._renewer: _Renewer | None = None
+        self._renewer: Renewer | None = None
         self.record_error: str | None = None  # why the owner record could not be written
         self.lost = False  # lease mode: True once another process broke our lease
 
     @property
     def owner_path(self) -> Path:
-        return self.path.with_suffix(".owner")
+        return owner_path(self.path)
 
     @property
     def lease_path(self) -> Path:
-        return self.path.with_suffix(".lease")
+        return lease_path(self.path)
 
     @contextlib.contextmanager
     def hold(self, done: Callable[[], bool] | None = None) -> Iterator[bool]:
@@ -152,7 +185,7 @@ class ShardLock:
         """Wait for the lock (backoff with jitter). False if ``done()`` became true first."""
         start = time.monotonic()
         delay, max_delay = self.policy.backoff
-        watch = _RecordWatch()
+        watch = RecordWatch()
         attempts = 0
         next_log = start + STILL_WAITING_EVERY
         while True:
@@ -172,7 +205,7 @@ class ShardLock:
                     "still waiting for the lock of %s after %.0fs (%s)",
                     self.url,
                     now - start,
-                    _summarise(watch.record),
+                    describe_holder(watch.record),
                 )
                 next_log = now + STILL_WAITING_EVERY
             remaining = start + self.policy.timeout - now
@@ -187,9 +220,7 @@ class ShardLock:
             attempt += 1
             try:
                 self.fs.mkdirs(self.path.parent)
-                if self.policy.mode == "lease":
-                    return self._try_claim_lease()
-                return self._try_flock()
+                return self._backend.try_acquire()
             except CacheDirError:
                 raise
             except OSError as exc:
@@ -199,47 +230,20 @@ class ShardLock:
                 logger.debug("creating %s: %s (attempt %d), retrying", self.path, exc, attempt)
                 time.sleep(CREATE_RETRY.delay(attempt))
 
-    def _try_flock(self) -> bool:
-        self._flock_fd = try_flock(self.fs, self.path)
-        return self._flock_fd is not None
-
-    def _try_claim_lease(self) -> bool:
-        claim = self.path.with_name(f"{self.path.stem}.{self._token}.claim")
-        record = self._make_record(phase="claiming", attempts=0, waited=0.0)
-        _write_new(self.fs, claim, record)
-        try:
-            try:
-                self.fs.link(claim, self.lease_path)
-            except FileExistsError:
-                return False
-            except OSError:
-                # NFS may report failure for a link that happened: the link count tells.
-                if self.fs.lstat(claim).st_nlink != 2:
-                    raise
-            fd = self.fs.open(self.lease_path, os.O_RDWR | os.O_NONBLOCK)
-            if os.fstat(fd).st_ino != self.fs.lstat(claim).st_ino:
-                os.close(fd)
-                return False
-            self._record_fd = fd
-            return True
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.unlink(claim)
-
     # -- judging the holder --------------------------------------------------------------
 
     def _read_holder_raw(self) -> bytes | None:
-        path = self.lease_path if self.policy.mode == "lease" else self.owner_path
-        return _read_raw(self.fs, path)
+        return read_raw(self.fs, self._backend.record_path)
 
-    def _judge(self, watch: _RecordWatch, now: float, start: float, attempts: int) -> None:
-        verdict, why = _verdict(watch.record)
+    def _judge(self, watch: RecordWatch, now: float, start: float, attempts: int) -> None:
+        verdict, why = holder_verdict(watch.record)
         quiet = now - watch.changed_at
         still = now - watch.progressed_at
         expired = verdict == "dead" or quiet >= self.policy.lease_time
-        if self.policy.mode == "lease" and watch.raw is not None and expired:
+        if self._backend.expires and watch.raw is not None and expired:
             reason = why if verdict == "dead" else f"no renewal for {quiet:.1f}s"
-            self._break_lease(watch.raw, reason)
+            if self._backend.break_stale(watch.raw):
+                logger.warning("broke the stale lease of %s: %s", self.url, reason)
             watch.reset(now)
             return
         if still >= self.policy.stuck_after and verdict != "dead":
@@ -262,14 +266,10 @@ class ShardLock:
                 cause=f"waited the full SHARDCACHE_LOCK_TIMEOUT={self.policy.timeout:g}s",
             )
 
-    def _break_lease(self, judged: bytes, reason: str) -> None:
-        if remove_lease_if_unchanged(self.fs, self.lease_path, judged):
-            logger.warning("broke the stale lease of %s: %s", self.url, reason)
-
     def _timeout(
         self,
         *,
-        watch: _RecordWatch,
+        watch: RecordWatch,
         verdict: str,
         why: str,
         start: float,
@@ -315,44 +315,30 @@ class ShardLock:
 
     def _describe_holder(self, owner: dict[str, Any] | None) -> str:
         if owner is not None:
-            return _summarise(owner)
-        record = self.lease_path if self.policy.mode == "lease" else self.owner_path
+            return describe_holder(owner)
         return (
-            f"unknown: no readable owner record at {record} (the holder may be unable to "
-            "write it: a full disk, a read-only or unwritable directory; or it has just started)"
+            f"unknown: no readable owner record at {self._backend.record_path} (the holder "
+            "may be unable to write it: a full disk, a read-only or unwritable directory; or "
+            "it has just started)"
         )
 
     # -- holding -------------------------------------------------------------------------
 
     def _make_record(self, **extra: Any) -> dict[str, Any]:
-        me = ProcessIdentity.current()
-        return {
-            "host": me.host,
-            "boot_id": me.boot_id,
-            "pidns": me.pidns,
-            "pid": me.pid,
-            "start_ticks": me.start_ticks,
-            "rank": self.rank,
-            "thread": threading.current_thread().name,
-            "token": self._token,
-            "url": redact_url(self.url),  # the record is on disk: no credentials
-            "since": time.time(),
-            "seq": 0,
-            **extra,
-        }
+        return new_record(rank=self.rank, token=self._token, url=self.url, **extra)
 
     def _start_record(self, attempts: int, waited: float) -> None:
         self._record = self._make_record(phase="locked", attempts=attempts, waited=waited)
-        if self.policy.mode == "flock":
-            try:
-                self._record_fd = _open_shared(self.fs, self.owner_path)
-            except OSError as exc:
-                # The lock is held all the same; only what waiters can tell about us suffers.
-                self._record_failed(exc)
-                return
+        try:
+            self._backend.open_record()
+        except OSError as exc:
+            # The lock is held all the same; only what waiters can tell about us suffers.
+            self._record_failed(exc)
+            return
+        self._recording = True
         self._write_record()
-        if self.policy.mode == "lease":
-            self._renewer = _Renewer(self, self.policy.lease_time / RENEWALS_PER_LEASE)
+        if self._backend.expires:
+            self._renewer = Renewer(self.renew, self.policy.lease_time / RENEWALS_PER_LEASE)
 
     def heartbeat(
         self,
@@ -362,7 +348,7 @@ class ShardLock:
         bytes_total: int | None = None,
     ) -> None:
         """Record progress; rate-limited unless the phase changes. Call while holding."""
-        if self._record_fd is None:
+        if not self._recording:
             return
         phase_changed = phase is not None and phase != self._record.get("phase")
         if not phase_changed and time.monotonic() - self._last_write < self._record_interval:
@@ -380,32 +366,24 @@ class ShardLock:
     @property
     def _record_interval(self) -> float:
         # A lease must change well within lease_time even if renewals were late.
-        if self.policy.mode == "lease":
+        if self._backend.expires:
             return min(RECORD_INTERVAL, self.policy.lease_time / RENEWALS_PER_LEASE)
         return RECORD_INTERVAL
 
     def renew(self) -> None:
         """Rewrite the lease record without progress (the renewal thread calls this)."""
         with self._write_lock:
-            if self._record_fd is None:
+            if not self._recording:
                 return
             self._record["renewals"] = self._record.get("renewals", 0) + 1
             self._write_record()
 
     def _write_record(self) -> None:
-        fd = self._record_fd
-        if fd is None:
+        if not self._recording:
             return
-        data = json.dumps(self._record, sort_keys=True).encode()
         try:
-            os.pwrite(fd, data, 0)
-            os.ftruncate(fd, len(data))
-            if self.policy.mode == "lease":
-                os.fsync(fd)  # make the renewal visible to other NFS clients
-                if self.fs.lstat(self.lease_path).st_ino != os.fstat(fd).st_ino:
-                    self._lease_lost()
-        except FileNotFoundError:  # the lease was renamed away (broken) or its dir removed
-            self._lease_lost()
+            if not self._backend.write_record(encode_record(self._record)):
+                self._lease_lost()
         except OSError as exc:
             self._record_failed(exc)
         self._last_write = time.monotonic()
@@ -439,55 +417,8 @@ class ShardLock:
         if renewer is not None:
             renewer.stop()
         with self._write_lock:
-            fd, self._record_fd = self._record_fd, None
-        flock_fd, self._flock_fd = self._flock_fd, None
-        try:
-            if self.policy.mode == "lease" and fd is not None:
-                self._release_lease(fd)
-        finally:
-            if fd is not None:
-                os.close(fd)
-            if flock_fd is not None:
-                os.close(flock_fd)  # closing the last descriptor releases the flock
-
-    def _release_lease(self, fd: int) -> None:
-        # Rename first, then check: unlinking by name could delete a successor's lease.
-        aside = self.path.with_name(f"{self.path.stem}.{self._token}.released")
-        try:
-            self.fs.replace(self.lease_path, aside)
-        except FileNotFoundError:
-            return
-        try:
-            if self.fs.lstat(aside).st_ino != os.fstat(fd).st_ino:
-                with contextlib.suppress(FileExistsError):
-                    self.fs.link(aside, self.lease_path)  # not ours: give it back
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.unlink(aside)
-
-
-class _Renewer:
-    """Renews a held lease every ``interval`` seconds until stopped (a daemon thread), so a
-    live holder keeps its lease however slow its link or busy its machine."""
-
-    def __init__(self, lock: ShardLock, interval: float) -> None:
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run,
-            args=(lock, interval),
-            name=f"shardcache-lease-{threading.current_thread().name}",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def _run(self, lock: ShardLock, interval: float) -> None:
-        while not self._stopped.wait(interval):
-            lock.renew()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._recording = False  # no record write may reach a released lock
+        self._backend.release()
 
 
 def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) -> LockFileError:
@@ -531,218 +462,3 @@ def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) ->
         attempts=attempts,
         cause=f"{name}: {exc.strerror or exc}",
     )
-
-
-def _open_shared(fs: SafeFS, path: Path, access: int = os.O_RDWR) -> int:
-    """Open (creating if missing) a file every holder of the lock uses: never through a
-    link, never truncated, never blocking (a FIFO planted there); one we created gets the
-    cache's lock-file mode and group."""
-    # No O_TRUNC: the file is shared with holders; never a link's target (SafeFS).
-    fd = fs.open(path, access | os.O_CREAT | os.O_NONBLOCK, 0o600)
-    trust = fs.trust
-    try:
-        st = os.fstat(fd)
-        if st.st_uid == trust.uid and stat.S_IMODE(st.st_mode) != trust.lock_mode:
-            trust.adopt_file(fd, trust.lock_mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def try_flock(fs: SafeFS, path: Path) -> int | None:
-    """Take an exclusive ``flock`` on ``path`` without blocking: the descriptor (close it to
-    release), or None if another holder has it. The file is created if missing (with the
-    cache's lock-file mode) and never followed through a link, never truncated, never
-    deleted. Raises ``OSError``; ENOENT means the file was removed or replaced meanwhile:
-    try again."""
-    # Read-only is enough for flock: a lock file another member of a shared cache made
-    # without group write permission still locks.
-    fd = _open_shared(fs, path, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in _CONTENTION_ERRNOS:
-                os.close(fd)
-                return None
-            raise
-        # Removed or replaced between our open and our flock (a tmp cleaner): the next
-        # contender would lock another inode, so retry on the file that is there now.
-        if os.fstat(fd).st_ino != fs.lstat(path).st_ino:
-            raise FileNotFoundError(errno.ENOENT, "lock file replaced while locking", str(path))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        raise
-    return fd
-
-
-class _RecordWatch:
-    """Tracks, on this process's monotonic clock, when a holder's record last changed at
-    all (liveness: lease renewals count) and when its progress last changed (stuckness)."""
-
-    def __init__(self) -> None:
-        self.raw: bytes | None = None
-        self.record: dict[str, Any] | None = None
-        self.changed_at = self.progressed_at = time.monotonic()
-        self._progress: object = None
-
-    def observe(self, raw: bytes | None, now: float) -> bool:
-        """Note the holder's current record; True if it changed."""
-        if raw == self.raw:
-            return False
-        self.raw = raw
-        self.record = _parse_record(raw)
-        self.changed_at = now
-        progress = _progress_of(self.record, raw)
-        if progress != self._progress:
-            self._progress = progress
-            self.progressed_at = now
-        return True
-
-    def reset(self, now: float) -> None:
-        self.raw, self.record, self._progress = None, None, None
-        self.changed_at = self.progressed_at = now
-
-
-def _progress_of(record: dict[str, Any] | None, raw: bytes | None) -> object:
-    """What changes only when a holder makes progress (not when it merely renews)."""
-    if record is None:
-        return raw
-    return tuple(record.get(k) for k in ("token", "phase", "bytes_done", "bytes_total"))
-
-
-_UNREADABLE = b"\0unreadable"  # a record that exists but cannot be read (a link, no access)
-
-
-def _read_raw(fs: SafeFS, path: Path) -> bytes | None:
-    """A record's bytes, never following a symbolic link; None if there is none."""
-    try:
-        return fs.read_small(path)
-    except FileNotFoundError:
-        return None
-    except OSError:  # a link, a FIFO, no access: judged like garbage (expires, then broken)
-        return _UNREADABLE
-
-
-def _write_new(fs: SafeFS, path: Path, record: dict[str, Any]) -> None:
-    fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        fs.trust.adopt_file(fd, fs.trust.lock_mode)
-        os.write(fd, json.dumps(record, sort_keys=True).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _parse_record(raw: bytes | None) -> dict[str, Any] | None:
-    if not raw:
-        return None
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _verdict(record: dict[str, Any] | None) -> tuple[str, str]:
-    if record is None:
-        return "unknown", "no readable owner record yet"
-    try:
-        holder = ProcessIdentity(
-            host=str(record["host"]),
-            boot_id=str(record.get("boot_id", "")),
-            pidns=str(record.get("pidns", "")),
-            pid=int(record["pid"]),
-            start_ticks=record.get("start_ticks"),
-        )
-    except (KeyError, TypeError, ValueError):
-        return "unknown", "the owner record is malformed"
-    return holder.liveness()
-
-
-def _summarise(record: dict[str, Any] | None) -> str:
-    if not record:
-        return "unknown (no readable owner record)"
-    age = time.time() - float(record.get("since", time.time()))
-    done, total = record.get("bytes_done"), record.get("bytes_total")
-    progress = f", {done}/{total} bytes" if done is not None else ""
-    return (
-        f"host {record.get('host')} pid {record.get('pid')} rank {record.get('rank')} "
-        f"thread {record.get('thread')}, phase {record.get('phase')}{progress}, "
-        f"held for {age:.0f}s (by its clock)"
-    )
-
-
-# -- inspection (``shardcache status`` / ``clean``) ---------------------------------------
-
-
-def read_record(fs: SafeFS, path: Path) -> tuple[bytes | None, dict[str, Any] | None]:
-    """The raw bytes of an owner/lease/claim record and its parsed form (None if unreadable)."""
-    try:
-        raw = fs.read_small(Path(path))
-    except OSError:
-        return None, None
-    return raw, _parse_record(raw)
-
-
-def read_owner(fs: SafeFS, lock_path: Path) -> dict[str, Any] | None:
-    """The owner record (``<hash>.owner``) beside the flock file ``lock_path``, if readable."""
-    return read_record(fs, Path(lock_path).with_suffix(".owner"))[1]
-
-
-def holder_verdict(record: dict[str, Any] | None) -> tuple[str, str]:
-    """("alive" | "dead" | "unknown", why) for the process a lock record names."""
-    return _verdict(record)
-
-
-def describe_holder(record: dict[str, Any] | None) -> str:
-    """One line about a lock record's holder: host, pid, rank, thread, phase, bytes, age."""
-    return _summarise(record)
-
-
-def is_held(fs: SafeFS, lock_path: Path) -> bool | None:
-    """Whether some process holds the flock on ``lock_path`` right now (None: cannot tell).
-
-    Probes with a non-blocking ``flock`` on a fresh descriptor, released at once; never
-    creates or deletes the file. A holder in this very process counts as holding it.
-    """
-    try:
-        fd = fs.open(lock_path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return True if exc.errno in _CONTENTION_ERRNOS else None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
-
-
-def remove_lease_if_unchanged(fs: SafeFS, lease_path: Path, judged: bytes) -> bool:
-    """Remove the lease ``lease_path`` only if it still holds exactly ``judged``.
-
-    Like breaking a stale lease while waiting: rename it aside, compare, and put it back
-    if its holder renewed it meanwhile. True if it was removed.
-    """
-    lease_path = Path(lease_path)
-    aside = lease_path.with_name(f"{lease_path.stem}.{secrets.token_hex(8)}.broken")
-    try:
-        fs.replace(lease_path, aside)
-    except FileNotFoundError:
-        return False
-    try:
-        if _read_raw(fs, aside) == judged:
-            return True
-        with contextlib.suppress(FileExistsError):
-            fs.link(aside, lease_path)  # renewed or replaced meanwhile: give it back
-        return False
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            fs.unlink(aside)

@@ -34,14 +34,9 @@ from .cache import ShardCache
 from .eviction import list_dir, scan
 from .identity import hostname, start_ticks, start_time
 from .layout import CacheLayout, host_tag, parse_temp_name
-from .locks import (
-    describe_holder,
-    holder_verdict,
-    is_held,
-    read_owner,
-    read_record,
-    remove_lease_if_unchanged,
-)
+from .lock_lease import remove_lease_if_unchanged
+from .lock_records import describe_holder, holder_verdict, read_owner, read_record
+from .pins import is_held
 from .redact import get_logger
 from .safefs import SafeFS
 from .units import format_bytes

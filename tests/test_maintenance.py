@@ -20,8 +20,10 @@ import pytest
 
 from shardcache import ShardCache
 from shardcache.layout import CacheLayout
-from shardcache.locks import LockPolicy, ShardLock, is_held, remove_lease_if_unchanged
+from shardcache.lock_lease import remove_lease_if_unchanged
+from shardcache.locks import LockPolicy, ShardLock
 from shardcache.maintenance import clean, status
+from shardcache.pins import is_held
 from shardcache.safefs import SafeFS
 from shardcache.trust import Trust
 from shardcache.verify import verify

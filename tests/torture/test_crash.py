@@ -49,7 +49,7 @@ from crash_child import INSTANTS, PATHS
 from shardcache import ShardCache, cli, maintenance
 from shardcache.cache import CacheStats
 from shardcache.layout import is_temp_name
-from shardcache.locks import holder_verdict, read_owner, read_record
+from shardcache.lock_records import holder_verdict, read_owner, read_record
 from shardcache.testing import FaultProxy, S3Server
 
 # Children are forked from a server that imported shardcache and s3fs once (crash_child
