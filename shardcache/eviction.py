@@ -27,7 +27,7 @@ from typing import Any
 
 from .dirs import dir_error
 from .errors import CacheDirError, LockTimeout
-from .layout import CacheLayout, is_temp_name
+from .layout import CacheLayout, is_temp_name, meta_temp_path
 from .lock_flock import try_flock
 from .locks import lock_file_error
 from .redact import get_logger
@@ -76,7 +76,7 @@ def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None
     data = json.dumps(record, sort_keys=True)
     for attempt in range(1, 4):
         layout.make_dir(meta.parent)
-        tmp = meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        tmp = meta_temp_path(meta)
         try:
             fd = layout.fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as out:

@@ -6,7 +6,10 @@ every path of the shard down the fetch path (data, lock, metadata). Layout::
     <scope>/data/<hh>/<readable>-<digest20><suffix>        published shards
     <scope>/data/<hh>/.<final>.<host>.<pid>.<token>.part   downloads in progress
     <scope>/.locks/<hh>/<digest64>.lock                    lock files (never deleted)
+    <scope>/.locks/<hh>/<digest64>.owner|.lease            the holder's record / the lease
+    <scope>/.locks/<hh>/<digest64>.<token>.<step>          a lease put aside (LEASE_STEPS)
     <scope>/.meta/<hh>/<final>.json                        metadata of a published shard
+    <scope>/.meta/<hh>/.<final>.json.<pid>.<ns>.tmp        metadata being written
 
 ``<digest>`` is the sha256 of the endpoint namespace and the full URL, so distinct URLs
 (or the same key on two endpoints) never share a path; ``<readable>`` is only a
@@ -20,6 +23,7 @@ import os
 import re
 import secrets
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +44,8 @@ _TEMP_RE = re.compile(
     r"^\.(?P<final>.+)\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>[0-9]{1,10})"
     r"\.(?P<token>[A-Za-z0-9_-]{1,64})\.part$"
 )
+_META_TEMP_RE = re.compile(r"^\.(?P<meta>.+\.json)\.(?P<pid>[0-9]+)\.(?P<ns>[0-9]+)\.tmp$")
+LEASE_STEPS = ("claim", "broken", "released")  # a lease's rename-aside files: <hash>.<token>.<step>
 _MAX_STEM = 64
 _MAX_SUFFIX = 12
 _MAX_HOST = 64
@@ -154,6 +160,39 @@ def parse_temp_name(name: str) -> TempName | None:
 def is_temp_name(name: str) -> bool:
     """Whether ``name`` is a download-in-progress file made by ``temp_path``."""
     return parse_temp_name(name) is not None
+
+
+def meta_temp_path(meta: Path) -> Path:
+    """A unique temp file for writing the record ``meta``: ``.<name>.json.<pid>.<ns>.tmp``."""
+    return meta.with_name(f".{meta.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+
+
+def meta_temp_pid(name: str) -> int | None:
+    """The writer's pid if ``name`` was made by :func:`meta_temp_path`, else None."""
+    match = _META_TEMP_RE.match(name)
+    return None if match is None else int(match["pid"])
+
+
+def owner_path(lock_path: Path) -> Path:
+    """The owner record a flock holder keeps beside ``lock_path``: ``<hash>.owner``."""
+    return Path(lock_path).with_suffix(".owner")
+
+
+def lease_path(lock_path: Path) -> Path:
+    """The lease (which is also its holder's record) of ``lock_path``: ``<hash>.lease``."""
+    return Path(lock_path).with_suffix(".lease")
+
+
+def lease_step_path(lease: Path, token: str, step: str) -> Path:
+    """Where one ``step`` (:data:`LEASE_STEPS`) of a lease operation puts ``lease`` aside."""
+    assert step in LEASE_STEPS, step
+    return lease.with_name(f"{lease.stem}.{token}.{step}")
+
+
+def lease_step_of(name: str) -> str | None:
+    """The step (:data:`LEASE_STEPS`) a rename-aside file ``name`` was made by, else None."""
+    step = name.rsplit(".", 1)[-1]
+    return step if "." in name and step in LEASE_STEPS else None
 
 
 class CacheLayout:

@@ -17,7 +17,8 @@ import os
 import stat
 from pathlib import Path
 
-from .lock_records import owner_path, rewrite
+from .layout import owner_path
+from .lock_records import rewrite
 from .safefs import SafeFS
 
 # What a non-blocking flock raises when another descriptor holds the lock.

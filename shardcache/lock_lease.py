@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .lock_records import encode_record, lease_path, read_raw, rewrite
+from .layout import lease_path, lease_step_path
+from .lock_records import encode_record, read_raw, rewrite
 from .safefs import SafeFS
 
 
@@ -47,7 +48,7 @@ def remove_lease_if_unchanged(fs: SafeFS, lease: Path, judged: bytes) -> bool:
     """Remove the lease ``lease`` only if it still holds exactly ``judged`` (a waiter
     breaking a stale lease, ``clean`` removing a dead one). True if it was removed."""
     lease = Path(lease)
-    aside = lease.with_name(f"{lease.stem}.{secrets.token_hex(8)}.broken")
+    aside = lease_step_path(lease, secrets.token_hex(8), "broken")
     return remove_if(fs, lease, aside, lambda path: read_raw(fs, path) == judged)
 
 
@@ -82,7 +83,7 @@ class LeaseBackend:
         self._fd: int | None = None
 
     def try_acquire(self) -> bool:
-        claim = self.path.with_name(f"{self.path.stem}.{self._token}.claim")
+        claim = lease_step_path(self.path, self._token, "claim")
         _write_new(self.fs, claim, self._new_record(phase="claiming", attempts=0, waited=0.0))
         try:
             try:
@@ -123,7 +124,7 @@ class LeaseBackend:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        aside = self.path.with_name(f"{self.path.stem}.{self._token}.released")
+        aside = lease_step_path(self.path, self._token, "released")
         try:
             # Only a lease still ours goes: one broken and re-taken meanwhile is a successor's.
             remove_if(self.fs, self.record_path, aside, lambda p: _same_file(self.fs, p, fd))

@@ -17,20 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from .identity import ProcessIdentity
+from .layout import owner_path
 from .redact import redact_url
 from .safefs import SafeFS
 
 UNREADABLE = b"\0unreadable"  # a record that exists but cannot be read (a link, no access)
-
-
-def owner_path(lock_path: Path) -> Path:
-    """The owner record a flock holder keeps beside ``lock_path``."""
-    return Path(lock_path).with_suffix(".owner")
-
-
-def lease_path(lock_path: Path) -> Path:
-    """The lease (which is also its holder's record) of ``lock_path``."""
-    return Path(lock_path).with_suffix(".lease")
 
 
 def new_record(*, rank: int, token: str, url: str, **extra: Any) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from .dirs import NOT_YET_ERRNOS
 from .errors import CacheDirError, LockFileError, LockTimeout
 from .fsinfo import mount_for
 from .identity import ProcessIdentity
+from .layout import lease_path, owner_path
 from .lock_flock import FlockBackend
 from .lock_lease import LeaseBackend, Renewer
 from .lock_records import (
@@ -49,9 +50,7 @@ from .lock_records import (
     describe_holder,
     encode_record,
     holder_verdict,
-    lease_path,
     new_record,
-    owner_path,
     read_raw,
 )
 from .redact import get_logger

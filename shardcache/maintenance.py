@@ -21,7 +21,6 @@ lease of a live (or unjudgeable) holder, a temp file of a living process.
 
 from __future__ import annotations
 
-import re
 import shutil
 import stat
 import time
@@ -33,7 +32,14 @@ from typing import Any
 from .cache import ShardCache
 from .eviction import list_dir, scan
 from .identity import hostname, start_ticks, start_time
-from .layout import CacheLayout, host_tag, parse_temp_name
+from .layout import (
+    LEASE_STEPS,
+    CacheLayout,
+    host_tag,
+    lease_step_of,
+    meta_temp_pid,
+    parse_temp_name,
+)
 from .lock_lease import remove_lease_if_unchanged
 from .lock_records import describe_holder, holder_verdict, read_owner, read_record
 from .pins import is_held
@@ -46,14 +52,10 @@ logger = get_logger(__name__)
 OTHER_HOST_AGE = 24 * 3600.0  # a file of another host untouched this long is abandoned
 META_TMP_AGE = 3600.0  # a metadata write takes milliseconds: an hour-old temp is abandoned
 _CLOCK_SLACK = 2.0  # seconds: process start times from /proc are coarse
-_LEFTOVER_SUFFIXES = (".claim", ".broken", ".released")
-_META_TMP_RE = re.compile(r"^\.(?P<meta>.+\.json)\.(?P<pid>[0-9]+)\.(?P<ns>[0-9]+)\.tmp$")
 
 KIND_LABELS = {
     "lease": "stale lease",
-    "claim": "lease leftover",
-    "broken": "lease leftover",
-    "released": "lease leftover",
+    **dict.fromkeys(LEASE_STEPS, "lease leftover"),
     "part": "orphan download",
     "meta": "orphan metadata",
     "meta-tmp": "orphan metadata temp",
@@ -265,7 +267,7 @@ def _scan_locks(layout: CacheLayout, report: StatusReport) -> None:
             record = read_record(layout.fs, path)[1]
             verdict, why = holder_verdict(record)
             report.locks_held.append(HeldLock(path, "lease", record, verdict, why))
-        elif name.endswith(_LEFTOVER_SUFFIXES):
+        elif lease_step_of(name) is not None:
             stale = _judge_lock_leftover(layout.fs, path)
             if stale is not None:
                 report.stale_locks.append(stale)
@@ -311,7 +313,7 @@ def clean(cache: ShardCache) -> CleanReport:
 def _rejudge(layout: CacheLayout, item: Leftover) -> Leftover | None:
     if item.kind == "lease":
         return _judge_lease(layout.fs, item.path)
-    if item.kind in ("claim", "broken", "released"):
+    if item.kind in LEASE_STEPS:
         return _judge_lock_leftover(layout.fs, item.path)
     if item.kind == "part":
         return _judge_temp(layout.fs, item.path)
@@ -344,7 +346,8 @@ def _judge_lock_leftover(fs: SafeFS, path: Path) -> Leftover | None:
     raw, record = read_record(fs, path)
     if raw is None:
         return None
-    kind = path.suffix.lstrip(".")
+    kind = lease_step_of(path.name)
+    assert kind is not None, path
     if record is None:
         age = _age(fs, path)
         if age > OTHER_HOST_AGE:
@@ -389,11 +392,11 @@ def _judge_temp(fs: SafeFS, path: Path) -> Leftover | None:
 
 def _judge_meta_file(layout: CacheLayout, path: Path) -> Leftover | None:
     fs = layout.fs
-    match = _META_TMP_RE.match(path.name)
-    if match is not None:
+    writer = meta_temp_pid(path.name)
+    if writer is not None:
         age = _age(fs, path)
         if age > META_TMP_AGE:
-            reason = f"unfinished metadata write of pid {match['pid']}, {age / 60:.0f} min old"
+            reason = f"unfinished metadata write of pid {writer}, {age / 60:.0f} min old"
             return Leftover(path, "meta-tmp", _size(fs, path), reason)
         return None
     if not path.name.endswith(".json") or path.name.startswith("."):

@@ -17,11 +17,18 @@ import pytest
 from shardcache.dirs import dir_error, ensure_dir
 from shardcache.errors import CacheDirError, ConfigError
 from shardcache.layout import (
+    LEASE_STEPS,
     CacheLayout,
     TempName,
     cache_key,
     host_tag,
     is_temp_name,
+    lease_path,
+    lease_step_of,
+    lease_step_path,
+    meta_temp_path,
+    meta_temp_pid,
+    owner_path,
     parse_temp_name,
     scope_dir,
 )
@@ -207,6 +214,23 @@ def test_temp_name_round_trip(tmp_path: Path) -> None:
 def test_not_temp_names(name: str) -> None:
     assert parse_temp_name(name) is None
     assert not is_temp_name(name)
+
+
+def test_side_file_names_round_trip(tmp_path: Path) -> None:
+    """Every name a writer makes is recognised by ``clean`` (one module names and parses)."""
+    layout = CacheLayout(tmp_path / "scope")
+    shard = layout.identify("s3://b/train-000001.tar", "s3", "")
+    temp = meta_temp_path(shard.meta_path)
+    assert temp.parent == shard.meta_path.parent
+    assert meta_temp_pid(temp.name) == os.getpid()
+    assert meta_temp_pid(shard.meta_path.name) is None
+    assert owner_path(shard.lock_path).name.endswith(".owner")
+    lease = lease_path(shard.lock_path)
+    for step in LEASE_STEPS:
+        aside = lease_step_path(lease, "tok", step)
+        assert aside.parent == lease.parent and lease_step_of(aside.name) == step
+    for name in (lease.name, shard.lock_path.name, "claim", temp.name):
+        assert lease_step_of(name) is None, name
 
 
 def test_host_tag_is_filename_safe() -> None:
