@@ -34,12 +34,12 @@ from .eviction import (
     remove,
     scan,
     touch,
-    write_meta,
 )
 from .freshness import Freshness
 from .fsinfo import mount_for
 from .layout import CacheLayout, ShardId, namespace
 from .locks import LockPolicy, ShardLock
+from .metadata import write_meta
 from .pins import open_pinned, pin, reopen_pinned
 from .prefetch import Prefetcher
 from .redact import get_logger, redact_url

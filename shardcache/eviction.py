@@ -16,20 +16,19 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import os
 import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .dirs import dir_error
 from .errors import CacheDirError, LockTimeout
-from .layout import CacheLayout, is_temp_name, meta_temp_path
+from .layout import CacheLayout, is_temp_name
 from .lock_flock import try_flock
 from .locks import lock_file_error
+from .metadata import read_meta
 from .redact import get_logger
 from .safefs import SafeFS
 
@@ -68,35 +67,6 @@ def touch(layout: CacheLayout, path: Path, mtime: float) -> None:
     if time.time() - mtime > TOUCH_INTERVAL:
         with contextlib.suppress(OSError), layout.fs.directory(path.parent) as dir_fd:
             os.utime(path.name, dir_fd=dir_fd, follow_symlinks=False)
-
-
-def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None:
-    """Write ``final``'s metadata record atomically (before ``final`` is published)."""
-    meta = layout.meta_path(final)
-    data = json.dumps(record, sort_keys=True)
-    for attempt in range(1, 4):
-        layout.make_dir(meta.parent)
-        tmp = meta_temp_path(meta)
-        try:
-            fd = layout.fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as out:
-                layout.trust.adopt_file(fd, layout.trust.file_mode)
-                out.write(data)
-            layout.fs.replace(tmp, meta)
-            return
-        except FileNotFoundError:  # its directory was removed meanwhile: make it again
-            with contextlib.suppress(OSError):
-                layout.fs.unlink(tmp)
-            if attempt == 3:
-                raise
-
-
-def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
-    try:
-        record = json.loads(layout.fs.read_small(layout.meta_path(final)))
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
 
 
 def list_dir(

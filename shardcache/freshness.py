@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FetchError
-from .eviction import read_meta, write_meta
 from .layout import CacheLayout, ShardId
+from .metadata import read_meta, write_meta
 from .redact import get_logger
 from .remote import ObjectInfo, Remote
 from .urls import LOCAL_PROTOCOLS, local_path

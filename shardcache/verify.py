@@ -18,8 +18,9 @@ from typing import Any
 
 from .cache import ShardCache
 from .errors import ShardCacheError
-from .eviction import read_meta, scan
+from .eviction import scan
 from .maintenance import unreadable_json, unreadable_lines
+from .metadata import read_meta
 from .redact import get_logger
 from .safefs import SafeFS
 from .urls import is_pipe_url, read_manifest

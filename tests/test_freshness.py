@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shardcache import ConfigError, RemoteNotFoundError, ShardCache
-from shardcache.eviction import read_meta, write_meta
 from shardcache.locks import ShardLock
+from shardcache.metadata import read_meta, write_meta
 
 pytestmark = pytest.mark.timeout(120)
 BUCKET = "fresh"

@@ -1,0 +1,49 @@
+"""The metadata record of a published shard (``.meta/<hh>/<name>.json``).
+
+Written atomically (a temp file renamed into place) before the shard itself is published,
+so a published shard's record describes it or a newer copy (``data_ino`` tells which);
+read without following links, a missing or damaged record reads as empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .layout import CacheLayout, meta_temp_path
+
+
+def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None:
+    """Write ``final``'s metadata record atomically (before ``final`` is published)."""
+    meta = layout.meta_path(final)
+    data = json.dumps(record, sort_keys=True)
+    for attempt in range(1, 4):
+        layout.make_dir(meta.parent)
+        tmp = meta_temp_path(meta)
+        try:
+            fd = layout.fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                layout.trust.adopt_file(fd, layout.trust.file_mode)
+                out.write(data)
+            layout.fs.replace(tmp, meta)
+            return
+        except FileNotFoundError:  # its directory was removed meanwhile: make it again
+            with contextlib.suppress(OSError):
+                layout.fs.unlink(tmp)
+            if attempt == 3:
+                raise
+
+
+def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
+    """``final``'s metadata record; {} when it is missing, unreadable or not a JSON object."""
+    try:
+        record = json.loads(layout.fs.read_small(layout.meta_path(final)))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+__all__ = ["read_meta", "write_meta"]
