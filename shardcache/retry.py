@@ -1,4 +1,12 @@
-"""One retry policy object and the transient/permanent classification of remote errors."""
+"""One immutable retry policy that runs every retry loop, the transient/permanent
+classification of remote errors, and the error raised when a fetch gives up.
+
+Every loop that tries a remote operation again (a stat, a streamed GET, a part of a
+parallel download, a ``pipe:`` command, a whole download that failed verification) is one
+call of :meth:`RetryPolicy.run`, in the manner of urllib3's ``Retry``: the policy is a
+frozen value, the call site says what may be retried, what to do before the next attempt
+and which error ends it; the runner alone counts attempts and waits.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,26 @@ import errno
 import random
 import socket
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from aiohttp import ClientError as AiohttpClientError
 from aiohttp import ClientResponseError as AiohttpResponseError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.exceptions import HTTPClientError, IncompleteReadError, ReadTimeoutError
+
+from .errors import (
+    FetchError,
+    PermanentFetchError,
+    RemoteIsADirectoryError,
+    RemoteNotFoundError,
+    RemotePermissionError,
+    TransientFetchError,
+)
+
+T = TypeVar("T")
 
 MAX_BACKOFF = 30.0
 
@@ -71,6 +93,38 @@ class RetryPolicy:
     def allows(self, attempt: int) -> bool:
         """May attempt number ``attempt + 1`` be made?"""
         return attempt <= self.retries
+
+    def run(
+        self,
+        attempt: Callable[[int], T],
+        *,
+        retry_if: Callable[[Exception], bool],
+        give_up: Callable[[Exception, int], BaseException],
+        on_retry: Callable[[Exception, int], object],
+        wait: Callable[[float], object] = time.sleep,
+    ) -> T:
+        """Call ``attempt(1)``, ``attempt(2)``, ... until one returns; return its result.
+
+        A failure (an ``Exception``: a ``BaseException`` such as a cancellation passes at
+        once) is tried again when ``retry_if(exc)`` and the policy allows another attempt:
+        then ``on_retry(exc, n)`` runs (it logs, and resets what the next attempt starts
+        from) and ``wait(delay(n))`` (a ``wait`` may raise to stop early). Otherwise
+        ``give_up(exc, n)`` names the error that ends the run: the failure itself is
+        re-raised unchanged, any other error is raised from it.
+        """
+        n = 0
+        while True:
+            n += 1
+            try:
+                return attempt(n)
+            except Exception as exc:
+                if not (retry_if(exc) and self.allows(n)):
+                    error = give_up(exc, n)
+                    if error is exc:
+                        raise
+                    raise error from exc
+                on_retry(exc, n)
+            wait(self.delay(n))
 
 
 class TruncatedBody(ConnectionError):
@@ -178,3 +232,65 @@ def describe(exc: BaseException) -> str:
         message = getattr(item, "response", {}).get("Error", {}).get("Message", "")
         return f"HTTP {status} {code}: {message}".strip().rstrip(":")
     return f"{type(item).__name__}: {item}"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether trying again may help (:func:`classify` says TRANSIENT)."""
+    return classify(exc) == TRANSIENT
+
+
+def fetch_error(url: str, attempts: int, exc: BaseException, what: str = "download") -> FetchError:
+    """The :class:`FetchError` to raise for ``exc`` after ``attempts`` attempts to ``what``
+    ``url``: its class and advice follow the kind of the error (:func:`classify`)."""
+    kind, cause = classify(exc), describe(exc)
+    if kind == NOT_FOUND:
+        return RemoteNotFoundError(
+            f"{url} does not exist ({cause}); failed at once, without retries. Check the "
+            "bucket and key (and the endpoint: AWS_ENDPOINT_URL / storage_options).",
+            url=url,
+            attempts=attempts,
+            cause=cause,
+        )
+    if kind == TRANSIENT:
+        return TransientFetchError(
+            f"could not {what} {url}: {attempts} attempts failed with transient errors; "
+            f"last: {cause}. The store is overloaded or unreachable: retry later, or raise "
+            "SHARDCACHE_RETRIES / SHARDCACHE_IO_TIMEOUT.",
+            url=url,
+            attempts=attempts,
+            cause=cause,
+        )
+    if kind == DENIED:
+        return RemotePermissionError(
+            f"could not {what} {url}: permission denied ({cause}); failed at once, without "
+            "retries. Check the credentials (AWS_* / storage_options), the bucket policy "
+            "or the file's permissions for this user.",
+            url=url,
+            attempts=attempts,
+            cause=cause,
+        )
+    if kind == IS_A_DIRECTORY:
+        return RemoteIsADirectoryError(
+            f"{url} is a directory, expected a shard file; failed at once. List the shards "
+            "(or use a brace pattern) instead.",
+            url=url,
+            attempts=attempts,
+            cause=cause,
+        )
+    if kind == UNTRUSTED:
+        return PermanentFetchError(
+            f"could not {what} {url}: the server's TLS certificate was rejected ({cause}); "
+            "failed at once, without retries: the same certificate comes back on every "
+            "attempt. Check the host name in the URL, or make the certificate trusted "
+            "(SSL_CERT_FILE for https://, AWS_CA_BUNDLE for s3://).",
+            url=url,
+            attempts=attempts,
+            cause=cause,
+        )
+    return PermanentFetchError(
+        f"could not {what} {url}: {cause}; not retried because retrying cannot fix it. "
+        "Check credentials, permissions and the URL.",
+        url=url,
+        attempts=attempts,
+        cause=cause,
+    )

@@ -260,13 +260,13 @@ def test_corruption_in_transit_is_detected_and_never_published(
 ) -> None:
     url = next(iter(shards))
     cache = _cache(tmp_path, retries=1)
-    real_stream = cache.remote._stream
+    real_stream = cache.remote.stream.chunks
 
     def flip_a_byte(info, offset):
         for chunk in real_stream(info, offset):
             yield bytes([chunk[0] ^ 0xFF]) + chunk[1:]
 
-    monkeypatch.setattr(cache.remote, "_stream", flip_a_byte)
+    monkeypatch.setattr(cache.remote.stream, "chunks", flip_a_byte)
     with pytest.raises(IntegrityError) as info:
         cache.fetch(url)
     assert "MD5" in str(info.value) and url in str(info.value)

@@ -30,7 +30,15 @@ from typing import Any
 import s3fs  # noqa: F401  (imported once by the fork server, with aiobotocore)
 from fsspec.asyn import sync
 
-from shardcache import ShardCache, cache, locks, remote, safefs
+from shardcache import (
+    ShardCache,
+    cache,
+    download,
+    download_parallel,
+    download_stream,
+    locks,
+    safefs,
+)
 
 INSTANTS = (
     "locked",  # lock held, nothing downloaded yet (not even the HEAD)
@@ -113,16 +121,17 @@ def _instrument(instant: str, url: str, final: str, stop_at: int) -> None:
             return wrapper
 
         # The byte streams of both download paths: one GET (or a local file) and a part.
-        remote.Remote._stream = counting(remote.Remote._stream)  # type: ignore[method-assign]
-        remote.Remote._range_s3 = counting(remote.Remote._range_s3)  # type: ignore[method-assign]
+        stream, parallel = download_stream.StreamDownload, download_parallel.ParallelDownload
+        stream.chunks = counting(stream.chunks)  # type: ignore[method-assign]
+        parallel._range = counting(parallel._range)  # type: ignore[method-assign]
     elif instant == "verify":
-        real_verify = remote.Remote._verify
+        real_verify = download.Strategy.verify
 
         def verify(self: Any, *args: Any, **kw: Any) -> None:
             _stop(instant)
             real_verify(self, *args, **kw)
 
-        remote.Remote._verify = verify  # type: ignore[method-assign]
+        download.Strategy.verify = verify  # type: ignore[method-assign]
     elif instant == "meta":
         real_write_meta = cache.write_meta
 

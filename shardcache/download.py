@@ -1,0 +1,184 @@
+"""What every download strategy shares: the object's description, the options, the
+:class:`Strategy` interface and its common steps (verification, restarting the file).
+
+A strategy writes one object into the caller's file and verifies it, retrying under the
+options' :class:`~shardcache.retry.RetryPolicy`. :class:`~shardcache.remote.Remote` picks
+one per object: :mod:`~shardcache.download_stream` (one GET, or a sequential read),
+:mod:`~shardcache.download_parallel` (concurrent ranged GETs of a large S3 object) or
+:mod:`~shardcache.download_pipe` (a ``pipe:`` command's output).
+
+A failure to write the caller's file is never the store's fault: it is marked
+:class:`LocalWriteError` (never retried or classified) and the caller gets the ``OSError``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any, BinaryIO, Protocol
+
+from fsspec.asyn import sync
+
+from .errors import IntegrityError
+from .redact import get_logger, redact_options
+from .retry import RetryPolicy
+
+logger = get_logger(__name__)
+
+
+class Progress(Protocol):
+    """Observer of one download (the lock heartbeat, the watchdog and progress bars)."""
+
+    def __call__(self, *, phase: str, bytes_done: int, bytes_total: int | None) -> None: ...
+
+
+def no_progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What we know of a remote object before downloading it."""
+
+    url: str
+    size: int | None  # None: known only once downloaded (a pipe: command's output)
+    etag: str | None = None
+    version_id: str | None = None
+    md5: str | None = None  # hex MD5 of the content when the ETag is one (single-part, no KMS)
+    mtime_ns: int | None = None  # a local source's modification time (its version)
+
+
+@dataclass(frozen=True, repr=False)
+class RemoteOptions:
+    """How to reach remote stores and how hard to try (``repr``: credentials redacted)."""
+
+    storage_options: dict[str, Any] = field(repr=False)  # may hold credentials
+    retry: RetryPolicy
+    io_timeout: float = 60.0
+    chunk_size: int = 8 << 20
+    verify: str = "etag"
+    parallel_threshold: int = 64 << 20
+    """S3 objects at least this big are fetched with parallel ranged GETs."""
+    part_size: int = 16 << 20
+    max_parts_in_flight: int = 8
+    """Concurrent ranged GETs per download; 1 disables the parallel path."""
+
+    def __repr__(self) -> str:
+        rest = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"RemoteOptions(storage_options={redact_options(self.storage_options)!r}, {rest})"
+
+
+class Source(Protocol):
+    """What a strategy needs of the remote: its options, file systems and fresh metadata."""
+
+    options: RemoteOptions
+
+    def filesystem(self, url: str) -> tuple[Any, str]: ...
+
+    def info(self, url: str) -> ObjectInfo: ...
+
+
+class LocalWriteError(Exception):
+    """Local file I/O failed (the ``OSError`` is ``__cause__``): not a remote error, never
+    retried or classified; :meth:`Remote.download` re-raises the ``OSError`` itself."""
+
+
+@contextlib.contextmanager
+def local_io() -> Iterator[None]:
+    """Mark writes to the caller's file: a full disk (ENOSPC, EDQUOT), a read-only or
+    failing file system (EROFS, EIO) is the cache's problem, not the store's."""
+    try:
+        yield
+    except OSError as exc:
+        raise LocalWriteError(str(exc)) from exc
+
+
+def restart(out: BinaryIO) -> None:
+    """Empty the caller's file for a download from byte 0."""
+    with local_io():
+        out.seek(0)
+        out.truncate()
+
+
+def verification_failed(exc: BaseException) -> bool:
+    """Whether a failed attempt calls for :meth:`Strategy.start_over` (the bytes were
+    corrupted in transit, or the object changed underneath)."""
+    return isinstance(exc, IntegrityError)
+
+
+class Strategy(abc.ABC):
+    """One way to download an object into the caller's file and verify it."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.options = source.options
+
+    @staticmethod
+    def phase(attempt: int, first: str = "downloading") -> str:
+        """The progress phase of attempt number ``attempt``: ``first``, then "retry N"."""
+        return first if attempt == 1 else f"retry {attempt - 1}"
+
+    def start_over(self, url: str, out: BinaryIO) -> ObjectInfo:
+        """After a failed verification: fresh metadata (a replaced object has a new size
+        and ETag) and an empty file, for a download from byte 0."""
+        logger.warning("%s failed verification; downloading it again", url)
+        info = self.source.info(url)
+        restart(out)
+        return info
+
+    @abc.abstractmethod
+    def download(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
+        """Write ``info.url`` into ``out`` (positioned at 0, left at the end) and verify it;
+        returns the info the bytes were verified against. Raises a
+        :class:`~shardcache.errors.FetchError` subclass or :class:`IntegrityError`, or
+        :class:`LocalWriteError` for a failed write of ``out``."""
+
+    def verify(self, info: ObjectInfo, size: int, md5_hex: str, attempt: int) -> None:
+        """Raise :class:`IntegrityError` unless ``size`` (and, with ``verify=etag`` and an
+        MD5 ETag, ``md5_hex``) match the object's."""
+        if size != info.size:
+            raise IntegrityError(
+                f"{info.url}: downloaded {size} bytes, expected {info.size} on attempt "
+                f"{attempt} (the object changed during the download, or the store misreports "
+                "its size); nothing was published. Check the object, then fetch again.",
+                url=info.url,
+                attempts=attempt,
+                expected=info.size,
+                seen=size,
+            )
+        if self.options.verify == "etag" and info.md5 and md5_hex != info.md5:
+            raise IntegrityError(
+                f"{info.url}: MD5 of the downloaded bytes is {md5_hex}, expected {info.md5} "
+                f"(the ETag) on attempt {attempt}. The bytes were corrupted in transit or the "
+                "object changed; nothing was published. Check the network path (proxies) and "
+                "the object; set SHARDCACHE_VERIFY=size if this store's ETags are not MD5s.",
+                url=info.url,
+                attempts=attempt,
+                expected=info.md5,
+                seen=md5_hex,
+            )
+
+
+def s3_body(
+    fs: Any, path: str, info: ObjectInfo, piece: int, *, start: int = 0, end: int | None = None
+) -> Iterator[bytes]:
+    """One GET of bytes ``[start, end)`` of an S3 object (the whole object when neither is
+    given), in pieces of at most ``piece`` bytes. A ranged GET carries ``If-Match`` on the
+    ETag, so a changed object is never stitched together (HTTP 412 instead)."""
+    bucket, key, version = fs.split_path(path)
+    kw: dict[str, Any] = {}
+    if version or info.version_id:
+        kw["VersionId"] = version or info.version_id
+    if start or end is not None:
+        kw["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        if info.etag:
+            kw["IfMatch"] = f'"{info.etag}"'
+    response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
+    body = response["Body"]
+    try:
+        while data := sync(fs.loop, body.read, piece):
+            yield data
+    finally:
+        body.close()

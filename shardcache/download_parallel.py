@@ -1,0 +1,240 @@
+"""The parallel ranged download of a large S3 object.
+
+Up to ``max_parts_in_flight`` concurrent ranged GETs of ``part_size`` bytes, each written
+at its offset into the same temp file (``os.pwrite``), each retried on its own, all
+guarded by ``If-Match`` on the ETag (a change shows as HTTP 412: :class:`IntegrityError`).
+Memory stays bounded by parts in flight x a 1 MiB read piece. The size is checked per
+part; the MD5 (single-part ETags) is computed afterwards from the file, which is then
+still in the page cache. A failed verification downloads the object again with fresh
+metadata, as a single stream if it is no longer large.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from .download import (
+    LocalWriteError,
+    ObjectInfo,
+    Progress,
+    Source,
+    Strategy,
+    local_io,
+    s3_body,
+    verification_failed,
+)
+from .errors import IntegrityError
+from .redact import get_logger
+from .retry import TruncatedBody, _http_status_and_code, describe, fetch_error, is_transient
+from .urls import url_protocol
+
+logger = get_logger(__name__)
+
+_PART_PIECE = 1 << 20  # bytes read from a part's body at a time (bounds memory per part)
+_PROGRESS_EVERY = 0.1  # seconds between progress reports of a parallel download
+
+
+class _PartsCancelled(Exception):
+    """A sibling part failed (or the caller stopped): stop this part quietly."""
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
+
+
+class ParallelDownload(Strategy):
+    """Large S3 objects, in parts fetched concurrently; ``fallback`` takes an object that
+    turned out small on a second look."""
+
+    def __init__(self, source: Source, fallback: Strategy) -> None:
+        super().__init__(source)
+        self.fallback = fallback
+
+    def suits(self, info: ObjectInfo, out: BinaryIO) -> bool:
+        """Whether ``info`` is an S3 object large enough and ``out`` a real file."""
+        opts = self.options
+        if url_protocol(info.url) not in {"s3", "s3a"} or opts.max_parts_in_flight < 2:
+            return False
+        if info.size is None or info.size < max(opts.parallel_threshold, 2 * opts.part_size):
+            return False
+        try:
+            out.fileno()
+        except (AttributeError, OSError, ValueError):
+            return False
+        return True
+
+    def download(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
+        def attempt(n: int) -> ObjectInfo | None:
+            if n > 1 and not self.suits(info, out):
+                return None  # fresh metadata says the object is no longer large
+            self._fetch_parts(info, out, progress, n)
+            if self.options.verify == "etag" and info.md5:
+                progress(phase="verifying", bytes_done=info.size, bytes_total=info.size)
+                self.verify(info, info.size, self._hash_file(out, info.size), n)
+            out.seek(info.size)
+            return info
+
+        def on_retry(exc: Exception, n: int) -> None:
+            nonlocal info
+            info = self.start_over(info.url, out)
+
+        done = self.options.retry.run(
+            attempt, retry_if=verification_failed, give_up=lambda exc, n: exc, on_retry=on_retry
+        )
+        return self.fallback.download(info, out, progress) if done is None else done
+
+    def _fetch_parts(
+        self, info: ObjectInfo, out: BinaryIO, progress: Progress, attempt: int
+    ) -> None:
+        size = info.size or 0
+        with local_io():
+            out.flush()
+            fd = out.fileno()
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # parts land at their offsets in any order
+        part = self.options.part_size
+        ranges = [(start, min(start + part, size)) for start in range(0, size, part)]
+        done = _Counter()
+        cancel = threading.Event()
+        progress(phase=self.phase(attempt), bytes_done=0, bytes_total=size)
+        pool = cf.ThreadPoolExecutor(
+            max_workers=min(len(ranges), self.options.max_parts_in_flight),
+            thread_name_prefix="shardcache-part",
+        )
+        try:
+            futures = [
+                pool.submit(self._fetch_part, info, fd, span, done, cancel) for span in ranges
+            ]
+            pending = set(futures)
+            reported = -1
+            while pending:
+                finished, pending = cf.wait(
+                    pending, timeout=_PROGRESS_EVERY, return_when=cf.FIRST_EXCEPTION
+                )
+                for future in finished:
+                    future.result()  # re-raises the part's error here
+                if done.value != reported:
+                    reported = done.value
+                    progress(phase="downloading", bytes_done=reported, bytes_total=size)
+        finally:
+            cancel.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+        if done.value != size:  # every part checks its own length; belt and braces
+            raise IntegrityError(
+                f"{info.url}: parallel download wrote {done.value} bytes, expected {size}",
+                url=info.url,
+                attempts=attempt,
+                expected=size,
+                seen=done.value,
+            )
+
+    def _fetch_part(
+        self,
+        info: ObjectInfo,
+        fd: int,
+        span: tuple[int, int],
+        done: _Counter,
+        cancel: threading.Event,
+    ) -> None:
+        """Write bytes ``[start, end)`` of the object at their offset; resumes and retries."""
+        pos, end = span
+
+        def attempt(n: int) -> None:
+            nonlocal pos
+            if cancel.is_set():
+                raise _PartsCancelled
+            for chunk in self._range(info, pos, end):
+                if cancel.is_set():
+                    raise _PartsCancelled
+                if len(chunk) > end - pos:
+                    raise IntegrityError(
+                        f"{info.url}: the store sent more than the requested range "
+                        f"bytes={pos}-{end - 1}; nothing was published.",
+                        url=info.url,
+                        attempts=n,
+                        expected=end - pos,
+                        seen=len(chunk),
+                    )
+                view = memoryview(chunk)
+                while view:
+                    with local_io():
+                        written = os.pwrite(fd, view, pos)
+                    view = view[written:]
+                    pos += written
+                    done.add(written)
+            if pos < end:
+                raise TruncatedBody(f"part body ended at byte {pos}, expected {end}")
+
+        def give_up(exc: Exception, n: int) -> BaseException:
+            if isinstance(exc, _NOT_REMOTE):
+                return exc
+            if _precondition_failed(exc):
+                return IntegrityError(
+                    f"{info.url} changed during the download (If-Match on ETag {info.etag} "
+                    "failed); nothing was published.",
+                    url=info.url,
+                    attempts=n,
+                    expected=info.etag,
+                    seen="another version",
+                )
+            return fetch_error(info.url, n, exc)
+
+        def wait(seconds: float) -> None:
+            if cancel.wait(seconds):
+                raise _PartsCancelled
+
+        self.options.retry.run(
+            attempt,
+            retry_if=lambda exc: (
+                not isinstance(exc, _NOT_REMOTE)
+                and not _precondition_failed(exc)
+                and is_transient(exc)
+            ),
+            give_up=give_up,
+            on_retry=lambda exc, n: logger.info(
+                "retrying a part of %s after %s (attempt %d)", info.url, describe(exc), n
+            ),
+            wait=wait,
+        )
+
+    def _range(self, info: ObjectInfo, start: int, end: int) -> Iterator[bytes]:
+        """One ranged GET of bytes ``[start, end)``."""
+        fs, path = self.source.filesystem(info.url)
+        piece = min(self.options.chunk_size, _PART_PIECE)
+        return s3_body(fs, path, info, piece, start=start, end=end)
+
+    def _hash_file(self, out: BinaryIO, size: int) -> str:
+        md5 = hashlib.md5(usedforsecurity=False)
+        fd = out.fileno()
+        pos = 0
+        while pos < size:
+            with local_io():
+                data = os.pread(fd, min(self.options.chunk_size, size - pos), pos)
+            if not data:
+                break
+            md5.update(data)
+            pos += len(data)
+        return md5.hexdigest()
+
+
+# Failures that are not the store's answer for this part: passed on as they are.
+_NOT_REMOTE = (_PartsCancelled, LocalWriteError, IntegrityError)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """HTTP 412: the If-Match on the ETag failed, so the object changed."""
+    return any(
+        item is not None and _http_status_and_code(item)[0] == 412
+        for item in (exc, exc.__cause__, exc.__context__)
+    )
