@@ -367,7 +367,7 @@ def _per_call(fn: Callable[[], Any], calls: int) -> float:
 def b4_overhead(b: Bench) -> dict[str, Any]:
     import filelock
 
-    from shardcache.locks import ShardLock
+    from shardcache._locks import ShardLock
 
     urls = b.upload("b4", 1, 64_000)
     cache = _cache(b.fresh_dir("b4"), b.direct)

@@ -11,9 +11,9 @@ torchrun).
 ...     path = cache.fetch(url)
 """
 
-from .cache import CacheStats, ShardCache
-from .config import Settings
-from .errors import (
+from ._cache import CacheStats, ShardCache
+from ._config import Settings
+from ._errors import (
     CacheDirError,
     CacheError,
     CacheFullError,
@@ -33,8 +33,9 @@ from .errors import (
     UrlError,
     WaitTimeout,
 )
-from .prefetch import PrefetchedShard, Prefetcher
-from .urls import expand_urls
+from ._prefetch import PrefetchedShard, Prefetcher
+from ._redact import RedactingFilter
+from ._urls import expand_urls
 
 __version__ = "0.1.0"
 
@@ -45,7 +46,7 @@ _WDS_NAMES = ("split_by_node", "stage", "tarfile_samples", "tarfile_to_samples")
 
 def __getattr__(name: str) -> object:
     if name in _WDS_NAMES:
-        from . import wds
+        from . import _wds as wds
 
         return getattr(wds, name)
     raise AttributeError(f"module 'shardcache' has no attribute {name!r}")
@@ -65,6 +66,7 @@ __all__ = [
     "PipeCommandError",
     "PrefetchedShard",
     "Prefetcher",
+    "RedactingFilter",
     "RemoteIsADirectoryError",
     "RemoteNotFoundError",
     "RemotePermissionError",
@@ -81,3 +83,11 @@ __all__ = [
     "tarfile_samples",
     "tarfile_to_samples",
 ]
+
+# Public classes are documented as ``shardcache.X``: so they appear in tracebacks and reprs,
+# and pickle by that name, whichever private module defines them.
+for _name in __all__:
+    _public = globals().get(_name)
+    if isinstance(_public, type):
+        _public.__module__ = __name__
+del _name, _public

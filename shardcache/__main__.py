@@ -1,5 +1,5 @@
 """``python -m shardcache`` is the ``shardcache`` command."""
 
-from .cli import main
+from ._cli import main
 
 raise SystemExit(main())

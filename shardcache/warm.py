@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from .cache import CacheStats, ShardCache
-from .redact import get_logger, redact_text
-from .units import format_bytes
+from ._cache import CacheStats, ShardCache
+from ._redact import get_logger, redact_text
+from ._units import format_bytes
 
 logger = get_logger(__name__)
 

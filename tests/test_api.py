@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 
 import shardcache
-from shardcache import errors
+from shardcache import _errors as errors
 
 
 def test_public_names() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from shardcache import CacheFullError, RemoteNotFoundError, ShardCache
-from shardcache.demo import run_demo
-from shardcache.fsinfo import mount_for, parse_mountinfo
+from shardcache._demo import run_demo
+from shardcache._fsinfo import mount_for, parse_mountinfo
 
 MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
@@ -53,7 +53,7 @@ def test_auto_lock_mode_follows_the_file_system(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     network = parse_mountinfo(MOUNTINFO)[2]
-    monkeypatch.setattr("shardcache.cache.mount_for", lambda path: network)
+    monkeypatch.setattr("shardcache._cache.mount_for", lambda path: network)
     cache = ShardCache(tmp_path / "cache")
     assert cache._lock_policy().mode == "lease"
     assert "network file system" in caplog.text
@@ -66,7 +66,7 @@ def test_not_enough_space_is_reported_before_downloading(
 ) -> None:
     src, _ = _source(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("shardcache.cache.shutil.disk_usage", lambda p: usage(10**6, 10**6, 10))
+    monkeypatch.setattr("shardcache._cache.shutil.disk_usage", lambda p: usage(10**6, 10**6, 10))
     cache = ShardCache(tmp_path / "cache")
     with pytest.raises(CacheFullError) as info:
         cache.fetch(src)

@@ -22,10 +22,10 @@ from shardcache import (
     RemoteNotFoundError,
     ShardCache,
     TransientFetchError,
-    layout,
 )
-from shardcache.layout import is_temp_name
-from shardcache.remote import Remote
+from shardcache import _layout as layout
+from shardcache._layout import is_temp_name
+from shardcache._remote import Remote
 
 BUCKET = "shards"
 CTX = mp.get_context("spawn")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardcache import ShardCache
-from shardcache.cli import main
+from shardcache._cli import main
 from shardcache.warm import WarmPlan, plan_warm
 
 BUCKET = "warm"
@@ -122,7 +122,7 @@ def _plan(**kw: object) -> WarmPlan:
 
 
 def test_split_rank_scope_gives_each_rank_what_split_by_node_gives_it() -> None:
-    from shardcache.wds import split_by_node
+    from shardcache._wds import split_by_node
 
     shares = []
     for rank in range(4):

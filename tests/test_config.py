@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardcache.config import (
+from shardcache._config import (
     PREFETCH_OPTIONS,
     SPECS,
     Settings,
@@ -18,7 +18,7 @@ from shardcache.config import (
     parse_size,
     prefetch_overrides,
 )
-from shardcache.errors import ConfigError
+from shardcache._errors import ConfigError
 
 
 @pytest.mark.parametrize(

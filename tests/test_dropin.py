@@ -15,9 +15,9 @@ import webdataset as wds
 
 import shardcache
 from shardcache import ConfigError, ShardCache, UrlError
-from shardcache.config import PREFETCH_OPTIONS
-from shardcache.demo import make_shard
-from shardcache.prefetch import Prefetcher
+from shardcache._config import PREFETCH_OPTIONS
+from shardcache._demo import make_shard
+from shardcache._prefetch import Prefetcher
 
 pytestmark = pytest.mark.timeout(120)
 PER_SHARD = 5

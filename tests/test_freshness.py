@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shardcache import ConfigError, RemoteNotFoundError, ShardCache
-from shardcache.locks import ShardLock
-from shardcache.metadata import read_meta, write_meta
+from shardcache._locks import ShardLock
+from shardcache._metadata import read_meta, write_meta
 
 pytestmark = pytest.mark.timeout(120)
 BUCKET = "fresh"

@@ -15,9 +15,9 @@ import pytest
 from mounts import fill, needs_root, read_only, tmpfs
 
 from shardcache import ShardCache
-from shardcache.config import Settings
-from shardcache.errors import ConfigError, LockFileError, LockTimeout
-from shardcache.locks import LockPolicy, ShardLock
+from shardcache._config import Settings
+from shardcache._errors import ConfigError, LockFileError, LockTimeout
+from shardcache._locks import LockPolicy, ShardLock
 
 CTX = mp.get_context("spawn")
 PATIENT = {"timeout": 3600.0, "stuck_after": 3600.0, "lease_time": 3600.0}
@@ -74,7 +74,7 @@ def test_owner_record_failure_is_logged_once_and_shown_to_waiters(
         holder = ShardLock(
             fs / "x.lock", url="s3://b/k", policy=LockPolicy(mode="flock", **PATIENT)
         )
-        with caplog.at_level(logging.WARNING, logger="shardcache.locks"):
+        with caplog.at_level(logging.WARNING, logger="shardcache._locks"):
             assert holder.acquire()
             try:
                 for n in range(5):
@@ -139,7 +139,7 @@ class _Count(logging.Handler):
 
 def _wait_for_lease(lock_path: str, lease_time: float, held, out) -> None:
     counter = _Count()
-    logging.getLogger("shardcache.locks").addHandler(counter)
+    logging.getLogger("shardcache._locks").addHandler(counter)
     held.wait(60)
     lock = ShardLock(
         Path(lock_path),

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shardcache.errors import LockTimeout
-from shardcache.identity import ProcessIdentity
-from shardcache.locks import LockPolicy, ShardLock
+from shardcache._errors import LockTimeout
+from shardcache._identity import ProcessIdentity
+from shardcache._locks import LockPolicy, ShardLock
 
 MODES = ["flock", "lease"]
 CTX = mp.get_context("spawn")
@@ -271,7 +271,7 @@ def test_waiter_sees_the_holders_progress(tmp_path: Path) -> None:
 def test_a_symlinked_lock_file_is_refused_without_touching_its_target(
     tmp_path: Path, mode: str
 ) -> None:
-    from shardcache.errors import CacheError
+    from shardcache._errors import CacheError
 
     lock_path = tmp_path / "cache" / "x.lock"
     lock_path.parent.mkdir()

@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 
 from shardcache import ShardCache
-from shardcache.layout import CacheLayout
-from shardcache.lock_lease import remove_lease_if_unchanged
-from shardcache.locks import LockPolicy, ShardLock
-from shardcache.maintenance import clean, status
-from shardcache.pins import is_held
-from shardcache.safefs import SafeFS
-from shardcache.trust import Trust
-from shardcache.verify import verify
+from shardcache._layout import CacheLayout
+from shardcache._lock_lease import remove_lease_if_unchanged
+from shardcache._locks import LockPolicy, ShardLock
+from shardcache._maintenance import clean, status
+from shardcache._pins import is_held
+from shardcache._safefs import SafeFS
+from shardcache._trust import Trust
+from shardcache._verify import verify
 
 CTX = mp.get_context("spawn")
 BUCKET = "maint"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardcache import PermanentFetchError, ShardCache
-from shardcache.layout import is_temp_name
+from shardcache._layout import is_temp_name
 
 BUCKET = "shards"
 PART = 64 * 1024

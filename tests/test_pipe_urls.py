@@ -30,12 +30,12 @@ from shardcache import (
     UrlError,
     expand_urls,
 )
-from shardcache.cli import main
-from shardcache.demo import make_shard
-from shardcache.layout import is_temp_name
-from shardcache.pipes import STDERR_TAIL
-from shardcache.urls import read_manifest, url_protocol
-from shardcache.verify import verify
+from shardcache._cli import main
+from shardcache._demo import make_shard
+from shardcache._layout import is_temp_name
+from shardcache._pipes import STDERR_TAIL
+from shardcache._urls import read_manifest, url_protocol
+from shardcache._verify import verify
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardcache.retry import RetryPolicy
+from shardcache._retry import RetryPolicy
 
 
 class Flaky(Exception):

@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 from processes import CTX
 
-from shardcache import ShardCache, StallError, prefetch_diagnostics
-from shardcache.demo import make_shard
-from shardcache.prefetch import Prefetcher
+from shardcache import ShardCache, StallError
+from shardcache import _prefetch_diagnostics as prefetch_diagnostics
+from shardcache._demo import make_shard
+from shardcache._prefetch import Prefetcher
 from shardcache.testing import FaultProxy
 
 BUCKET = "stall"
@@ -95,7 +96,7 @@ def test_a_slow_but_moving_link_is_not_a_stall_and_warns_of_starvation_once(
     )
     assert cache.settings.chunk_size == 8 << 20, "the default chunk: far bigger than a shard"
     fetch = RecordingFetch(cache)
-    with caplog.at_level(logging.WARNING, logger="shardcache.prefetch"):
+    with caplog.at_level(logging.WARNING, logger="shardcache._prefetch"):
         shards = Prefetcher(fetch, urls, threads=1, depth=2, stall_timeout=stall_timeout)
         got = [(url, path.read_bytes()) for url, path in shards]  # raises StallError if stalled
     assert got == [(f"s3://{BUCKET}/{key}", data) for key, data in objects.items()]
@@ -277,7 +278,7 @@ def test_a_hung_get_in_a_dataloader_worker_reaches_training_as_a_stall_error(
     err = proc.stderr
     assert "epoch finished" not in proc.stdout
     # The training process got a StallError (torch rebuilt it from the worker's message).
-    assert "\nshardcache.errors.StallError: Caught StallError in DataLoader worker" in err, err
+    assert "\nshardcache.StallError: Caught StallError in DataLoader worker" in err, err
     assert f"prefetch stalled: {hung} made no progress" in err
     assert "DataLoader worker 0 of 2" in err and "rank 1/2" in err and "from torchrun" in err
     assert "phase 'downloading'" in err and "bytes: 0 done of" in err

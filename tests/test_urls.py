@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from shardcache import expand_urls
-from shardcache.errors import UrlError
-from shardcache.urls import MAX_EXPANSION, read_manifest, url_protocol
+from shardcache._errors import UrlError
+from shardcache._urls import MAX_EXPANSION, read_manifest, url_protocol
 
 # --------------------------------------------------------------------------- expansion
 

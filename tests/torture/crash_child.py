@@ -30,15 +30,13 @@ from typing import Any
 import s3fs  # noqa: F401  (imported once by the fork server, with aiobotocore)
 from fsspec.asyn import sync
 
-from shardcache import (
-    ShardCache,
-    cache,
-    download,
-    download_parallel,
-    download_stream,
-    locks,
-    safefs,
-)
+from shardcache import ShardCache
+from shardcache import _cache as cache
+from shardcache import _download as download
+from shardcache import _download_parallel as download_parallel
+from shardcache import _download_stream as download_stream
+from shardcache import _locks as locks
+from shardcache import _safefs as safefs
 
 INSTANTS = (
     "locked",  # lock held, nothing downloaded yet (not even the HEAD)

@@ -13,8 +13,8 @@ from conftest import scale
 from processes import run_together
 
 from shardcache import ShardCache
-from shardcache.eviction import evict_lock, scan
-from shardcache.layout import CacheLayout
+from shardcache._eviction import evict_lock, scan
+from shardcache._layout import CacheLayout
 
 SIZE = 64_000
 

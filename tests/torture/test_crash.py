@@ -46,10 +46,12 @@ import pytest
 from conftest import scale
 from crash_child import INSTANTS, PATHS
 
-from shardcache import ShardCache, cli, maintenance
-from shardcache.cache import CacheStats
-from shardcache.layout import is_temp_name
-from shardcache.lock_records import holder_verdict, read_owner, read_record
+from shardcache import ShardCache
+from shardcache import _cli as cli
+from shardcache import _maintenance as maintenance
+from shardcache._cache import CacheStats
+from shardcache._layout import is_temp_name
+from shardcache._lock_records import holder_verdict, read_owner, read_record
 from shardcache.testing import FaultProxy, S3Server
 
 # Children are forked from a server that imported shardcache and s3fs once (crash_child

@@ -23,10 +23,10 @@ from shardcache import (
     ShardCacheError,
     UrlError,
     expand_urls,
-    verify,
 )
-from shardcache.config import SPECS, Settings
-from shardcache.identity import ProcessIdentity
+from shardcache import _verify as verify
+from shardcache._config import SPECS, Settings
+from shardcache._identity import ProcessIdentity
 
 
 def _snapshot(root: Path, skip: Path | None = None) -> dict[str, tuple]:

@@ -11,7 +11,7 @@ from conftest import scale
 from processes import run_together
 
 from shardcache import ShardCache
-from shardcache.layout import is_temp_name
+from shardcache._layout import is_temp_name
 
 BUCKET = "lease"
 

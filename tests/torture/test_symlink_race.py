@@ -22,7 +22,7 @@ from pathlib import Path
 from processes import CTX
 
 from shardcache import ShardCache, ShardCacheError
-from shardcache.maintenance import clean
+from shardcache._maintenance import clean
 
 SHARDS = 12
 FOREIGN = b"FOREIGN BYTES "

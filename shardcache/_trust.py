@@ -22,7 +22,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CacheDirError, ConfigError
+from ._errors import CacheDirError, ConfigError
 
 PRIVATE_HINT = (
     "Remove it if it is yours (another user may have made it to plant data in your cache), "

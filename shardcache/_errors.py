@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .redact import redact_text
+from ._redact import redact_text
 
 
 def _rebuild(cls: type[ShardCacheError], message: str, details: dict[str, Any]) -> ShardCacheError:
@@ -44,7 +44,7 @@ class ShardCacheError(Exception):
 
     ``details`` become attributes (``exc.url``, ``exc.path``, ...) so handlers can act
     on the facts without parsing the message. The message is redacted
-    (:func:`shardcache.redact.redact_text`); the attributes keep the real values.
+    (:func:`shardcache._redact.redact_text`); the attributes keep the real values.
     """
 
     def __init__(self, message: str, **details: Any) -> None:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .layout import CacheLayout, meta_temp_path
+from ._layout import CacheLayout, meta_temp_path
 
 
 def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None:

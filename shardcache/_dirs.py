@@ -10,9 +10,9 @@ import stat
 import time
 from pathlib import Path
 
-from .errors import CacheDirError
-from .redact import get_logger
-from .trust import Trust
+from ._errors import CacheDirError
+from ._redact import get_logger
+from ._trust import Trust
 
 log = get_logger(__name__)
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from .download import (
+from ._download import (
     LocalWriteError,
     ObjectInfo,
     Progress,
@@ -28,10 +28,10 @@ from .download import (
     s3_body,
     verification_failed,
 )
-from .errors import IntegrityError
-from .redact import get_logger
-from .retry import TruncatedBody, _http_status_and_code, describe, fetch_error, is_transient
-from .urls import url_protocol
+from ._errors import IntegrityError
+from ._redact import get_logger
+from ._retry import TruncatedBody, _http_status_and_code, describe, fetch_error, is_transient
+from ._urls import url_protocol
 
 logger = get_logger(__name__)
 

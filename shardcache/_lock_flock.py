@@ -17,9 +17,9 @@ import os
 import stat
 from pathlib import Path
 
-from .layout import owner_path
-from .lock_records import rewrite
-from .safefs import SafeFS
+from ._layout import owner_path
+from ._lock_records import rewrite
+from ._safefs import SafeFS
 
 # What a non-blocking flock raises when another descriptor holds the lock.
 CONTENTION_ERRNOS = frozenset({errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK})

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import ConfigError
-from .safefs import SafeFS
-from .trust import Trust
-from .urls import LOCAL_PROTOCOLS, local_path
+from ._errors import ConfigError
+from ._safefs import SafeFS
+from ._trust import Trust
+from ._urls import LOCAL_PROTOCOLS, local_path
 
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]")
 _EXT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cache import ShardCache
-from .errors import ShardCacheError
-from .eviction import scan
-from .maintenance import unreadable_json, unreadable_lines
-from .metadata import read_meta
-from .redact import get_logger
-from .safefs import SafeFS
-from .urls import is_pipe_url, read_manifest
+from ._cache import ShardCache
+from ._errors import ShardCacheError
+from ._eviction import scan
+from ._maintenance import unreadable_json, unreadable_lines
+from ._metadata import read_meta
+from ._redact import get_logger
+from ._safefs import SafeFS
+from ._urls import is_pipe_url, read_manifest
 
 logger = get_logger(__name__)
 

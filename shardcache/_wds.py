@@ -15,7 +15,7 @@ which stops every prefetcher this stage started in the calling process.
 
 Errors follow webdataset's ``handler(exn)`` convention, called once per failed shard
 (after the cache's own retries): True skips the shard, False ends the stream, raising
-propagates. A :class:`~shardcache.errors.StallError` is not a fault of one shard but of
+propagates. A :class:`~shardcache.StallError` is not a fault of one shard but of
 the whole data path, so it always propagates.
 """
 
@@ -30,12 +30,12 @@ from typing import Any
 
 import webdataset as wds
 
-from .cache import ShardCache
-from .config import prefetch_overrides
+from ._cache import ShardCache
+from ._config import prefetch_overrides
+from ._errors import ShardCacheError, StallError
+from ._prefetch import Prefetcher
+from ._redact import get_logger
 from .distributed import rank_info
-from .errors import ShardCacheError, StallError
-from .prefetch import Prefetcher
-from .redact import get_logger
 
 logger = get_logger(__name__)
 

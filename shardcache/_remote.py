@@ -1,9 +1,9 @@
 """Remote access through fsspec: file systems, object metadata, and the choice of a download.
 
 :meth:`Remote.info` stats an object (retried under the retry policy); :meth:`Remote.download`
-hands it to one strategy (:mod:`shardcache.download`): ``pipe:`` URLs (size unknown) to
-:mod:`~shardcache.download_pipe`, S3 objects of at least ``parallel_threshold`` bytes to
-:mod:`~shardcache.download_parallel`, everything else to :mod:`~shardcache.download_stream`.
+hands it to one strategy (:mod:`shardcache._download`): ``pipe:`` URLs (size unknown) to
+:mod:`~shardcache._download_pipe`, S3 objects of at least ``parallel_threshold`` bytes to
+:mod:`~shardcache._download_parallel`, everything else to :mod:`~shardcache._download_stream`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.asyn import sync
 
-from .download import LocalWriteError, ObjectInfo, Progress, RemoteOptions, Strategy, no_progress
-from .download_parallel import ParallelDownload
-from .download_pipe import PipeDownload
-from .download_stream import StreamDownload
-from .errors import FetchError, PermanentFetchError, UrlError
-from .pipes import check_allowed
-from .redact import get_logger
-from .retry import describe, fetch_error, is_transient
-from .urls import LOCAL_PROTOCOLS, local_path, url_protocol
+from ._download import LocalWriteError, ObjectInfo, Progress, RemoteOptions, Strategy, no_progress
+from ._download_parallel import ParallelDownload
+from ._download_pipe import PipeDownload
+from ._download_stream import StreamDownload
+from ._errors import FetchError, PermanentFetchError, UrlError
+from ._pipes import check_allowed
+from ._redact import get_logger
+from ._retry import describe, fetch_error, is_transient
+from ._urls import LOCAL_PROTOCOLS, local_path, url_protocol
 
 logger = get_logger(__name__)
 

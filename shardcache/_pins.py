@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from .layout import CacheLayout
-from .lock_flock import CONTENTION_ERRNOS
-from .safefs import SafeFS
+from ._layout import CacheLayout
+from ._lock_flock import CONTENTION_ERRNOS
+from ._safefs import SafeFS
 
 
 def pin(layout: CacheLayout, path: Path) -> int | None:

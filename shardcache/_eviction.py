@@ -1,7 +1,7 @@
 """Cache entries and least-recently-used eviction.
 
 The evictor removes a file only while holding an exclusive ``flock`` on it, taken without
-blocking, so it never removes a shard a reader has pinned (:mod:`shardcache.pins`). A
+blocking, so it never removes a shard a reader has pinned (:mod:`shardcache._pins`). A
 reader that opens a file the evictor is removing gets a complete copy anyway (an open file
 outlives its name).
 
@@ -23,14 +23,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dirs import dir_error
-from .errors import CacheDirError, LockTimeout
-from .layout import CacheLayout, is_temp_name
-from .lock_flock import try_flock
-from .locks import lock_file_error
-from .metadata import read_meta
-from .redact import get_logger
-from .safefs import SafeFS
+from ._dirs import dir_error
+from ._errors import CacheDirError, LockTimeout
+from ._layout import CacheLayout, is_temp_name
+from ._lock_flock import try_flock
+from ._locks import lock_file_error
+from ._metadata import read_meta
+from ._redact import get_logger
+from ._safefs import SafeFS
 
 logger = get_logger(__name__)
 

@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from .download import (
+from ._download import (
     LocalWriteError,
     ObjectInfo,
     Progress,
@@ -22,9 +22,9 @@ from .download import (
     s3_body,
     verification_failed,
 )
-from .redact import get_logger
-from .retry import TruncatedBody, describe, fetch_error, is_transient
-from .urls import url_protocol
+from ._redact import get_logger
+from ._retry import TruncatedBody, describe, fetch_error, is_transient
+from ._urls import url_protocol
 
 logger = get_logger(__name__)
 

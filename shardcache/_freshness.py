@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import FetchError
-from .layout import CacheLayout, ShardId
-from .metadata import read_meta, write_meta
-from .redact import get_logger
-from .remote import ObjectInfo, Remote
-from .urls import LOCAL_PROTOCOLS, local_path
+from ._errors import FetchError
+from ._layout import CacheLayout, ShardId
+from ._metadata import read_meta, write_meta
+from ._redact import get_logger
+from ._remote import ObjectInfo, Remote
+from ._urls import LOCAL_PROTOCOLS, local_path
 
 logger = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """What the prefetcher tells people: download rates, starvation warnings, stall reports.
 
-The prefetch window (:mod:`shardcache.prefetch`) decides *when*: it measures bytes into a
+The prefetch window (:mod:`shardcache._prefetch`) decides *when*: it measures bytes into a
 :class:`RateMeter`, records each consumed shard in a :class:`StarvationMonitor` and, once
 the awaited shard has made no progress for ``stall_timeout``, calls :func:`stall_error`.
 This module decides *what is said*: nothing here blocks, starts threads or changes the
@@ -28,9 +28,9 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Protocol
 
+from ._errors import ShardCacheError, StallError
+from ._units import format_bytes, format_rate
 from .distributed import rank_info
-from .errors import ShardCacheError, StallError
-from .units import format_bytes, format_rate
 
 RATE_WINDOW = 10.0  # "recent rate" = bytes/s over this many seconds
 STACK_LIMIT = 40  # innermost frames of the stalled worker's stack in a StallError

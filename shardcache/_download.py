@@ -2,10 +2,10 @@
 :class:`Strategy` interface and its common steps (verification, restarting the file).
 
 A strategy writes one object into the caller's file and verifies it, retrying under the
-options' :class:`~shardcache.retry.RetryPolicy`. :class:`~shardcache.remote.Remote` picks
-one per object: :mod:`~shardcache.download_stream` (one GET, or a sequential read),
-:mod:`~shardcache.download_parallel` (concurrent ranged GETs of a large S3 object) or
-:mod:`~shardcache.download_pipe` (a ``pipe:`` command's output).
+options' :class:`~shardcache._retry.RetryPolicy`. :class:`~shardcache._remote.Remote` picks
+one per object: :mod:`~shardcache._download_stream` (one GET, or a sequential read),
+:mod:`~shardcache._download_parallel` (concurrent ranged GETs of a large S3 object) or
+:mod:`~shardcache._download_pipe` (a ``pipe:`` command's output).
 
 A failure to write the caller's file is never the store's fault: it is marked
 :class:`LocalWriteError` (never retried or classified) and the caller gets the ``OSError``.
@@ -21,9 +21,9 @@ from typing import Any, BinaryIO, Protocol
 
 from fsspec.asyn import sync
 
-from .errors import IntegrityError
-from .redact import get_logger, redact_options
-from .retry import RetryPolicy
+from ._errors import IntegrityError
+from ._redact import get_logger, redact_options
+from ._retry import RetryPolicy
 
 logger = get_logger(__name__)
 
@@ -132,7 +132,7 @@ class Strategy(abc.ABC):
     def download(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
         """Write ``info.url`` into ``out`` (positioned at 0, left at the end) and verify it;
         returns the info the bytes were verified against. Raises a
-        :class:`~shardcache.errors.FetchError` subclass or :class:`IntegrityError`, or
+        :class:`~shardcache.FetchError` subclass or :class:`IntegrityError`, or
         :class:`LocalWriteError` for a failed write of ``out``."""
 
     def verify(self, info: ObjectInfo, size: int, md5_hex: str, attempt: int) -> None:

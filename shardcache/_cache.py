@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .config import PREFETCH_OPTIONS, Settings, prefetch_overrides
-from .errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
-from .eviction import (
+from ._config import PREFETCH_OPTIONS, Settings, prefetch_overrides
+from ._errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
+from ._eviction import (
     CacheEntry,
     EvictReport,
     evict_lock,
@@ -35,19 +35,19 @@ from .eviction import (
     scan,
     touch,
 )
-from .freshness import Freshness
-from .fsinfo import mount_for
-from .layout import CacheLayout, ShardId, namespace
-from .locks import LockPolicy, ShardLock
-from .metadata import write_meta
-from .pins import open_pinned, pin, reopen_pinned
-from .prefetch import Prefetcher
-from .redact import get_logger, redact_url
-from .remote import ObjectInfo, Progress, Remote, RemoteOptions
-from .retry import RetryPolicy
-from .safefs import SafeFS
-from .trust import Trust, describe_owner
-from .urls import url_protocol
+from ._freshness import Freshness
+from ._fsinfo import mount_for
+from ._layout import CacheLayout, ShardId, namespace
+from ._locks import LockPolicy, ShardLock
+from ._metadata import write_meta
+from ._pins import open_pinned, pin, reopen_pinned
+from ._prefetch import Prefetcher
+from ._redact import get_logger, redact_url
+from ._remote import ObjectInfo, Progress, Remote, RemoteOptions
+from ._retry import RetryPolicy
+from ._safefs import SafeFS
+from ._trust import Trust, describe_owner
+from ._urls import url_protocol
 
 logger = get_logger(__name__)
 
@@ -89,7 +89,7 @@ class ShardCache:
     >>> with cache.open("s3://bucket/train-000001.tar") as f: ...
 
     Arguments left as ``None`` come from ``SHARDCACHE_*`` variables, then the launcher
-    environment (torchrun, SLURM), then defaults; see :class:`shardcache.config.Settings`
+    environment (torchrun, SLURM), then defaults; see :class:`shardcache.Settings`
     for every keyword (``max_bytes``, ``lock_mode``, ``lock_timeout``, ``retries``, ...).
     """
 
@@ -515,7 +515,7 @@ class ShardCache:
     ) -> Prefetcher:
         """Fetch ``urls`` ahead of the consumer; iterate the result for ``(url, path)`` in
         input order. Defaults: ``SHARDCACHE_THREADS``, ``SHARDCACHE_PREFETCH_DEPTH``,
-        ``SHARDCACHE_STALL_TIMEOUT`` (see :class:`shardcache.prefetch.Prefetcher`)."""
+        ``SHARDCACHE_STALL_TIMEOUT`` (see :class:`shardcache.Prefetcher`)."""
         given = prefetch_overrides(threads=threads, depth=depth, stall_timeout=stall_timeout)
         defaults = {
             option: getattr(self.settings, name) for option, name in PREFETCH_OPTIONS.items()

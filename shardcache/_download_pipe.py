@@ -1,5 +1,5 @@
 """The download of a ``pipe:`` URL: its command's standard output (run by
-:mod:`shardcache.pipes`).
+:mod:`shardcache._pipes`).
 
 The size is unknown until the command ends (``ObjectInfo.size`` is None until the
 download returns the info with the size it saw). A run is verified by its exit status (0)
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import BinaryIO
 
-from .download import ObjectInfo, Progress, Strategy, local_io, restart
-from .errors import PipeCommandError
-from .pipes import CommandFailed, command_of, run_command
-from .redact import get_logger
+from ._download import ObjectInfo, Progress, Strategy, local_io, restart
+from ._errors import PipeCommandError
+from ._pipes import CommandFailed, command_of, run_command
+from ._redact import get_logger
 
 logger = get_logger(__name__)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import ConfigError
-from .redact import redact_options, redact_text
-from .trust import group_id
+from ._errors import ConfigError
+from ._redact import redact_options, redact_text
+from ._trust import group_id
 
 T = TypeVar("T")
 
@@ -135,7 +135,7 @@ def _json_object(text: str, name: str) -> dict[str, Any]:
 
 def _group(text: str, name: str) -> str | None:
     """A group name or gid that exists; empty means unset. Whether this process is a member
-    is checked when a cache is opened (:meth:`shardcache.trust.Trust.for_group`)."""
+    is checked when a cache is opened (:meth:`shardcache._trust.Trust.for_group`)."""
     value = str(text).strip()
     if value:
         group_id(value, name)

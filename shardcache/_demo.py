@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache import ShardCache
-from .redact import get_logger
+from ._cache import ShardCache
+from ._redact import get_logger
+from ._urls import expand_urls
 from .testing.s3server import S3Server
-from .urls import expand_urls
 
 logger = get_logger(__name__)
 
@@ -113,7 +113,7 @@ def _run_pipeline(
     import torch.utils.data
     import webdataset as wds
 
-    from .wds import split_by_node, tarfile_to_samples
+    from ._wds import split_by_node, tarfile_to_samples
 
     if fresh and cache.settings.scope_dir.exists():
         shutil.rmtree(cache.settings.scope_dir)

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import Settings, parse_size
-from .errors import ConfigError, ShardCacheError, UrlError
-from .redact import RedactingFilter
+from ._config import Settings, parse_size
+from ._errors import ConfigError, ShardCacheError, UrlError
+from ._redact import RedactingFilter
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EVICT_LIST_LIMIT = 20  # removed shards listed by "evict" (all of them with --json)
@@ -277,7 +277,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import format_report, run_demo
+    from ._demo import format_report, run_demo
 
     report = run_demo(
         source=args.source,
@@ -299,14 +299,14 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _cache(args: argparse.Namespace) -> Any:
-    from .cache import ShardCache
+    from ._cache import ShardCache
 
     return ShardCache(settings=_settings(args))
 
 
 def _cmd_warm(args: argparse.Namespace) -> int:
+    from ._urls import expand_urls
     from .distributed import rank_info
-    from .urls import expand_urls
     from .warm import plan_warm, warm
 
     specs = list(args.specs) + [f"@{path}" for path in args.from_file]
@@ -347,14 +347,14 @@ def _emit(report: Any, as_json: bool) -> None:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .maintenance import status
+    from ._maintenance import status
 
     _emit(status(_cache(args)), args.json)
     return EXIT_OK
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
-    from .maintenance import clean
+    from ._maintenance import clean
 
     report = clean(_cache(args))
     _emit(report, args.json)
@@ -362,7 +362,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_evict(args: argparse.Namespace) -> int:
-    from .units import format_bytes
+    from ._units import format_bytes
 
     cache = _cache(args)
     limit = args.max_bytes if args.max_bytes is not None else cache.settings.max_bytes
@@ -397,7 +397,7 @@ def _cmd_evict(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from ._verify import verify
 
     report = verify(_cache(args), args.manifest, threads=args.threads)
     _emit(report, args.json)

@@ -25,7 +25,7 @@ from aiohttp import ClientResponseError as AiohttpResponseError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.exceptions import HTTPClientError, IncompleteReadError, ReadTimeoutError
 
-from .errors import (
+from ._errors import (
     FetchError,
     PermanentFetchError,
     RemoteIsADirectoryError,

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .layout import lease_path, lease_step_path
-from .lock_records import encode_record, read_raw, rewrite
-from .safefs import SafeFS
+from ._layout import lease_path, lease_step_path
+from ._lock_records import encode_record, read_raw, rewrite
+from ._safefs import SafeFS
 
 
 def remove_if(fs: SafeFS, lease: Path, aside: Path, expected: Callable[[Path], bool]) -> bool:

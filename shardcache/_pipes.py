@@ -37,9 +37,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from .errors import UrlError
-from .redact import get_logger
-from .urls import PIPE_PREFIX
+from ._errors import UrlError
+from ._redact import get_logger
+from ._urls import PIPE_PREFIX
 
 logger = get_logger(__name__)
 
@@ -53,8 +53,8 @@ _REAP_TIMEOUT = 10.0  # a SIGKILLed process in uninterruptible sleep may take a 
 
 
 class CommandFailed(Exception):
-    """One run of a command failed (internal: :class:`~shardcache.remote.Remote` retries it
-    and raises :class:`~shardcache.errors.PipeCommandError` in the end)."""
+    """One run of a command failed (internal: :class:`~shardcache._remote.Remote` retries it
+    and raises :class:`~shardcache.PipeCommandError` in the end)."""
 
     def __init__(
         self, command: str, exit_status: int | None, stderr: str, timed_out: bool, size: int

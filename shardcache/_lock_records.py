@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .identity import ProcessIdentity
-from .layout import owner_path
-from .redact import redact_url
-from .safefs import SafeFS
+from ._identity import ProcessIdentity
+from ._layout import owner_path
+from ._redact import redact_url
+from ._safefs import SafeFS
 
 UNREADABLE = b"\0unreadable"  # a record that exists but cannot be read (a link, no access)
 

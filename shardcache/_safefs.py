@@ -23,9 +23,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .dirs import DIR_HINT, NOT_YET_ERRNOS, dir_error, ensure_dir, kind_of, not_a_dir
-from .errors import CacheDirError
-from .trust import Trust
+from ._dirs import DIR_HINT, NOT_YET_ERRNOS, dir_error, ensure_dir, kind_of, not_a_dir
+from ._errors import CacheDirError
+from ._trust import Trust
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Directories not visible yet (NFS), or removed again just after being made (a tmp

@@ -1,5 +1,5 @@
 """Inspecting and repairing a cache directory: ``status`` and ``clean`` (``verify``, which
-checks cached shards' content, is :mod:`shardcache.verify`).
+checks cached shards' content, is :mod:`shardcache._verify`).
 
 What counts as stale (``clean`` removes exactly these, judging each again right before
 removing it):
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cache import ShardCache
-from .eviction import list_dir, scan
-from .identity import hostname, start_ticks, start_time
-from .layout import (
+from ._cache import ShardCache
+from ._eviction import list_dir, scan
+from ._identity import hostname, start_ticks, start_time
+from ._layout import (
     LEASE_STEPS,
     CacheLayout,
     host_tag,
@@ -40,12 +40,12 @@ from .layout import (
     meta_temp_pid,
     parse_temp_name,
 )
-from .lock_lease import remove_lease_if_unchanged
-from .lock_records import describe_holder, holder_verdict, read_owner, read_record
-from .pins import is_held
-from .redact import get_logger
-from .safefs import SafeFS
-from .units import format_bytes
+from ._lock_lease import remove_lease_if_unchanged
+from ._lock_records import describe_holder, holder_verdict, read_owner, read_record
+from ._pins import is_held
+from ._redact import get_logger
+from ._safefs import SafeFS
+from ._units import format_bytes
 
 logger = get_logger(__name__)
 

@@ -6,16 +6,16 @@ holders at once (a broken lease that was in fact alive) cost bandwidth, never da
 
 :class:`ShardLock` waits (backoff with jitter) for one of two backends (:class:`LockBackend`):
 
-* ``flock`` (local disks, :mod:`shardcache.lock_flock`): the kernel frees the lock of a dead
+* ``flock`` (local disks, :mod:`shardcache._lock_flock`): the kernel frees the lock of a dead
   holder at once, so "stale" here means *stuck*: the holder's progress (phase, bytes in
   ``<hash>.owner``) has not changed for ``stuck_after`` on the waiter's own clock.
-* ``lease`` (network file systems, :mod:`shardcache.lock_lease`): a waiter breaks a lease
+* ``lease`` (network file systems, :mod:`shardcache._lock_lease`): a waiter breaks a lease
   whose holder is provably dead (same host and boot, pid gone or reused) at once, or one
   whose record has not changed for ``lease_time`` on the waiter's clock (clocks of
   different hosts are never compared). A live holder that makes no progress for
   ``stuck_after`` gives waiters a ``LockTimeout``, as in flock mode.
 
-The holder's record (:mod:`shardcache.lock_records`) is kept here: written on acquisition,
+The holder's record (:mod:`shardcache._lock_records`) is kept here: written on acquisition,
 on progress (rate-limited) and, for a lease, on each renewal.
 
 Creating a lock file can fail transiently on network file systems (a directory another
@@ -37,15 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import SPECS
-from .dirs import NOT_YET_ERRNOS
-from .errors import CacheDirError, LockFileError, LockTimeout
-from .fsinfo import mount_for
-from .identity import ProcessIdentity
-from .layout import lease_path, owner_path
-from .lock_flock import FlockBackend
-from .lock_lease import LeaseBackend, Renewer
-from .lock_records import (
+from ._config import SPECS
+from ._dirs import NOT_YET_ERRNOS
+from ._errors import CacheDirError, LockFileError, LockTimeout
+from ._fsinfo import mount_for
+from ._identity import ProcessIdentity
+from ._layout import lease_path, owner_path
+from ._lock_flock import FlockBackend
+from ._lock_lease import LeaseBackend, Renewer
+from ._lock_records import (
     RecordWatch,
     describe_holder,
     encode_record,
@@ -53,10 +53,10 @@ from .lock_records import (
     new_record,
     read_raw,
 )
-from .redact import get_logger
-from .retry import RetryPolicy
-from .safefs import SafeFS
-from .trust import Trust
+from ._redact import get_logger
+from ._retry import RetryPolicy
+from ._safefs import SafeFS
+from ._trust import Trust
 
 logger = get_logger(__name__)
 
@@ -68,6 +68,7 @@ RENEWALS_PER_LEASE = 4  # a lease is renewed this many times per lease_time
 _TRANSIENT_ERRNOS = NOT_YET_ERRNOS | {errno.EEXIST}
 # At most ~2 s in all (5 ms doubling to 0.25 s); then the error is reported, not waited out.
 CREATE_RETRY = RetryPolicy(retries=12, backoff=0.005, max_backoff=0.25)
+
 _UNSUPPORTED_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
 
 
@@ -214,20 +215,28 @@ class ShardLock:
     def _try_acquire(self) -> bool:
         """One attempt at the lock. Transient creation errors are retried with backoff
         (bounded by CREATE_RETRY); anything else raises LockFileError at once."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                self.fs.mkdirs(self.path.parent)
-                return self._backend.try_acquire()
-            except CacheDirError:
-                raise
-            except OSError as exc:
-                transient = exc.errno in _TRANSIENT_ERRNOS
-                if not transient or not CREATE_RETRY.allows(attempt):
-                    raise lock_file_error(self.path, self.url, exc, attempt) from exc
-                logger.debug("creating %s: %s (attempt %d), retrying", self.path, exc, attempt)
-                time.sleep(CREATE_RETRY.delay(attempt))
+
+        def attempt(_n: int) -> bool:
+            self.fs.mkdirs(self.path.parent)
+            return self._backend.try_acquire()
+
+        def transient(exc: Exception) -> bool:
+            mine = isinstance(exc, CacheDirError)  # already says what is wrong
+            return isinstance(exc, OSError) and not mine and exc.errno in _TRANSIENT_ERRNOS
+
+        def give_up(exc: Exception, attempts: int) -> BaseException:
+            if isinstance(exc, OSError) and not isinstance(exc, CacheDirError):
+                return lock_file_error(self.path, self.url, exc, attempts)
+            return exc
+
+        return CREATE_RETRY.run(
+            attempt,
+            retry_if=transient,
+            give_up=give_up,
+            on_retry=lambda exc, n: logger.debug(
+                "creating %s: %s (attempt %d), retrying", self.path, exc, n
+            ),
+        )
 
     # -- judging the holder --------------------------------------------------------------
 

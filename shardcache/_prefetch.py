@@ -40,7 +40,7 @@ Invariants:
 
 This module is the window (order, bound, laziness, cancellation, when a wait is a stall);
 the rate meter, the starvation monitor and the text of the warning and of the
-``StallError`` live in :mod:`shardcache.prefetch_diagnostics`.
+``StallError`` live in :mod:`shardcache._prefetch_diagnostics`.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn, Protocol
 
-from .config import prefetch_overrides
-from .errors import FetchError, ShardCacheError, StallError
-from .prefetch_diagnostics import STARVATION_SHARE, RateMeter, StarvationMonitor, stall_error
-from .redact import get_logger
-from .remote import Progress
+from ._config import prefetch_overrides
+from ._errors import FetchError, ShardCacheError, StallError
+from ._prefetch_diagnostics import STARVATION_SHARE, RateMeter, StarvationMonitor, stall_error
+from ._redact import get_logger
+from ._remote import Progress
 
 logger = get_logger(__name__)
 

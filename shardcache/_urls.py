@@ -43,9 +43,9 @@ from urllib.request import url2pathname
 from braceexpand import braceexpand
 from fsspec.registry import known_implementations, registry
 
-from .config import env_setting
-from .errors import UrlError
-from .redact import get_logger
+from ._config import env_setting
+from ._errors import UrlError
+from ._redact import get_logger
 
 log = get_logger(__name__)
 
