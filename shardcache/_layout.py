@@ -204,6 +204,9 @@ class CacheLayout:
         self.scope_dir = Path(scope_dir).absolute()
         self.trust = Trust.private() if trust is None else trust
         self.fs = SafeFS(self.root, self.trust)
+        self.data_dir = self.scope_dir / "data"  # published shards
+        self.locks_dir = self.scope_dir / ".locks"  # lock files; eviction never touches it
+        self.meta_dir = self.scope_dir / ".meta"  # each published shard's metadata record
 
     @property
     def root(self) -> Path:
@@ -213,28 +216,21 @@ class CacheLayout:
     def __repr__(self) -> str:
         return f"CacheLayout({str(self.scope_dir)!r})"
 
-    @property
-    def data_dir(self) -> Path:
-        """Where published shards live (``<scope>/data``)."""
-        return self.scope_dir / "data"
-
-    @property
-    def locks_dir(self) -> Path:
-        """Where lock files live (``<scope>/.locks``); eviction never touches it."""
-        return self.scope_dir / ".locks"
-
-    @property
-    def meta_dir(self) -> Path:
-        """Where each shard's metadata record lives (``<scope>/.meta``)."""
-        return self.scope_dir / ".meta"
-
     def identify(self, url: str, protocol: str, namespace: str) -> ShardId:
         """The identity and paths of ``url`` (of ``protocol``, from the store ``namespace``)."""
         canonical = canonical_url(url, protocol)
         key = cache_key(canonical, namespace)
-        data = self._data_path(canonical, key)
-        lock = self.locks_dir / key[:2] / f"{key}.lock"
-        return ShardId(url, protocol, canonical, namespace, data, lock, self.meta_path(data))
+        name, hh = self._data_name(canonical, key), key[:2]
+        # joinpath from directories made once: this runs on every hit.
+        return ShardId(
+            url,
+            protocol,
+            canonical,
+            namespace,
+            self.data_dir.joinpath(hh, name),
+            self.locks_dir.joinpath(hh, f"{key}.lock"),
+            self.meta_dir.joinpath(hh, f"{name}.json"),
+        )
 
     def meta_path(self, final: Path) -> Path:
         """The metadata record of the published file ``final``: ``.meta/<hh>/<name>.json``."""
@@ -244,14 +240,14 @@ class CacheLayout:
         """The published file a metadata record describes (inverse of :meth:`meta_path`)."""
         return self.data_dir / meta.parent.name / meta.name.removesuffix(".json")
 
-    def _data_path(self, url: str, key: str) -> Path:
-        """The published file: ``data/<hh>/<readable>-<digest20><suffix>``."""
+    @staticmethod
+    def _data_name(url: str, key: str) -> str:
+        """The published file's name in ``data/<hh>/``: ``<readable>-<digest20><suffix>``."""
         stem, suffix = _split_suffix(sanitize_name(_readable_name(url)))
         stem = stem[:_MAX_STEM] or "shard"
         # Invariant: the name has no '/', is never '.' or '..' (it holds the digest) and
         # stays below 255 bytes even inside a temp name: 64 + 1 + 20 + 12 = 97.
-        name = f"{stem}-{key[:_DIGEST_CHARS]}{suffix}"
-        return self.data_dir / key[:2] / name
+        return f"{stem}-{key[:_DIGEST_CHARS]}{suffix}"
 
     def make_dir(self, directory: Path) -> None:
         """Create ``directory`` inside the cache (and the root, if missing) with the cache's
