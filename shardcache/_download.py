@@ -54,16 +54,15 @@ class ObjectInfo:
 class RemoteOptions:
     """How to reach remote stores and how hard to try (``repr``: credentials redacted)."""
 
+    # No defaults here: every value comes from the resolved settings (their specs).
     storage_options: dict[str, Any] = field(repr=False)  # may hold credentials
     retry: RetryPolicy
-    io_timeout: float = 60.0
-    chunk_size: int = 8 << 20
-    verify: str = "etag"
-    parallel_threshold: int = 64 << 20
-    """S3 objects at least this big are fetched with parallel ranged GETs."""
-    part_size: int = 16 << 20
-    max_parts_in_flight: int = 8
-    """Concurrent ranged GETs per download; 1 disables the parallel path."""
+    io_timeout: float
+    chunk_size: int
+    verify: str
+    parallel_threshold: int  # S3 objects at least this big use parallel ranged GETs
+    part_size: int
+    max_parts_in_flight: int  # concurrent ranged GETs per download; 1 disables them
 
     def __repr__(self) -> str:
         rest = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)

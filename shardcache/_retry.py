@@ -25,6 +25,7 @@ from aiohttp import ClientResponseError as AiohttpResponseError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.exceptions import HTTPClientError, IncompleteReadError, ReadTimeoutError
 
+from ._config import SPECS
 from ._errors import (
     FetchError,
     PermanentFetchError,
@@ -81,8 +82,8 @@ class RetryPolicy:
     ``retries`` is the number of *re*-tries: a request is attempted ``retries + 1`` times.
     """
 
-    retries: int = 5
-    backoff: float = 0.5
+    retries: int = SPECS["retries"].default  # SHARDCACHE_RETRIES
+    backoff: float = SPECS["retry_backoff"].default  # SHARDCACHE_RETRY_BACKOFF
     max_backoff: float = MAX_BACKOFF
 
     def delay(self, attempt: int) -> float:
