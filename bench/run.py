@@ -1,4 +1,4 @@
-"""shardcache benchmarks B1-B7 against their peers; writes bench/results.{md,json}.
+"""shardcache benchmarks B1-B8 against their peers; writes bench/results.{md,json}.
 
     python -m bench.run [--size tiny|full] [--out DIR] [--only B2,B6]
 
@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +52,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "link": Link(0.01, 4 * MB, 10 * MB),
         "b7_rate": 2 * MB,
         "ceiling": (2, 1 * MiB),
+        "b8": (2, 2 * MiB),
     },
     "full": {
         "reps": 3,
@@ -65,6 +67,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "link": Link(0.04, 10 * MB, 50 * MB),
         "b7_rate": 20 * MB,
         "ceiling": (8, 16 * MiB),
+        "b8": (8, 32 * MiB),
     },
 }
 THREADS = 8  # shardcache prefetch threads in the shaped scenarios (SHARDCACHE_THREADS)
@@ -577,6 +580,97 @@ def b7_hiding(b: Bench) -> dict[str, Any]:
     }
 
 
+def _client_cpu_s(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(CPU seconds of this process and its children, wall seconds) spent in ``fn``."""
+    with CpuMeter({}) as meter:
+        t0 = time.monotonic()
+        fn()
+        wall = time.monotonic() - t0
+    return meter.result["client_cpu_pct"] / 100 * wall, wall
+
+
+def b8_cpu(b: Bench) -> dict[str, Any]:
+    """Client CPU per GB of a cold fetch, every reader one object at a time, unshaped."""
+    import fsspec
+
+    count, size = b.cfg["b8"]
+    objects = {f"b8-{i:03d}.bin": os.urandom(size) for i in range(count)}
+    put(b.s3, objects)
+    keys = list(objects)
+
+    def shardcache_fetch() -> None:
+        cache = _cache(b.fresh_dir("b8"), b.direct)  # verify on (size + MD5 of the ETag)
+        for key in keys:
+            cache.fetch(f"s3://{BUCKET}/{key}")
+
+    def s3fs_get() -> None:
+        dest = b.fresh_dir("b8p")
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **b.direct)
+        for key in keys:
+            fs.get(f"s3://{BUCKET}/{key}", str(dest / key))
+
+    def s3fs_read() -> None:
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **b.direct)
+        for key in keys:
+            with fs.open(f"s3://{BUCKET}/{key}", "rb", block_size=8 * MiB) as f:
+                while f.read(8 * MiB):
+                    pass
+
+    def boto3_download() -> None:
+        dest = b.fresh_dir("b8p")
+        client = b.s3.boto3_client()
+        for key in keys:
+            client.download_file(BUCKET, key, str(dest / key))
+
+    # Signed before the clock starts: curl's own work is the floor being measured.
+    signer = b.s3.boto3_client()
+    signed = {
+        key: signer.generate_presigned_url("get_object", {"Bucket": BUCKET, "Key": key}, 3600)
+        for key in keys
+    }
+
+    def curl() -> None:  # the floor: a C client writing the file, no verification
+        dest = b.fresh_dir("b8p")
+        for key in keys:
+            subprocess.run(["curl", "-sSf", "-o", str(dest / key), signed[key]], check=True)
+
+    readers: dict[str, Callable[[], None]] = {
+        "shardcache fetch": shardcache_fetch,
+        "s3fs get": s3fs_get,
+        "boto3 download_file": boto3_download,
+        "s3fs streaming read (no file)": s3fs_read,
+    }
+    if shutil.which("curl"):
+        readers["curl -o (floor)"] = curl
+    gb = count * size / 1e9
+    runs: dict[str, list[tuple[float, float]]] = {}
+    for rep in range(b.cfg["reps"]):
+        order = list(readers) if rep % 2 == 0 else list(reversed(readers))  # alternate
+        for name in order:
+            _clear_fs_caches()
+            runs.setdefault(name, []).append(_client_cpu_s(readers[name]))
+
+    def summ(rs: list[tuple[float, float]]) -> dict[str, Any]:
+        return {
+            "cpu_s_per_gb": round(median([cpu for cpu, _ in rs]) / gb, 2),
+            "wall_s": round(median([wall for _, wall in rs]), 3),
+            "reps": len(rs),
+        }
+
+    results = {name: summ(rs) for name, rs in runs.items()}
+    s = results.pop("shardcache fetch")
+    ratio = round(s["cpu_s_per_gb"] / results["s3fs get"]["cpu_s_per_gb"], 2)
+    return {
+        "what": f"{count} x {size / MiB:g} MiB objects fetched cold, one at a time, direct to "
+        "the server; client CPU (user + sys of the process, its threads and children) per GB",
+        "shardcache": s,
+        "peers": results,
+        "ratio": ratio,
+        "target": "<= 0.8 x s3fs get CPU per GB (verification on)",
+        "verdict": verdict(ratio <= 0.8),
+    }
+
+
 SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B1": ("warm cache, full WebDataset pipeline", b1_warm),
     "B2": ("cold cache over the shaped link", b2_cold),
@@ -585,6 +679,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B5": ("memory of a large fetch", b5_memory),
     "B6": ("large single object over the shaped link", b6_large),
     "B7": ("latency hiding at a fixed consumer rate", b7_hiding),
+    "B8": ("client CPU per GB of a cold fetch", b8_cpu),
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IDS = [f"B{i}" for i in range(1, 8)]
+IDS = [f"B{i}" for i in range(1, 9)]
 
 
 def _numbers(value: object) -> list[float]:
@@ -55,6 +55,9 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     for sid in ("B2", "B3", "B6", "B7"):  # shaped runs report CPU next to the numbers
         assert "machine_cpu_pct" in report["results"][sid]["shardcache"], sid
     assert report["results"]["B3"]["gets_exactly_one_per_shard"] is True
+    b8 = report["results"]["B8"]  # every reader of the CPU comparison reports CPU per GB
+    assert {"s3fs get", "boto3 download_file"} <= set(b8["peers"])
+    assert all(r["cpu_s_per_gb"] > 0 for r in [b8["shardcache"], *b8["peers"].values()])
     table = (tmp_path / "results.md").read_text()
     for sid in IDS:
         assert f"| {sid} |" in table
