@@ -47,11 +47,12 @@ from ._remote import ObjectInfo, Progress, Remote, RemoteOptions
 from ._retry import RetryPolicy
 from ._safefs import SafeFS
 from ._trust import Trust, describe_owner
-from ._urls import url_protocol
+from ._urls import LOCAL_PROTOCOLS, url_protocol
 
 logger = get_logger(__name__)
 
 VANISHED_RETRIES = 8  # a miss is made again at most this often when its files vanish
+IDENTITY_MEMO = 65_536  # URLs whose identity a cache remembers (oldest dropped first)
 _VANISHED_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
 
 
@@ -128,6 +129,8 @@ class ShardCache:
         )
         self._freshness = Freshness(self.layout, self.remote, s.revalidate)
         self._namespaces: dict[str, str] = {}  # protocol -> its store, resolved once
+        self._identities: dict[str, ShardId] = {}  # url -> its identity (IDENTITY_MEMO)
+        self._identities_lock = threading.Lock()
         self._stats = CacheStats()
         self._stats_lock = threading.Lock()
         self._policy: LockPolicy | None = None
@@ -163,13 +166,24 @@ class ShardCache:
         return self._current_stat(self._identify(url)) is not None
 
     def _identify(self, url: str) -> ShardId:
-        """``url``'s identity and paths; the fetch path computes them once and passes them on."""
+        """``url``'s identity and paths, remembered for the most recent ``IDENTITY_MEMO``
+        URLs (a hit's largest cost otherwise); the fetch path passes them on."""
+        shard = self._identities.get(url)
+        if shard is not None:
+            return shard
         protocol = url_protocol(url)
         store = self._namespaces.get(protocol)
         if store is None:
             store = namespace(protocol, self.remote.storage_options_for(protocol))
             self._namespaces[protocol] = store
-        return self.layout.identify(url, protocol, store)
+        shard = self.layout.identify(url, protocol, store)
+        if protocol in LOCAL_PROTOCOLS and not url.startswith(("/", "file:///")):
+            return shard  # relative to the working directory (or ~): not a fixed identity
+        with self._identities_lock:
+            if len(self._identities) >= IDENTITY_MEMO:
+                del self._identities[next(iter(self._identities))]  # the oldest remembered
+            self._identities[url] = shard
+        return shard
 
     def stats(self) -> CacheStats:
         """A snapshot of this process's counters."""

@@ -50,6 +50,9 @@ def start_ticks(pid: int) -> int | None:
         return -1
 
 
+_CURRENT: dict[int, ProcessIdentity] = {}  # ProcessIdentity.current(), by pid
+
+
 def proc_state(pid: int) -> str:
     """A one-line summary of a local process for diagnostics: state, wait channel, command."""
     parts = []
@@ -96,8 +99,14 @@ class ProcessIdentity:
 
     @classmethod
     def current(cls) -> ProcessIdentity:
+        """This process (read from /proc once per process: a forked child reads its own)."""
         pid = os.getpid()
-        return cls(hostname(), boot_id(), pid_namespace(), pid, start_ticks(pid))
+        me = _CURRENT.get(pid)
+        if me is None:
+            me = cls(hostname(), boot_id(), pid_namespace(), pid, start_ticks(pid))
+            _CURRENT.clear()  # a forked child's parent
+            _CURRENT[pid] = me
+        return me
 
     def liveness(self) -> tuple[str, str]:
         """("alive" | "dead" | "unknown", why) as judged from the calling process."""

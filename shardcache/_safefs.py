@@ -10,6 +10,15 @@ it never lands outside the root, and a foreign directory is refused before it is
 
 The root itself is opened by its path (the user chose it, links included): it must be a
 directory this cache trusts, and a link at the root's name must belong to the user or root.
+
+The directories near the root that every path goes through (the scope, its ``data``,
+``.meta`` and ``.locks``: ``REMEMBERED_DEPTH``) are remembered as descriptors once a walk
+has checked them, so a hit walks only the last step (``data/<hh>``). A remembered
+descriptor is used only if its name still leads to the very same directory (device and
+inode) and the directory is still trusted; otherwise it is forgotten and the walk starts
+from the root again. The descriptor keeps pointing at the directory the walk checked, so no
+swap made since can redirect the operation; a directory removed and made again is a new
+inode. Making directories (a miss) always walks from the root, checking every component.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ import errno
 import os
 import random
 import stat
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +42,25 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Directories not visible yet (NFS), or removed again just after being made (a tmp
 # cleaner), are made again with backoff for this long.
 MKDIR_TIMEOUT = 30.0
+REMEMBERED_DEPTH = 2  # directories this deep below the root are remembered (scope/data, ...)
+DIR_MEMO = 16  # directory descriptors a SafeFS keeps at most (oldest closed first)
+
+
+_INSTANCES: weakref.WeakSet[SafeFS] = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    for fs in list(_INSTANCES):
+        fs._dirs_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
+
+
+def _close_all(dirs: dict[str, tuple[int, int, int]]) -> None:
+    for fd, _dev, _ino in dirs.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class SafeFS:
@@ -40,7 +70,14 @@ class SafeFS:
         self.root = Path(root).absolute()
         self.trust = trust
         self._prefix = os.path.join(os.fspath(self.root), "")  # the root with a final "/"
-        self._real_prefix: str | None = None  # the same, links resolved (the fast lstat)
+        # path -> (descriptor, device, inode) of a directory the walk opened and checked.
+        # Changed under the lock; read without it: a reader dups the descriptor and checks
+        # the dup's identity, so a descriptor closed (and its number reused) meanwhile is
+        # caught. A forked child gets a new lock (another thread may hold it at the fork).
+        self._dirs: dict[str, tuple[int, int, int]] = {}
+        self._dirs_lock = threading.Lock()
+        _INSTANCES.add(self)
+        weakref.finalize(self, _close_all, self._dirs)
 
     # -- directories ---------------------------------------------------------------------
 
@@ -73,36 +110,9 @@ class SafeFS:
             return os.open(path.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
 
     def lstat(self, path: Path) -> os.stat_result:
-        """``os.lstat`` of ``path``, resolved where the walk would resolve it.
-
-        Fast path (every hit takes it): one ``O_PATH`` open by name, kept only if the kernel
-        resolved it to the very place below the real root (``/proc/self/fd``), which no link
-        on the way allows; anything else takes the descriptor walk."""
-        st = self._lstat_resolved(path)
-        if st is not None:
-            return st
+        """``os.lstat`` of ``path``, resolved through its directory's descriptor."""
         with self.directory(path.parent) as dir_fd:
             return os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
-
-    def _lstat_resolved(self, path: Path) -> os.stat_result | None:
-        text = os.fspath(path)
-        if not text.startswith(self._prefix):
-            return None
-        try:
-            fd = os.open(text, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None  # the walk says what is wrong
-        try:
-            if self._real_prefix is None:
-                self._real_prefix = os.path.join(os.path.realpath(self.root), "")
-            expected = self._real_prefix + text[len(self._prefix) :]
-            if os.readlink(f"/proc/self/fd/{fd}") != expected:
-                return None
-            return os.fstat(fd)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
 
     def replace(self, src: Path, dst: Path) -> None:
         with self.directory(src.parent) as src_fd, self.directory(dst.parent) as dst_fd:
@@ -160,12 +170,74 @@ class SafeFS:
             delay = min(delay * 2, 1.0)
 
     def _walk(self, path: Path, parts: list[str], *, create: bool) -> int:
-        fd = self._open_root(create)
-        current = os.fspath(self.root)
-        for name in parts:
-            current = f"{current}/{name}"
-            fd = self._step(fd, name, current, create)  # closes the parent, come what may
+        # Making directories (a miss) walks from the root: every component checked each time.
+        fd, done = (None, 0) if create else self._remembered_ancestor(parts)
+        if fd is None:
+            fd = self._open_root(create)
+        current = "/".join([os.fspath(self.root), *parts[:done]])
+        for depth in range(done, len(parts)):
+            current = f"{current}/{parts[depth]}"
+            fd = self._step(fd, parts[depth], current, create)  # closes the parent
+            if depth < REMEMBERED_DEPTH:
+                self._remember(current, fd)
         return fd
+
+    # -- remembered directories ------------------------------------------------------------
+
+    def _remembered_ancestor(self, parts: list[str]) -> tuple[int | None, int]:
+        """A new descriptor of the deepest remembered directory on the way to ``parts``,
+        and how many of them it resolves; (None, 0) if none can be used."""
+        for depth in range(min(len(parts), REMEMBERED_DEPTH), 0, -1):
+            fd = self._remembered("/".join([os.fspath(self.root), *parts[:depth]]))
+            if fd is not None:
+                return fd, depth
+        return None, 0
+
+    def _remembered(self, text: str) -> int | None:
+        """A new descriptor of the remembered directory ``text``, if that name still leads to
+        it and it is still trusted (else it is forgotten: the caller walks)."""
+        entry = self._dirs.get(text)
+        if entry is None:
+            return None
+        fd, dev, ino = entry
+        try:
+            st = os.lstat(text)
+            if (st.st_dev, st.st_ino) != (dev, ino) or not self.trust.trusts_dir(st):
+                raise FileNotFoundError(text)  # moved, removed and made again, or chmodded
+            new = os.dup(fd)
+        except OSError:
+            self._forget(text, entry)
+            return None
+        try:
+            st = os.fstat(new)
+        except OSError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != (dev, ino):  # closed and reused meanwhile
+            os.close(new)
+            return None
+        return new
+
+    def _remember(self, text: str, fd: int) -> None:
+        """Keep a copy of ``fd``, the walked (checked) directory ``text``."""
+        try:
+            st = os.fstat(fd)
+            kept = os.dup(fd)
+        except OSError:
+            return
+        with self._dirs_lock:
+            if text not in self._dirs and len(self._dirs) >= DIR_MEMO:
+                os.close(self._dirs.pop(next(iter(self._dirs)))[0])  # the oldest
+            previous = self._dirs.get(text)
+            self._dirs[text] = (kept, st.st_dev, st.st_ino)
+            if previous is not None:
+                os.close(previous[0])  # walked again: the name led elsewhere meanwhile
+
+    def _forget(self, text: str, entry: tuple[int, int, int]) -> None:
+        """Drop ``entry`` if it is still what ``text`` maps to, closing its descriptor."""
+        with self._dirs_lock:
+            if self._dirs.get(text) is entry:
+                del self._dirs[text]
+                os.close(entry[0])
 
     def _open_root(self, create: bool) -> int:
         root = self.root

@@ -23,6 +23,7 @@ from shardcache import (
     ShardCache,
     TransientFetchError,
 )
+from shardcache import _cache as cache_module
 from shardcache import _layout as layout
 from shardcache._layout import is_temp_name
 from shardcache._remote import Remote
@@ -93,8 +94,9 @@ def test_same_key_on_two_endpoints_never_collides(s3, tmp_path: Path) -> None:
 def test_a_fetch_computes_the_shards_identity_once(
     s3, shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One canonicalisation per fetch (miss, hit, open, prefetch), and the storage options
-    resolved once per cache however many shards it fetches."""
+    """One canonicalisation per URL however often it is fetched (miss, hit, open, prefetch),
+    within the remembered IDENTITY_MEMO most recent URLs, and the storage options resolved
+    once per cache however many shards it fetches."""
     canonicalised: list[str] = []
     resolved: list[str] = []
     canonical_url = layout.canonical_url
@@ -110,6 +112,7 @@ def test_a_fetch_computes_the_shards_identity_once(
 
     monkeypatch.setattr(layout, "canonical_url", counting_canonical)
     monkeypatch.setattr(Remote, "_resolve_options", counting_resolve)
+    monkeypatch.setattr(cache_module, "IDENTITY_MEMO", 3)
     cache = _cache(tmp_path)
     urls = list(shards)
     cache.fetch(urls[0])  # a miss: hit check, lock, re-check, metadata, publish
@@ -117,13 +120,30 @@ def test_a_fetch_computes_the_shards_identity_once(
     cache.fetch(urls[0])  # a hit
     with cache.open(urls[0]):
         pass
-    assert canonicalised == [urls[0]] * 3
+    assert canonicalised == [urls[0]]
     canonicalised.clear()
     with cache.prefetch(urls[1:4], threads=2) as shards_ahead:
         assert [url for url, _path in shards_ahead] == urls[1:4]
     assert sorted(canonicalised) == sorted(urls[1:4])
+    canonicalised.clear()
+    assert cache.contains(urls[3])  # remembered; urls[0] was the oldest of four: forgotten
+    assert cache.contains(urls[0])
+    assert canonicalised == [urls[0]]
     assert resolved == ["s3"]
     assert cache.stats().misses == 4
+
+
+def test_a_relative_local_path_is_identified_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shard.tar").write_bytes(name.encode() * 100)
+    cache = _cache(tmp_path)
+    monkeypatch.chdir(tmp_path / "a")
+    assert cache.fetch("shard.tar").read_bytes() == b"a" * 100
+    monkeypatch.chdir(tmp_path / "b")
+    assert cache.fetch("shard.tar").read_bytes() == b"b" * 100
 
 
 def _race_worker(cache_dir: str, urls: list[str], seed: int, lock_mode: str, start, out) -> None:
