@@ -16,11 +16,12 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, BinaryIO, Protocol
 
 from fsspec.asyn import sync
 
+from ._checksums import Checksum, expected
 from ._errors import IntegrityError
 from ._redact import get_logger, redact_options
 from ._retry import RetryPolicy
@@ -48,6 +49,13 @@ class ObjectInfo:
     version_id: str | None = None
     md5: str | None = None  # hex MD5 of the content when the ETag is one (single-part, no KMS)
     mtime_ns: int | None = None  # a local source's modification time (its version)
+    checksum: Checksum | None = None  # the store's full-object checksum (S3: x-amz-checksum-*)
+    verified: Checksum | None = None  # set on the info a download returns: what it checked
+
+    def expected_checksum(self, verify: str) -> Checksum | None:
+        """What a download is checked against beyond the size (see
+        :func:`shardcache._checksums.expected`)."""
+        return expected(self, verify)
 
 
 @dataclass(frozen=True, repr=False)
@@ -134,9 +142,11 @@ class Strategy(abc.ABC):
         :class:`~shardcache.FetchError` subclass or :class:`IntegrityError`, or
         :class:`LocalWriteError` for a failed write of ``out``."""
 
-    def verify(self, info: ObjectInfo, size: int, md5_hex: str, attempt: int) -> None:
-        """Raise :class:`IntegrityError` unless ``size`` (and, with ``verify=etag`` and an
-        MD5 ETag, ``md5_hex``) match the object's."""
+    def verify(self, info: ObjectInfo, size: int, digest: str | None, attempt: int) -> ObjectInfo:
+        """Raise :class:`IntegrityError` unless ``size`` and ``digest`` (the downloaded
+        bytes' checksum of the algorithm ``info.expected_checksum`` names; None when it
+        names none) match the object's. Returns ``info`` with ``verified`` set to the
+        checksum that was checked (None: the size only)."""
         if size != info.size:
             raise IntegrityError(
                 f"{info.url}: downloaded {size} bytes, expected {info.size} on attempt "
@@ -147,17 +157,26 @@ class Strategy(abc.ABC):
                 expected=info.size,
                 seen=size,
             )
-        if self.options.verify == "etag" and info.md5 and md5_hex != info.md5:
+        want = info.expected_checksum(self.options.verify)
+        if want is not None and digest != want.value:
+            instead = ", checked instead of the slower MD5 of the ETag" if info.md5 else ""
+            hint = (
+                "set SHARDCACHE_VERIFY=size if this store's ETags are not MD5s"
+                if want.algorithm == "md5"
+                else "check that the store computes this checksum over the object's bytes"
+            )
             raise IntegrityError(
-                f"{info.url}: MD5 of the downloaded bytes is {md5_hex}, expected {info.md5} "
-                f"(the ETag) on attempt {attempt}. The bytes were corrupted in transit or the "
-                "object changed; nothing was published. Check the network path (proxies) and "
-                "the object; set SHARDCACHE_VERIFY=size if this store's ETags are not MD5s.",
+                f"{info.url}: {want.algorithm.upper()} of the downloaded bytes is {digest}, "
+                f"expected {want.value} ({want.source}{instead}) on attempt {attempt}. The "
+                "bytes were corrupted in transit or the object changed; nothing was "
+                f"published. Check the network path (proxies) and the object; {hint}.",
                 url=info.url,
                 attempts=attempt,
-                expected=info.md5,
-                seen=md5_hex,
+                expected=want.value,
+                seen=digest,
+                algorithm=want.algorithm,
             )
+        return replace(info, verified=want)
 
 
 def s3_body(
