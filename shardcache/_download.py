@@ -14,6 +14,7 @@ A failure to write the caller's file is never the store's fault: it is marked
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
@@ -184,7 +185,14 @@ def s3_body(
 ) -> Iterator[bytes]:
     """One GET of bytes ``[start, end)`` of an S3 object (the whole object when neither is
     given), in pieces of at most ``piece`` bytes. A ranged GET carries ``If-Match`` on the
-    ETag, so a changed object is never stitched together (HTTP 412 instead)."""
+    ETag, so a changed object is never stitched together (HTTP 412 instead).
+
+    Each piece is gathered on the event loop's thread until it holds at least
+    ``_MIN_PIECE`` bytes, the body ends, or ``_MAX_GATHER`` seconds passed (progress
+    reports stay frequent on a slow link): over a slow link a read returns only what
+    arrived since the last one, a few KiB, and handing every such scrap to this thread
+    (a wake-up of each thread, a write, a checksum update, a progress report) cost more
+    CPU than the bytes themselves."""
     bucket, key, version = fs.split_path(path)
     kw: dict[str, Any] = {}
     if version or info.version_id:
@@ -195,8 +203,33 @@ def s3_body(
             kw["IfMatch"] = f'"{info.etag}"'
     response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
     body = response["Body"]
+    least = min(piece, _MIN_PIECE)
     try:
-        while data := sync(fs.loop, body.read, piece):
+        while data := sync(fs.loop, _read_piece, body, piece, least):
             yield data
     finally:
         body.close()
+
+
+_MIN_PIECE = 1 << 20  # bytes gathered per hand-over from the event loop (see s3_body)
+_MAX_GATHER = 0.1  # seconds: a slower piece is handed over with what it has
+
+
+async def _read_piece(body: Any, most: int, least: int) -> bytes:
+    """At most ``most`` bytes of ``body``: at least ``least`` unless the body ends or
+    gathering them takes more than ``_MAX_GATHER`` seconds."""
+    chunks: list[bytes] = []
+    got = 0
+    deadline = None
+    while got < least:
+        data = await body.read(most - got)
+        if not data:
+            break
+        chunks.append(data)
+        got += len(data)
+        now = asyncio.get_running_loop().time()
+        if deadline is None:
+            deadline = now + _MAX_GATHER
+        elif now >= deadline:
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
