@@ -190,9 +190,13 @@ def test_verify_size_checks_no_checksum(bucket, fault_proxy, tmp_path: Path) -> 
     assert read_meta(cache.layout, cache.fetch(f"s3://{BUCKET}/s.tar"))["verified"] == "size"
 
 
-def test_the_verify_command_checks_cached_copies_with_the_crc(bucket, tmp_path: Path) -> None:
-    data = _blob(100_000, 9)
-    _put(bucket, "v.tar", data, "CRC64NVME")
+def test_the_verify_command_checks_a_multipart_copy_with_the_crc(bucket, tmp_path: Path) -> None:
+    """A multipart object has no MD5 to check: its full-object CRC catches an altered copy
+    that the size alone would not."""
+    data = _blob(11 << 20, 9)
+    _put_multipart(
+        bucket, "v.tar", data, 5 << 20, ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+    )
     cache = _cache(tmp_path)
     path = cache.fetch(f"s3://{BUCKET}/v.tar")
     assert not verify(cache).failed
@@ -202,7 +206,7 @@ def test_the_verify_command_checks_cached_copies_with_the_crc(bucket, tmp_path: 
     path.write_bytes(bytes(damaged))
     report = verify(cache)
     [bad] = report.of("bad")
-    assert "crc64nvme" in bad.detail and bad.removed
+    assert bad.detail.startswith("crc64nvme ") and bad.removed
 
 
 @pytest.mark.parametrize(
