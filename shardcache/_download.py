@@ -217,19 +217,17 @@ _MAX_GATHER = 0.1  # seconds: a slower piece is handed over with what it has
 
 async def _read_piece(body: Any, most: int, least: int) -> bytes:
     """At most ``most`` bytes of ``body``: at least ``least`` unless the body ends or
-    gathering them takes more than ``_MAX_GATHER`` seconds."""
+    more than ``_MAX_GATHER`` seconds passed since the call (then what has arrived)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _MAX_GATHER
     chunks: list[bytes] = []
     got = 0
-    deadline = None
     while got < least:
         data = await body.read(most - got)
         if not data:
             break
         chunks.append(data)
         got += len(data)
-        now = asyncio.get_running_loop().time()
-        if deadline is None:
-            deadline = now + _MAX_GATHER
-        elif now >= deadline:
+        if loop.time() >= deadline:
             break
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
