@@ -400,6 +400,10 @@ class ShardCache:
                     "size": info.size,
                     "etag": info.etag,
                     "md5": info.md5,
+                    # The store's own checksum, and what this copy was checked against
+                    # beyond its size ("crc64nvme", ..., "md5"; "size" for nothing more).
+                    "checksum": info.checksum.as_record() if info.checksum else None,
+                    "verified": info.verified.algorithm if info.verified else "size",
                     "version_id": info.version_id,
                     "mtime_ns": info.mtime_ns,
                     "data_ino": os.fstat(fd).st_ino,  # the copy this record describes

@@ -272,7 +272,8 @@ SPECS: dict[str, _Spec] = {
         "SHARDCACHE_VERIFY",
         _choice("etag", "size"),
         "etag",
-        "etag: size + MD5 for single-part objects; size: size only",
+        "etag: size + the object's S3 checksum (CRC64NVME, CRC32C, CRC32, SHA), else MD5 of a "
+        "single-part ETag; size: size only",
     ),
     "threads": _Spec("SHARDCACHE_THREADS", parse_int, 4, "prefetch download threads", 1, 1024),
     "prefetch_depth": _Spec(

@@ -14,13 +14,15 @@ A failure to write the caller's file is never the store's fault: it is marked
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, BinaryIO, Protocol
 
 from fsspec.asyn import sync
 
+from ._checksums import Checksum, expected
 from ._errors import IntegrityError
 from ._redact import get_logger, redact_options
 from ._retry import RetryPolicy
@@ -48,6 +50,13 @@ class ObjectInfo:
     version_id: str | None = None
     md5: str | None = None  # hex MD5 of the content when the ETag is one (single-part, no KMS)
     mtime_ns: int | None = None  # a local source's modification time (its version)
+    checksum: Checksum | None = None  # the store's full-object checksum (S3: x-amz-checksum-*)
+    verified: Checksum | None = None  # set on the info a download returns: what it checked
+
+    def expected_checksum(self, verify: str) -> Checksum | None:
+        """What a download is checked against beyond the size (see
+        :func:`shardcache._checksums.expected`)."""
+        return expected(self, verify)
 
 
 @dataclass(frozen=True, repr=False)
@@ -134,9 +143,11 @@ class Strategy(abc.ABC):
         :class:`~shardcache.FetchError` subclass or :class:`IntegrityError`, or
         :class:`LocalWriteError` for a failed write of ``out``."""
 
-    def verify(self, info: ObjectInfo, size: int, md5_hex: str, attempt: int) -> None:
-        """Raise :class:`IntegrityError` unless ``size`` (and, with ``verify=etag`` and an
-        MD5 ETag, ``md5_hex``) match the object's."""
+    def verify(self, info: ObjectInfo, size: int, digest: str | None, attempt: int) -> ObjectInfo:
+        """Raise :class:`IntegrityError` unless ``size`` and ``digest`` (the downloaded
+        bytes' checksum of the algorithm ``info.expected_checksum`` names; None when it
+        names none) match the object's. Returns ``info`` with ``verified`` set to the
+        checksum that was checked (None: the size only)."""
         if size != info.size:
             raise IntegrityError(
                 f"{info.url}: downloaded {size} bytes, expected {info.size} on attempt "
@@ -147,17 +158,26 @@ class Strategy(abc.ABC):
                 expected=info.size,
                 seen=size,
             )
-        if self.options.verify == "etag" and info.md5 and md5_hex != info.md5:
+        want = info.expected_checksum(self.options.verify)
+        if want is not None and digest != want.value:
+            instead = ", checked instead of the slower MD5 of the ETag" if info.md5 else ""
+            hint = (
+                "set SHARDCACHE_VERIFY=size if this store's ETags are not MD5s"
+                if want.algorithm == "md5"
+                else "check that the store computes this checksum over the object's bytes"
+            )
             raise IntegrityError(
-                f"{info.url}: MD5 of the downloaded bytes is {md5_hex}, expected {info.md5} "
-                f"(the ETag) on attempt {attempt}. The bytes were corrupted in transit or the "
-                "object changed; nothing was published. Check the network path (proxies) and "
-                "the object; set SHARDCACHE_VERIFY=size if this store's ETags are not MD5s.",
+                f"{info.url}: {want.algorithm.upper()} of the downloaded bytes is {digest}, "
+                f"expected {want.value} ({want.source}{instead}) on attempt {attempt}. The "
+                "bytes were corrupted in transit or the object changed; nothing was "
+                f"published. Check the network path (proxies) and the object; {hint}.",
                 url=info.url,
                 attempts=attempt,
-                expected=info.md5,
-                seen=md5_hex,
+                expected=want.value,
+                seen=digest,
+                algorithm=want.algorithm,
             )
+        return replace(info, verified=want)
 
 
 def s3_body(
@@ -165,7 +185,14 @@ def s3_body(
 ) -> Iterator[bytes]:
     """One GET of bytes ``[start, end)`` of an S3 object (the whole object when neither is
     given), in pieces of at most ``piece`` bytes. A ranged GET carries ``If-Match`` on the
-    ETag, so a changed object is never stitched together (HTTP 412 instead)."""
+    ETag, so a changed object is never stitched together (HTTP 412 instead).
+
+    Each piece is gathered on the event loop's thread until it holds at least
+    ``_MIN_PIECE`` bytes, the body ends, or ``_MAX_GATHER`` seconds passed (progress
+    reports stay frequent on a slow link): over a slow link a read returns only what
+    arrived since the last one, a few KiB, and handing every such scrap to this thread
+    (a wake-up of each thread, a write, a checksum update, a progress report) cost more
+    CPU than the bytes themselves."""
     bucket, key, version = fs.split_path(path)
     kw: dict[str, Any] = {}
     if version or info.version_id:
@@ -176,8 +203,31 @@ def s3_body(
             kw["IfMatch"] = f'"{info.etag}"'
     response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
     body = response["Body"]
+    least = min(piece, _MIN_PIECE)
     try:
-        while data := sync(fs.loop, body.read, piece):
+        while data := sync(fs.loop, _read_piece, body, piece, least):
             yield data
     finally:
         body.close()
+
+
+_MIN_PIECE = 1 << 20  # bytes gathered per hand-over from the event loop (see s3_body)
+_MAX_GATHER = 0.1  # seconds: a slower piece is handed over with what it has
+
+
+async def _read_piece(body: Any, most: int, least: int) -> bytes:
+    """At most ``most`` bytes of ``body``: at least ``least`` unless the body ends or
+    more than ``_MAX_GATHER`` seconds passed since the call (then what has arrived)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _MAX_GATHER
+    chunks: list[bytes] = []
+    got = 0
+    while got < least:
+        data = await body.read(most - got)
+        if not data:
+            break
+        chunks.append(data)
+        got += len(data)
+        if loop.time() >= deadline:
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

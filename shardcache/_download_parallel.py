@@ -4,20 +4,21 @@ Up to ``max_parts_in_flight`` concurrent ranged GETs of ``part_size`` bytes, eac
 at its offset into the same temp file (``os.pwrite``), each retried on its own, all
 guarded by ``If-Match`` on the ETag (a change shows as HTTP 412: :class:`IntegrityError`).
 Memory stays bounded by parts in flight x a 1 MiB read piece. The size is checked per
-part; the MD5 (single-part ETags) is computed afterwards from the file, which is then
-still in the page cache. A failed verification downloads the object again with fresh
-metadata, as a single stream if it is no longer large.
+part; the checksum (the object's S3 checksum, else the MD5 of a single-part ETag) is
+computed afterwards from the file, which is then still in the page cache. A failed
+verification downloads the object again with fresh metadata, as a single stream if it is
+no longer large.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import hashlib
 import os
 import threading
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from ._checksums import hash_fd
 from ._download import (
     LocalWriteError,
     ObjectInfo,
@@ -79,11 +80,15 @@ class ParallelDownload(Strategy):
             if n > 1 and not self.suits(info, out):
                 return None  # fresh metadata says the object is no longer large
             self._fetch_parts(info, out, progress, n)
-            if self.options.verify == "etag" and info.md5:
+            want = info.expected_checksum(self.options.verify)
+            digest = None
+            if want is not None:
                 progress(phase="verifying", bytes_done=info.size, bytes_total=info.size)
-                self.verify(info, info.size, self._hash_file(out, info.size), n)
+                with local_io():
+                    digest = hash_fd(out.fileno(), info.size, want.algorithm)
+            verified = self.verify(info, info.size, digest, n)
             out.seek(info.size)
-            return info
+            return verified
 
         def on_retry(exc: Exception, n: int) -> None:
             nonlocal info
@@ -213,19 +218,6 @@ class ParallelDownload(Strategy):
         fs, path = self.source.filesystem(info.url)
         piece = min(self.options.chunk_size, _PART_PIECE)
         return s3_body(fs, path, info, piece, start=start, end=end)
-
-    def _hash_file(self, out: BinaryIO, size: int) -> str:
-        md5 = hashlib.md5(usedforsecurity=False)
-        fd = out.fileno()
-        pos = 0
-        while pos < size:
-            with local_io():
-                data = os.pread(fd, min(self.options.chunk_size, size - pos), pos)
-            if not data:
-                break
-            md5.update(data)
-            pos += len(data)
-        return md5.hexdigest()
 
 
 # Failures that are not the store's answer for this part: passed on as they are.

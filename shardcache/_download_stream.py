@@ -3,16 +3,17 @@ stores), resumed after a transient failure at the byte it reached.
 
 Memory stays bounded by ``chunk_size`` whatever the object size. An S3 resume is a
 ``Range`` request guarded by ``If-Match`` on the ETag, so a changed object is never
-stitched together. The MD5 is computed while the bytes go by; a failed verification
-starts again from byte 0 with fresh metadata (a replaced object has a new size and ETag).
+stitched together. The checksum (the object's S3 checksum, else the ETag's MD5) is
+computed while the bytes go by; a failed verification starts again from byte 0 with
+fresh metadata (a replaced object has a new size and ETag).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from ._checksums import Hasher
 from ._download import (
     LocalWriteError,
     ObjectInfo,
@@ -33,22 +34,23 @@ class StreamDownload(Strategy):
     """Any object from any store, one stream at a time."""
 
     def download(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
-        state = _Stream(info)
+        state = _Stream(info, self.options.verify)
 
         def attempt(n: int) -> ObjectInfo:
             progress(phase=self.phase(n), bytes_done=state.done, bytes_total=state.info.size)
             for chunk in self.chunks(state.info, state.done):
                 with local_io():
                     out.write(chunk)
-                state.md5.update(chunk)
+                if state.hasher is not None:
+                    state.hasher.update(chunk)
                 state.done += len(chunk)
                 progress(phase="downloading", bytes_done=state.done, bytes_total=state.info.size)
                 if state.done > state.info.size:
                     break
             if state.done < state.info.size:
                 raise TruncatedBody(f"body ended at byte {state.done} of {state.info.size}")
-            self.verify(state.info, state.done, state.md5.hexdigest(), n)
-            return state.info
+            digest = state.hasher.value() if state.hasher is not None else None
+            return self.verify(state.info, state.done, digest, n)
 
         def on_retry(exc: Exception, n: int) -> None:
             if verification_failed(exc):
@@ -86,15 +88,18 @@ class StreamDownload(Strategy):
 
 
 class _Stream:
-    """Where a stream stands: the object it verifies against, bytes written, their MD5."""
+    """Where a stream stands: the object it verifies against, bytes written, their
+    checksum (None: verified by size only)."""
 
-    def __init__(self, info: ObjectInfo) -> None:
+    def __init__(self, info: ObjectInfo, verify: str) -> None:
+        self.verify = verify
         self.restart(info)
 
     def restart(self, info: ObjectInfo) -> None:
         self.info = info
         self.done = 0
-        self.md5 = hashlib.md5(usedforsecurity=False)
+        want = info.expected_checksum(self.verify)
+        self.hasher = Hasher(want.algorithm) if want is not None else None
 
 
 def _transient(exc: Exception) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.asyn import sync
 
+from ._checksums import from_s3_head
 from ._download import LocalWriteError, ObjectInfo, Progress, RemoteOptions, Strategy, no_progress
 from ._download_parallel import ParallelDownload
 from ._download_pipe import PipeDownload
@@ -68,6 +69,11 @@ class Remote:
             config.setdefault("read_timeout", self.options.io_timeout)
             # Our RetryPolicy owns retries: botocore's and s3fs's own would multiply them.
             config.setdefault("retries", {"total_max_attempts": 1})
+            if self.options.verify == "etag":
+                # We verify every download against the object's checksum ourselves (HEAD
+                # asks for it); botocore's own check of a GET's x-amz-checksum-* would
+                # compute it a second time (a CRC32 of every byte, in pure software).
+                config.setdefault("response_checksum_validation", "when_required")
             chosen["config_kwargs"] = config
         return chosen
 
@@ -116,7 +122,15 @@ class Remote:
         if protocol in {"s3", "s3a"}:
             bucket, key, version = fs.split_path(path)
             kw = {"VersionId": version} if version else {}
-            head = sync(fs.loop, fs._call_s3, "head_object", Bucket=bucket, Key=key, **kw)
+            head = sync(
+                fs.loop,
+                fs._call_s3,
+                "head_object",
+                Bucket=bucket,
+                Key=key,
+                ChecksumMode="ENABLED",  # the object's additional checksum, if it has one
+                **kw,
+            )
             etag = str(head.get("ETag", "")).strip('"') or None
             md5 = None
             if (
@@ -126,7 +140,14 @@ class Remote:
                 and "SSECustomerAlgorithm" not in head
             ):
                 md5 = etag
-            return ObjectInfo(url, int(head["ContentLength"]), etag, head.get("VersionId"), md5)
+            return ObjectInfo(
+                url,
+                int(head["ContentLength"]),
+                etag,
+                head.get("VersionId"),
+                md5,
+                checksum=from_s3_head(head, multipart_etag=bool(etag and "-" in etag)),
+            )
         if protocol in LOCAL_PROTOCOLS:
             st = os.stat(path)  # before any byte is read: a later change shows on the next hit
             if stat.S_ISDIR(st.st_mode):

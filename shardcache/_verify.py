@@ -1,7 +1,8 @@
 """``verify``: check every cached shard's content against its source and remove bad ones.
 
 The source is, per shard, a manifest entry's ``size``/``md5``/``sha256`` when one is given,
-else the remote object (size, MD5 of single-part objects, the ETag recorded at download).
+else the remote object (size; the MD5 of a single-part object and its full-object S3
+checksum, whichever it has; the ETag recorded at download).
 A shard is removed only through ``ShardCache.remove`` (never while a reader holds it), and
 nothing is ever run: a ``pipe:`` command's copy is checked against a manifest or the size
 recorded when the command ran, never by running the command again.
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ._cache import ShardCache
+from ._checksums import Hasher
 from ._errors import ShardCacheError
 from ._eviction import scan
 from ._maintenance import unreadable_json, unreadable_lines
@@ -168,11 +170,17 @@ def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | 
         source = "the manifest"
         want_size = meta.get("size")
         want = {k: str(meta[k]).lower() for k in ("md5", "sha256") if meta.get(k)}
+        hashers = {name: _HexHasher(name) for name in want}
     else:
         source = "the remote object"
         info = cache.remote.info(entry.url)
         want_size = info.size
+        # An audit, not the hot path: the ETag's MD5 where there is one (128 bits), and
+        # the store's full-object checksum too (the only one of a KMS or multipart object).
         want = {"md5": info.md5} if info.md5 else {}
+        if info.checksum is not None:
+            want[info.checksum.algorithm] = info.checksum.value
+        hashers = {name: Hasher(name) for name in want}
         if not want and entry.etag and info.etag and entry.etag != info.etag:
             return (
                 f"the remote object changed since it was cached (ETag {info.etag}, "
@@ -181,7 +189,7 @@ def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | 
     if want_size is not None and int(want_size) != size:
         return f"size {size} bytes, {source} has {want_size}"
     if want:
-        got = _hashes(cache.layout.fs, entry.path, want.keys())
+        got = _hashes(cache.layout.fs, entry.path, hashers)
         for name, value in want.items():
             if got[name] != value:
                 return f"{name} {got[name]}, {source} has {value}"
@@ -199,13 +207,25 @@ def _check_recorded_size(cache: ShardCache, entry: Any) -> str | None:
     return None
 
 
-def _hashes(fs: SafeFS, path: Path, names: Any) -> dict[str, str]:
-    hashers = {name: hashlib.new(name) for name in names}
+class _HexHasher:
+    """A manifest's ``md5`` / ``sha256``: hashlib, in hex."""
+
+    def __init__(self, name: str) -> None:
+        self._hash = hashlib.new(name)
+
+    def update(self, data: Any) -> None:
+        self._hash.update(data)
+
+    def value(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _hashes(fs: SafeFS, path: Path, hashers: dict[str, Any]) -> dict[str, str]:
     with os.fdopen(fs.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             for h in hashers.values():
                 h.update(chunk)
-    return {name: h.hexdigest() for name, h in hashers.items()}
+    return {name: h.value() for name, h in hashers.items()}
 
 
 __all__ = ["VerifyItem", "VerifyReport", "verify"]

@@ -204,6 +204,22 @@ def test_truncate_fault_cuts_the_body(s3: S3Server, fault_proxy: FaultProxy) -> 
 
 
 @pytest.mark.timeout(20)
+def test_corrupt_fault_inverts_one_body_byte(s3: S3Server, fault_proxy: FaultProxy) -> None:
+    s3.put_objects(BUCKET, {"a.bin": DATA})
+    # botocore would check the object's CRC32 itself: take the bytes as they arrive.
+    client = _no_retry_client(s3, fault_proxy, response_checksum_validation="when_required")
+    fault_proxy.add_fault("corrupt", times=1, method="GET", corrupt_at=1000)
+    fault_proxy.add_fault("corrupt", times=1, method="GET")  # the middle byte
+    for at in (1000, len(DATA) // 2):
+        body = client.get_object(Bucket=BUCKET, Key="a.bin")["Body"].read()
+        assert len(body) == len(DATA)
+        assert [i for i in range(len(DATA)) if body[i] != DATA[i]] == [at]
+        assert body[at] == DATA[at] ^ 0xFF
+    assert client.get_object(Bucket=BUCKET, Key="a.bin")["Body"].read() == DATA
+    assert fault_proxy.faults_injected("corrupt") == 2
+
+
+@pytest.mark.timeout(20)
 def test_hang_fault_times_out_a_client(s3: S3Server, fault_proxy: FaultProxy) -> None:
     s3.put_objects(BUCKET, {"a.bin": DATA})
     fault_proxy.add_fault("hang", times=1, method="GET")

@@ -2,7 +2,7 @@
 
 Sits between a client (s3fs / aiobotocore / boto3) and an upstream S3 server
 (``S3Server``) and, for the next N requests matching a rule, answers with an S3 error
-status, resets the connection, truncates the response body, or hangs::
+status, resets the connection, truncates or corrupts the response body, or hangs::
 
     with FaultProxy("127.0.0.1", s3.port) as proxy:
         proxy.add_fault("status:503", times=2, method="GET", path_contains="train-0001")
@@ -41,7 +41,7 @@ from shardcache.testing._service import HOST, LoopbackService
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("status", "reset", "truncate", "hang")
+FAULT_KINDS = ("status", "reset", "truncate", "corrupt", "hang")
 _RECV = 64 * 1024
 _MAX_HEAD = 64 * 1024
 _POLL = 0.05  # seconds between checks of the stop flag while hanging / accepting
@@ -113,13 +113,15 @@ class FaultRule:
     status: int = 503
     truncate_bytes: int | None = None
     """Body bytes to forward before closing (``truncate``); default half the body."""
+    corrupt_at: int | None = None
+    """Offset of the body byte inverted (``corrupt``); default the middle of the body."""
     error_code: str | None = None
     """S3 error code in the XML body (``status``); default depends on the status."""
     injected: int = 0
 
     @property
     def label(self) -> str:
-        """``"status:503"``, ``"reset"``, ``"truncate"`` or ``"hang"``."""
+        """``"status:503"``, ``"reset"``, ``"truncate"``, ``"corrupt"`` or ``"hang"``."""
         return f"status:{self.status}" if self.kind == "status" else self.kind
 
     def matches(self, method: str, target: str) -> bool:
@@ -374,8 +376,8 @@ class _Connection:
         if rule.kind == "reset":
             self.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return False
-        if rule.kind == "truncate":
-            return self.forward(req, method, truncate=rule)
+        if rule.kind in ("truncate", "corrupt"):
+            return self.forward(req, method, fault=rule)
         self.drain_request_body(req)
         if rule.kind == "status":
             self.send(
@@ -424,7 +426,7 @@ class _Connection:
         self.upstream, self.upstream_in = sock, _Reader(sock)
         return sock, self.upstream_in
 
-    def forward(self, req: _Head, method: str, truncate: FaultRule | None = None) -> bool:
+    def forward(self, req: _Head, method: str, fault: FaultRule | None = None) -> bool:
         """Send the request upstream and relay the response; returns keep-alive."""
         upstream, upstream_in = self.connect_upstream()
         self.expect_continue(req)
@@ -455,13 +457,18 @@ class _Connection:
             resp.remove("Connection")
             raw = resp.to_bytes()
         self.send(self.client, raw)
-        if truncate is not None:
-            limit = truncate.truncate_bytes
+        if fault is not None and fault.kind == "truncate":
+            limit = fault.truncate_bytes
             if limit is None:
                 limit = framing[1] // 2 if framing[0] == "length" else 1
             self.relay_body(upstream_in, self.client, framing, limit=limit)
             return False
-        self.relay_body(upstream_in, self.client, framing)
+        corrupt_at = None
+        if fault is not None and fault.kind == "corrupt":
+            corrupt_at = fault.corrupt_at
+            if corrupt_at is None:
+                corrupt_at = framing[1] // 2 if framing[0] == "length" else 0
+        self.relay_body(upstream_in, self.client, framing, corrupt_at=corrupt_at)
         if upstream_closes:
             self.drop_upstream()
         return framing[0] != "eof" and not client_wants_close
@@ -472,17 +479,24 @@ class _Connection:
         dst: socket.socket | None,
         framing: tuple[str, int],
         limit: int | None = None,
+        corrupt_at: int | None = None,
     ) -> None:
         """Copy one message body from ``src`` to ``dst`` (``None`` = discard).
 
-        With ``limit``, stop after that many bytes (raw bytes for chunked bodies).
+        With ``limit``, stop after that many bytes (raw bytes for chunked bodies); with
+        ``corrupt_at``, invert the bits of the byte at that offset (raw bytes likewise).
         """
         budget = [limit]
+        sent = [0]
 
         def out(data: bytes) -> bool:
             if budget[0] is not None:
                 data = data[: budget[0]]
                 budget[0] -= len(data)
+            if corrupt_at is not None and sent[0] <= corrupt_at < sent[0] + len(data):
+                i = corrupt_at - sent[0]
+                data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
+            sent[0] += len(data)
             if dst is not None and data:
                 self.send(dst, data)
             return budget[0] is None or budget[0] > 0
@@ -528,7 +542,8 @@ class FaultProxy(LoopbackService):
     """Threaded fault-injecting HTTP proxy on 127.0.0.1 in front of ``upstream``.
 
     Faults that answer by themselves (``status``, ``reset``, ``hang``) never reach the
-    upstream server; ``truncate`` forwards the request and cuts the response body.
+    upstream server; ``truncate`` forwards the request and cuts the response body,
+    ``corrupt`` forwards it and inverts one byte of the response body.
 
     Shaping (all off by default; applies to bytes sent to the client): ``latency``
     seconds before the first response byte of each request, ``conn_rate`` bytes/s per
@@ -688,13 +703,16 @@ class FaultProxy(LoopbackService):
         path_contains: str | None = None,
         *,
         truncate_bytes: int | None = None,
+        corrupt_at: int | None = None,
         error_code: str | None = None,
     ) -> FaultRule:
         """Inject ``kind`` into the next ``times`` matching requests (``None`` = always).
 
         Kinds: ``"status:NNN"`` (S3 XML error, upstream not contacted), ``"reset"``
         (TCP RST instead of a response), ``"truncate"`` (headers plus ``truncate_bytes``
-        of the body, default half, then close), ``"hang"`` (never answer). ``method``
+        of the body, default half, then close), ``"corrupt"`` (the whole response with the
+        body byte at ``corrupt_at``, default the middle one, inverted), ``"hang"`` (never
+        answer). ``method``
         and ``path_contains`` (substring of the decoded URL) narrow the match.
         """
         name, status = parse_kind(kind)
@@ -705,6 +723,7 @@ class FaultProxy(LoopbackService):
             path_contains=path_contains,
             status=status or 503,
             truncate_bytes=truncate_bytes,
+            corrupt_at=corrupt_at,
             error_code=error_code,
         )
         return self.rules.add(rule)

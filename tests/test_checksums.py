@@ -1,0 +1,227 @@
+"""Verification against S3's additional checksums (CRC64NVME, CRC32C, CRC32, SHA1, SHA256),
+with the ETag's MD5 only where the object has none, against a real moto server."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardcache import IntegrityError, ShardCache
+from shardcache._checksums import Hasher, from_s3_head
+from shardcache._layout import is_temp_name
+from shardcache._metadata import read_meta
+from shardcache._verify import verify
+
+BUCKET = "sums"
+PART = 64 * 1024
+
+
+def _blob(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _cache(tmp_path: Path, endpoint_url: str | None = None, **kw: Any) -> ShardCache:
+    kw.setdefault("retry_backoff", 0.01)
+    if endpoint_url is not None:
+        kw["storage_options"] = {"endpoint_url": endpoint_url}
+    return ShardCache(tmp_path / "cache", **kw)
+
+
+def _put(s3, key: str, data: bytes, algorithm: str | None) -> None:
+    """One PUT with ``algorithm``'s checksum, or with none at all (``None``)."""
+    if algorithm is None:  # botocore adds a CRC32 by default; this client adds nothing
+        client = s3.boto3_client(request_checksum_calculation="when_required")
+        client.put_object(Bucket=BUCKET, Key=key, Body=data)
+    else:
+        s3.boto3_client().put_object(Bucket=BUCKET, Key=key, Body=data, ChecksumAlgorithm=algorithm)
+
+
+def _put_multipart(s3, key: str, data: bytes, part: int, **kw: str) -> None:
+    client = s3.boto3_client()
+    upload = client.create_multipart_upload(Bucket=BUCKET, Key=key, **kw)["UploadId"]
+    parts = []
+    for number, offset in enumerate(range(0, len(data), part), start=1):
+        extra = {"ChecksumAlgorithm": kw["ChecksumAlgorithm"]} if kw else {}
+        answer = client.upload_part(
+            Bucket=BUCKET,
+            Key=key,
+            UploadId=upload,
+            PartNumber=number,
+            Body=data[offset : offset + part],
+            **extra,
+        )
+        parts.append(
+            {"PartNumber": number, "ETag": answer["ETag"]}
+            | {k: v for k, v in answer.items() if k.startswith("Checksum") and k != "ChecksumType"}
+        )
+    client.complete_multipart_upload(
+        Bucket=BUCKET, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+    )
+
+
+def _nothing_published(cache: ShardCache, url: str) -> bool:
+    files = [p for p in cache.settings.scope_dir.rglob("*") if p.is_file()]
+    return not cache.contains(url) and not [p for p in files if is_temp_name(p.name)]
+
+
+@pytest.fixture
+def bucket(s3):
+    s3.boto3_client().create_bucket(Bucket=BUCKET)
+    return s3
+
+
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32", "SHA1", "SHA256"])
+def test_a_download_is_verified_with_the_objects_checksum_and_records_it(
+    bucket, tmp_path: Path, algorithm: str
+) -> None:
+    data = _blob(300_000, 1)
+    _put(bucket, "a.tar", data, algorithm)
+    cache = _cache(tmp_path)
+    path = cache.fetch(f"s3://{BUCKET}/a.tar")
+    assert path.read_bytes() == data
+    record = read_meta(cache.layout, path)
+    assert record["verified"] == algorithm.lower()
+    expected = Hasher(algorithm.lower())
+    expected.update(data)
+    assert record["checksum"] == {"algorithm": algorithm.lower(), "value": expected.value()}
+    assert record["md5"]  # the ETag's MD5 is still recorded, only not recomputed
+
+
+def test_an_object_without_a_checksum_is_verified_by_the_etags_md5(
+    bucket, fault_proxy, tmp_path: Path
+) -> None:
+    data = _blob(200_000, 2)
+    _put(bucket, "plain.tar", data, None)
+    url = f"s3://{BUCKET}/plain.tar"
+    cache = _cache(tmp_path)
+    record = read_meta(cache.layout, cache.fetch(url))
+    assert record["verified"] == "md5" and record["checksum"] is None
+
+    fault_proxy.add_fault("corrupt", times=None, method="GET", path_contains="plain.tar")
+    proxied = _cache(tmp_path / "p", fault_proxy.endpoint_url, retries=1)
+    with pytest.raises(IntegrityError) as info:
+        proxied.fetch(url)
+    assert "MD5" in str(info.value) and "the ETag" in str(info.value)
+    assert _nothing_published(proxied, url)
+
+
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32"])
+def test_a_corrupted_body_fails_the_crc_and_nothing_is_published(
+    bucket, fault_proxy, tmp_path: Path, algorithm: str
+) -> None:
+    data = _blob(300_000, 3)
+    _put(bucket, "c.tar", data, algorithm)
+    url = f"s3://{BUCKET}/c.tar"
+    fault_proxy.add_fault("corrupt", times=None, method="GET", path_contains="c.tar")
+    cache = _cache(tmp_path, fault_proxy.endpoint_url, retries=1)
+    with pytest.raises(IntegrityError) as info:
+        cache.fetch(url)
+    message = str(info.value)
+    assert f"{algorithm} of the downloaded bytes" in message
+    assert f"x-amz-checksum-{algorithm.lower()}" in message and url in message
+    assert info.value.attempts == 2  # downloaded again from byte 0 once, then reported
+    assert fault_proxy.faults_injected("corrupt") == 2
+    assert _nothing_published(cache, url)
+
+
+def test_one_corrupted_body_is_downloaded_again_and_then_verified(
+    bucket, fault_proxy, tmp_path: Path
+) -> None:
+    data = _blob(300_000, 4)
+    _put(bucket, "once.tar", data, "CRC64NVME")
+    fault_proxy.add_fault("corrupt", times=1, method="GET", path_contains="once.tar")
+    cache = _cache(tmp_path, fault_proxy.endpoint_url, retries=1)
+    path = cache.fetch(f"s3://{BUCKET}/once.tar")
+    assert path.read_bytes() == data
+    assert read_meta(cache.layout, path)["verified"] == "crc64nvme"
+    assert fault_proxy.faults_injected("corrupt") == 1
+
+
+def test_a_corrupted_part_of_a_parallel_download_fails_the_crc(
+    bucket, fault_proxy, tmp_path: Path
+) -> None:
+    data = _blob(5 * PART + 77, 5)
+    _put(bucket, "big.tar", data, "CRC32C")
+    url = f"s3://{BUCKET}/big.tar"
+    parallel = {"parallel_threshold": 2 * PART, "part_size": PART, "parallel_parts": 3}
+    fault_proxy.add_fault("corrupt", times=None, method="GET", path_contains="big.tar")
+    cache = _cache(tmp_path, fault_proxy.endpoint_url, retries=1, **parallel)
+    with pytest.raises(IntegrityError) as info:
+        cache.fetch(url)
+    assert "CRC32C of the downloaded bytes" in str(info.value)
+    assert _nothing_published(cache, url)
+
+    fault_proxy.clear_faults()
+    good = cache.fetch(url)
+    assert good.read_bytes() == data
+    assert read_meta(cache.layout, good)["verified"] == "crc32c"
+
+
+def test_a_full_object_checksum_of_a_multipart_upload_is_used(bucket, tmp_path: Path) -> None:
+    data = _blob(11 << 20, 6)
+    _put_multipart(
+        bucket, "mp.tar", data, 5 << 20, ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+    )
+    cache = _cache(tmp_path)
+    path = cache.fetch(f"s3://{BUCKET}/mp.tar")
+    assert path.read_bytes() == data
+    assert read_meta(cache.layout, path)["verified"] == "crc64nvme"
+
+
+def test_a_composite_checksum_of_a_multipart_upload_is_not_used(bucket, tmp_path: Path) -> None:
+    """A checksum of the parts' checksums does not describe the bytes: size only, as for
+    any multipart object whose ETag is no MD5."""
+    data = _blob(11 << 20, 7)
+    _put_multipart(bucket, "comp.tar", data, 5 << 20, ChecksumAlgorithm="CRC32C")
+    cache = _cache(tmp_path)
+    path = cache.fetch(f"s3://{BUCKET}/comp.tar")
+    assert path.read_bytes() == data
+    record = read_meta(cache.layout, path)
+    assert record["verified"] == "size" and record["checksum"] is None
+
+
+def test_verify_size_checks_no_checksum(bucket, fault_proxy, tmp_path: Path) -> None:
+    data = _blob(100_000, 8)
+    _put(bucket, "s.tar", data, "CRC32C")
+    cache = _cache(tmp_path, verify="size")
+    assert read_meta(cache.layout, cache.fetch(f"s3://{BUCKET}/s.tar"))["verified"] == "size"
+
+
+def test_the_verify_command_checks_a_multipart_copy_with_the_crc(bucket, tmp_path: Path) -> None:
+    """A multipart object has no MD5 to check: its full-object CRC catches an altered copy
+    that the size alone would not."""
+    data = _blob(11 << 20, 9)
+    _put_multipart(
+        bucket, "v.tar", data, 5 << 20, ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+    )
+    cache = _cache(tmp_path)
+    path = cache.fetch(f"s3://{BUCKET}/v.tar")
+    assert not verify(cache).failed
+    damaged = bytearray(data)
+    damaged[500] ^= 0xFF
+    path.chmod(0o600)
+    path.write_bytes(bytes(damaged))
+    report = verify(cache)
+    [bad] = report.of("bad")
+    assert bad.detail.startswith("crc64nvme ") and bad.removed
+
+
+@pytest.mark.parametrize(
+    ("head", "multipart", "want"),
+    [
+        ({"ChecksumCRC32C": "abc="}, False, ("crc32c", "abc=")),
+        ({"ChecksumCRC32C": "abc=", "ChecksumType": "COMPOSITE"}, False, None),
+        ({"ChecksumCRC32C": "abc=-3"}, False, None),
+        ({"ChecksumCRC32C": "abc="}, True, None),  # multipart of unknown type: composite
+        ({"ChecksumCRC64NVME": "abc=", "ChecksumType": "FULL_OBJECT"}, True, ("crc64nvme", "abc=")),
+        ({}, False, None),
+    ],
+)
+def test_only_full_object_checksums_are_taken_from_a_head(
+    head: dict, multipart: bool, want: tuple[str, str] | None
+) -> None:
+    got = from_s3_head(head, multipart_etag=multipart)
+    assert (got.algorithm, got.value) == want if want else got is None
