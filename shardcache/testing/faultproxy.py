@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 from urllib.parse import unquote
@@ -41,7 +41,7 @@ from shardcache.testing._service import HOST, LoopbackService
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("status", "reset", "truncate", "hang")
+FAULT_KINDS = ("status", "reset", "truncate", "hang", "hold", "corrupt")
 _RECV = 64 * 1024
 _MAX_HEAD = 64 * 1024
 _POLL = 0.05  # seconds between checks of the stop flag while hanging / accepting
@@ -116,6 +116,12 @@ class FaultRule:
     error_code: str | None = None
     """S3 error code in the XML body (``status``); default depends on the status."""
     injected: int = 0
+    released: threading.Event = field(default_factory=threading.Event, repr=False)
+    """``hold``: set it (:meth:`release`) to send the rest of the held bodies."""
+
+    def release(self) -> None:
+        """``hold``: send the rest of every body this rule holds back."""
+        self.released.set()
 
     @property
     def label(self) -> str:
@@ -374,7 +380,7 @@ class _Connection:
         if rule.kind == "reset":
             self.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return False
-        if rule.kind == "truncate":
+        if rule.kind in ("truncate", "hold", "corrupt"):
             return self.forward(req, method, truncate=rule)
         self.drain_request_body(req)
         if rule.kind == "status":
@@ -455,6 +461,18 @@ class _Connection:
             resp.remove("Connection")
             raw = resp.to_bytes()
         self.send(self.client, raw)
+        if truncate is not None and truncate.kind in ("hold", "corrupt") and framing[0] == "length":
+            limit = min(framing[1], truncate.truncate_bytes or framing[1] // 2)
+            self.relay_body(upstream_in, self.client, ("length", limit))
+            if truncate.kind == "hold":
+                while not truncate.released.wait(_POLL):
+                    if self.proxy.stopping:
+                        raise _ClosedError("proxy stopping")
+            elif limit < framing[1]:
+                self.send(self.client, bytes([upstream_in.read_some(1)[0] ^ 0xFF]))
+                limit += 1
+            framing = ("length", framing[1] - limit)
+            truncate = None
         if truncate is not None:
             limit = truncate.truncate_bytes
             if limit is None:
@@ -694,7 +712,10 @@ class FaultProxy(LoopbackService):
 
         Kinds: ``"status:NNN"`` (S3 XML error, upstream not contacted), ``"reset"``
         (TCP RST instead of a response), ``"truncate"`` (headers plus ``truncate_bytes``
-        of the body, default half, then close), ``"hang"`` (never answer). ``method``
+        of the body, default half, then close), ``"hang"`` (never answer), ``"hold"``
+        (headers plus ``truncate_bytes`` of a body, default half, then the rest once the
+        returned rule's ``release()`` was called), ``"corrupt"`` (the byte at offset
+        ``truncate_bytes`` of a body, default the middle one, inverted). ``method``
         and ``path_contains`` (substring of the decoded URL) narrow the match.
         """
         name, status = parse_kind(kind)
