@@ -34,7 +34,6 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 from ._errors import FetchError, IntegrityError, ShardCacheError
 
@@ -48,10 +47,9 @@ UntilStall = Callable[[], float]
 class GrowingFile:
     """The in-flight download ``fd`` of the shard to be published at ``path``.
 
-    The writing side (the cache) uses :meth:`writer`, then :meth:`published` or, as a
-    context manager, gets :meth:`failed` called with any exception. The reading side
-    :meth:`claim`\\ s it and :meth:`open`\\ s a reader; a download nobody claimed hands its
-    pin over to the cache with :meth:`detach_pin`.
+    The writing side (the cache) writes through :meth:`writer`, then calls :meth:`published`
+    or :meth:`failed`. The reading side takes it with :meth:`claim` and reads it through
+    :meth:`open`; a download nobody claimed hands its pin to the cache (:meth:`detach_pin`).
     """
 
     def __init__(self, fd: int, path: Path, url: str, announce: Announce) -> None:
@@ -132,18 +130,6 @@ class GrowingFile:
             self._cond.notify_all()
             if not self.claimed:
                 self._close_pin()
-
-    def __enter__(self) -> GrowingFile:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            self.failed(exc)
 
     def detach_pin(self) -> int | None:
         """For the cache once the download is published: the pin's descriptor if no reader

@@ -25,7 +25,11 @@ process downloads is handed to the tar expansion once its first bytes landed, an
 they arrive (:mod:`shardcache._growing`); it is still published only complete and verified.
 If its verification then fails, reading it raises :class:`~shardcache.IntegrityError`,
 which webdataset passes to the handler: the samples already yielded from that shard came
-from bytes that failed verification. With ``off``, every shard is read only once verified.
+from bytes that failed verification. Such a shard's ``local_path`` names where it will be
+published (it may not exist yet): read ``stream``. After the tar expansion is done with a
+shard read this way, the stage waits for its verdict before the next shard, so a failure
+past the tar's end-of-archive blocks reaches the handler too. With ``off``, every shard is
+read only once verified.
 """
 
 from __future__ import annotations

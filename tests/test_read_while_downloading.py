@@ -22,6 +22,7 @@ import webdataset as wds
 import shardcache
 from shardcache import IntegrityError, ShardCache, StallError
 from shardcache._demo import make_shard
+from shardcache._growing import GrowingFile
 from shardcache._layout import is_temp_name
 
 BUCKET = "early"
@@ -270,3 +271,86 @@ def test_sigkill_of_the_downloading_reader_leaves_no_visible_partial_file(
     assert len(_temp_files(cache)) == 1  # only the dead writer's .part, swept by `clean`
     with cache.open(url) as f:  # a new reader downloads it again, correctly
         assert f.read() == body
+
+
+def test_a_parallel_ranged_download_is_read_only_once_published(
+    shard, fault_proxy, tmp_path: Path
+) -> None:
+    """Parts land out of order, written past the early reader's writer: such a download
+    is never offered early; the consumer gets the verified file."""
+    url, body = shard
+    hold = fault_proxy.add_fault("hold", times=1, method="GET", truncate_bytes=1000)
+    cache = _cache(
+        tmp_path, fault_proxy, parallel_threshold=64 << 10, part_size=64 << 10, parallel_parts=4
+    )
+
+    def release_once_held() -> None:
+        fault_proxy.wait_for_faults(1, "hold", timeout=30)
+        hold.release()
+
+    releaser = threading.Thread(target=release_once_held)
+    releaser.start()
+    with cache.prefetch_streaming([url], threads=1, depth=1) as shards:
+        shard_, early, _until_stall = shards.next_early()
+        releaser.join(30)
+        assert early is None and cache.contains(url)
+        assert shard_.path.read_bytes() == body
+
+
+def _growing(tmp_path: Path) -> tuple[GrowingFile, list[GrowingFile], int]:
+    fd = os.open(tmp_path / "x.part", os.O_RDWR | os.O_CREAT, 0o600)
+    offered: list[GrowingFile] = []
+    return GrowingFile(fd, tmp_path / "x", "s3://b/x", offered.append), offered, fd
+
+
+def _no_stall() -> float:
+    return 5.0
+
+
+def test_a_reader_sees_only_the_contiguous_prefix_and_the_verdict(tmp_path: Path) -> None:
+    growing, offered, fd = _growing(tmp_path)
+    out = growing.writer()
+    os.pwrite(fd, b"z" * 10, 100)  # past the prefix (as a ranged part would): not readable
+    growing.wrote(100, 10)
+    assert offered == []
+    out.write(b"a" * 50)
+    assert offered == [growing] and growing.claim()
+    reader = growing.open(_no_stall)
+    assert reader.read1(1000) == b"a" * 50  # the prefix, not the bytes at 100
+    out.write(b"b" * 50)  # up to the part at 100: the watermark stays contiguous
+    growing.published(110)
+    assert reader.read() == b"b" * 50 + b"z" * 10
+    assert growing.verdict(_no_stall) is None
+    reader.close()
+    os.close(fd)
+
+
+def test_bytes_rewritten_after_they_were_read_raise_integrity_error(tmp_path: Path) -> None:
+    growing, _offered, fd = _growing(tmp_path)
+    out = growing.writer()
+    out.write(b"a" * 50)
+    assert growing.claim()
+    reader = growing.open(_no_stall)
+    assert reader.read1(1000) == b"a" * 50
+    out.seek(0)  # a download started again from byte 0 (failed verification)
+    out.truncate()
+    out.write(b"c" * 50)
+    growing.published(50)  # the new attempt is published: the reader still gets the error
+    with pytest.raises(IntegrityError, match="started again from byte 0"):
+        reader.read()
+    assert growing.verdict(_no_stall) is None  # raised once, by the reader
+    reader.close()
+    os.close(fd)
+
+
+def test_a_failed_download_reaches_its_reader(tmp_path: Path) -> None:
+    growing, _offered, fd = _growing(tmp_path)
+    growing.writer().write(b"a" * 10)
+    assert growing.claim()
+    reader = growing.open(_no_stall)
+    assert reader.read1(100) == b"a" * 10
+    growing.failed(OSError(28, "No space left on device"))
+    with pytest.raises(shardcache.FetchError, match="No space left"):
+        reader.read()
+    reader.close()
+    os.close(fd)
