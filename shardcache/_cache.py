@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ._config import PREFETCH_OPTIONS, Settings, prefetch_overrides
-from ._errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
+from ._errors import CacheDirError, CacheFullError, ConfigError, FetchError, ShardCacheError
 from ._eviction import (
     CacheEntry,
     EvictReport,
@@ -210,6 +210,11 @@ class ShardCache:
         )
         try:
             shard, early, until_stall = prefetcher.next_early()
+        except FetchError as exc:
+            prefetcher.close()
+            if isinstance(exc.__cause__, ShardCacheError):  # as fetch() raises it
+                raise exc.__cause__ from None
+            raise
         except BaseException:
             prefetcher.close()
             raise
@@ -438,7 +443,10 @@ class ShardCache:
         sized_ahead = info.size is not None
         try:
             fd = self._create_reserved_part(part, final, info)
-            if announce is not None:  # readable as it lands; told the outcome (failed()) too
+            # Readable as it lands, and told the outcome. Not a pipe: command's output (size
+            # unknown): a run is judged only by its exit status at the end and any failed run
+            # is repeated from byte 0, which would fail every reader of the first run.
+            if announce is not None and sized_ahead:
                 growing = GrowingFile(fd, final, info.url, announce)
             # The descriptor outlives the file object: publishing may need the bytes again.
             # A failure to write ``out`` comes back as the OSError itself, never retried.
