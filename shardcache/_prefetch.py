@@ -38,6 +38,13 @@ Invariants:
   window; above ``STARVATION_SHARE`` one warning (rate-limited) names the rates and the
   knobs, before anything becomes an error.
 
+- Early reading (:meth:`Prefetcher.next_early`, used by the WebDataset stage and
+  ``ShardCache.open``): a fetch may offer its shard for reading before it ends
+  (``progress.offer``); the consumer claims it and reads while the worker finishes the
+  download. Such a shard leaves the window when handed over, so the one being read may
+  still download next to ``depth`` others; its reader waits with this prefetcher's
+  watchdog (the same ``StallError``), and a failure after the hand-over reaches the reader.
+
 This module is the window (order, bound, laziness, cancellation, when a wait is a stall);
 the rate meter, the starvation monitor and the text of the warning and of the
 ``StallError`` live in :mod:`shardcache._prefetch_diagnostics`.
