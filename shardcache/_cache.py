@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ._config import PREFETCH_OPTIONS, Settings, prefetch_overrides
-from ._errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
+from ._errors import CacheDirError, CacheFullError, ConfigError, FetchError, ShardCacheError
 from ._eviction import (
     CacheEntry,
     EvictReport,
@@ -37,6 +37,7 @@ from ._eviction import (
 )
 from ._freshness import Freshness
 from ._fsinfo import mount_for
+from ._growing import Announce, GrowingFile
 from ._layout import CacheLayout, ShardId, namespace
 from ._locks import LockPolicy, ShardLock
 from ._metadata import write_meta
@@ -194,9 +195,50 @@ class ShardCache:
 
     def open(self, url: str) -> BinaryIO:
         """Fetch ``url`` if needed and open the cached copy for binary reading; the shard
-        cannot be evicted while the file is open."""
-        _path, fd = self._fetch_and_pin(url, None)
-        return os.fdopen(fd, "rb")
+        cannot be evicted while the file is open.
+
+        With SHARDCACHE_READ_WHILE_DOWNLOADING=on (the default), a shard this process
+        downloads is readable as its bytes arrive: reads block for bytes not yet written and
+        the end of file comes only once the download was verified and published. A failed
+        verification raises :class:`IntegrityError` from a read (after bytes that failed it
+        were returned); closing the file before the download ended cancels the download.
+        Waits for bytes raise :class:`StallError` after SHARDCACHE_STALL_TIMEOUT without
+        progress."""
+        if self.settings.read_while_downloading == "off":
+            _path, fd = self._fetch_and_pin(url, None)
+            assert fd is not None
+            return os.fdopen(fd, "rb")
+        shard = self._identify(url)
+        if self._hit(shard):
+            fd = pin(self.layout, shard.data_path)
+            if fd is not None:
+                return os.fdopen(fd, "rb")
+        s = self.settings
+        prefetcher = Prefetcher(
+            self._fetch_streaming,
+            [url],
+            threads=1,
+            depth=1,
+            stall_timeout=s.stall_timeout,
+            release=self._unpin,
+        )
+        try:
+            shard, early, until_stall = prefetcher.next_early()
+        except FetchError as exc:
+            prefetcher.close()
+            if isinstance(exc.__cause__, ShardCacheError):  # as fetch() raises it
+                raise exc.__cause__ from None
+            raise
+        except BaseException:
+            prefetcher.close()
+            raise
+        if early is not None:
+            assert isinstance(early, GrowingFile)
+            return early.open(until_stall, on_close=prefetcher.close)
+        try:
+            return self.open_prefetched(shard.path)  # its own pin: the prefetcher's can go
+        finally:
+            prefetcher.close()
 
     def open_prefetched(self, path: Path) -> BinaryIO:
         """Open a shard that :meth:`prefetch` handed over and has not released yet. It is read
@@ -212,26 +254,39 @@ class ShardCache:
     def fetch(self, url: str, progress: Progress | None = None) -> Path:
         """Return the path of a complete, verified local copy of ``url``, downloading it
         at most once across all processes sharing this cache directory."""
+        return self._fetch(url, progress, None)
+
+    def _fetch(self, url: str, progress: Progress | None, announce: Announce | None) -> Path:
+        """``fetch``; ``announce`` (if given) gets the :class:`GrowingFile` of a download
+        this process makes, once its first bytes landed."""
         shard = self._identify(url)
-        st = self._servable_stat(shard.data_path)
-        if st is not None and self._freshness.is_current(shard, st, ask_store=True):
-            touch(self.layout, shard.data_path, st.st_mtime)
-            self._count(hits=1, bytes_served=st.st_size)
+        if self._hit(shard):
             return shard.data_path
         try:
-            return self._fetch_missing(shard, progress)
+            return self._fetch_missing(shard, progress, announce)
         except Exception:  # a cancelled prefetch (a BaseException) is not an error
             self._count(errors=1)
             raise
 
-    def _fetch_missing(self, shard: ShardId, progress: Progress | None) -> Path:
+    def _hit(self, shard: ShardId) -> bool:
+        """Whether ``shard`` is cached and current (then counted as a hit)."""
+        st = self._servable_stat(shard.data_path)
+        if st is not None and self._freshness.is_current(shard, st, ask_store=True):
+            touch(self.layout, shard.data_path, st.st_mtime)
+            self._count(hits=1, bytes_served=st.st_size)
+            return True
+        return False
+
+    def _fetch_missing(
+        self, shard: ShardId, progress: Progress | None, announce: Announce | None
+    ) -> Path:
         """The miss path, made again when the cache's own directories or files vanish
         under it (tmp cleaners, a user's ``rm -rf``): every step recreates what it needs."""
         attempt = 0
         while True:
             attempt += 1
             try:
-                return self._fetch_miss(shard, progress)
+                return self._fetch_miss(shard, progress, announce)
             except _Vanished as exc:
                 if attempt == VANISHED_RETRIES:
                     raise CacheDirError(
@@ -250,12 +305,33 @@ class ShardCache:
                     shard.url,
                 )
 
-    def _fetch_and_pin(self, url: str, progress: Progress | None) -> tuple[Path, int]:
+    def _fetch_and_pin(
+        self, url: str, progress: Progress | None, announce: Announce | None = None
+    ) -> tuple[Path, int | None]:
         """``fetch``, then a pin (shared flock) on the result; fetched again if the file
-        went (evicted, or removed) between the two."""
+        went (evicted, or removed) between the two. With ``announce``: a download this
+        process made is pinned since its ``.part`` was created (no gap at all), and a
+        download a reader claimed early is pinned by that reader (the pin is then None)."""
+        offered: list[GrowingFile] = []
+
+        def offer(growing: GrowingFile) -> None:
+            offered.append(growing)
+            if announce is not None:
+                announce(growing)
+
         for _ in range(VANISHED_RETRIES):
-            path = self.fetch(url, progress=progress)
-            fd = pin(self.layout, path)
+            offered.clear()
+            if announce is None:
+                path = self.fetch(url, progress)
+            else:
+                path = self._fetch(url, progress, offer)
+            fd = offered[-1].detach_pin() if offered else None
+            if any(growing.claimed for growing in offered):
+                if fd is not None:
+                    os.close(fd)
+                return path, None
+            if fd is None:
+                fd = pin(self.layout, path)
             if fd is not None:
                 return path, fd
         raise CacheFullError(
@@ -268,7 +344,9 @@ class ShardCache:
             max_bytes=self.settings.max_bytes,
         )
 
-    def _fetch_miss(self, shard: ShardId, progress: Progress | None) -> Path:
+    def _fetch_miss(
+        self, shard: ShardId, progress: Progress | None, announce: Announce | None
+    ) -> Path:
         url, final = shard.url, shard.data_path
         for directory in (final.parent, shard.lock_path.parent):
             # On every miss, made again if removed (a tmp cleaner), checked before and after
@@ -310,7 +388,7 @@ class ShardCache:
             report(phase="stat", bytes_done=0, bytes_total=None)
             info = self.remote.info(url)
             t0 = time.monotonic()
-            info = self._download_and_publish(info, shard, report)
+            info = self._download_and_publish(info, shard, report, announce)
             self._count(
                 misses=1,
                 bytes_downloaded=info.size,
@@ -321,7 +399,7 @@ class ShardCache:
             return final
 
     def _download_and_publish(
-        self, info: ObjectInfo, shard: ShardId, report: Progress
+        self, info: ObjectInfo, shard: ShardId, report: Progress, announce: Announce | None
     ) -> ObjectInfo:
         """Download ``info`` into a private temp file and publish it, verified.
 
@@ -335,7 +413,7 @@ class ShardCache:
         """
         final = shard.data_path
         try:
-            return self._publish_once(info, shard, report)
+            return self._publish_once(info, shard, report, announce)
         except _DiskFull as exc:
             first = exc.__cause__
             if info.size is None:
@@ -361,7 +439,7 @@ class ShardCache:
                 **full.details,
             ) from first
         try:
-            return self._publish_once(info, shard, report)
+            return self._publish_once(info, shard, report, announce)
         except _DiskFull as exc:
             raise self._full_error(
                 final,
@@ -369,16 +447,24 @@ class ShardCache:
                 f"the disk filled up again after one eviction pass and one retry ({exc.__cause__})",
             ) from exc.__cause__
 
-    def _publish_once(self, info: ObjectInfo, shard: ShardId, report: Progress) -> ObjectInfo:
+    def _publish_once(
+        self, info: ObjectInfo, shard: ShardId, report: Progress, announce: Announce | None
+    ) -> ObjectInfo:
         final = shard.data_path
         part = self.layout.temp_path(final)
         fd: int | None = None
+        growing: GrowingFile | None = None
         sized_ahead = info.size is not None
         try:
             fd = self._create_reserved_part(part, final, info)
+            # Readable as it lands, and told the outcome. Not a pipe: command's output (size
+            # unknown): a run is judged only by its exit status at the end and any failed run
+            # is repeated from byte 0, which would fail every reader of the first run.
+            if announce is not None and sized_ahead:
+                growing = GrowingFile(fd, final, info.url, announce)
             # The descriptor outlives the file object: publishing may need the bytes again.
             # A failure to write ``out`` comes back as the OSError itself, never retried.
-            with os.fdopen(fd, "wb", closefd=False) as out:
+            with growing.writer() if growing else os.fdopen(fd, "wb", closefd=False) as out:
                 info = self.remote.download(info, out, report)
                 out.truncate()  # a smaller object than reserved for (it changed): no tail
                 out.flush()
@@ -411,12 +497,16 @@ class ShardCache:
                 },
             )
             self._publish(fd, part, final)
+            if growing is not None:
+                growing.published(os.fstat(fd).st_size)
             return info
-        except ShardCacheError:
+        except ShardCacheError as exc:
             _unlink_quietly(self.layout.fs, part)
+            _tell_failed(growing, exc)
             raise
         except OSError as exc:  # local I/O: remote errors arrive as FetchError
             _unlink_quietly(self.layout.fs, part)
+            _tell_failed(growing, exc)
             if exc.errno in _VANISHED_ERRNOS:  # our directory (and the .part in it) was removed
                 raise _Vanished(Path(exc.filename or part)) from exc
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -429,8 +519,9 @@ class ShardCache:
                 url=info.url,
                 errno=exc.errno,
             ) from exc
-        except BaseException:
+        except BaseException as exc:
             _unlink_quietly(self.layout.fs, part)
+            _tell_failed(growing, exc)
             raise
         finally:
             if fd is not None:
@@ -544,9 +635,34 @@ class ShardCache:
         """``fetch`` for the prefetcher: the shard stays pinned (not evictable) until the
         prefetcher releases it, after its consumer is done with it."""
         path, fd = self._fetch_and_pin(url, progress)
+        assert fd is not None
+        self._hold_pin(path, fd)
+        return path
+
+    def _fetch_streaming(self, url: str, progress: Progress) -> Path:
+        """``_fetch_pinned`` whose download is offered to the consumer as soon as its first
+        bytes landed (``progress.offer``: :meth:`Prefetcher.next_early`). A shard the
+        consumer claimed early is pinned by its reader, not held for the prefetcher."""
+        offer = getattr(progress, "offer", None)
+        path, fd = self._fetch_and_pin(url, progress, offer)
+        if fd is not None:
+            self._hold_pin(path, fd)
+        return path
+
+    def prefetch_streaming(self, urls: Iterable[str], **options: Any) -> Prefetcher:
+        """:meth:`prefetch` for :meth:`Prefetcher.next_early`: shards this process downloads
+        can be read while they download (SHARDCACHE_READ_WHILE_DOWNLOADING)."""
+        given = prefetch_overrides(**options)
+        defaults = {
+            option: getattr(self.settings, name) for option, name in PREFETCH_OPTIONS.items()
+        }
+        early = self.settings.read_while_downloading == "on"
+        fetch = self._fetch_streaming if early else self._fetch_pinned
+        return Prefetcher(fetch, urls, **(defaults | given), release=self._unpin)
+
+    def _hold_pin(self, path: Path, fd: int) -> None:
         with self._pins_lock:
             self._pins.setdefault(path, []).append(fd)
-        return path
 
     def _unpin(self, path: Path) -> None:
         with self._pins_lock:
@@ -696,6 +812,12 @@ class ShardCache:
         with self._stats_lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+
+def _tell_failed(growing: GrowingFile | None, exc: BaseException) -> None:
+    """Tell a download's early reader (if any) that it failed with ``exc``."""
+    if growing is not None:
+        growing.failed(exc)
 
 
 class _Vanished(Exception):

@@ -275,6 +275,16 @@ SPECS: dict[str, _Spec] = {
         "etag: size + the object's S3 checksum (CRC64NVME, CRC32C, CRC32, SHA), else MD5 of a "
         "single-part ETag; size: size only",
     ),
+    "read_while_downloading": _Spec(
+        "SHARDCACHE_READ_WHILE_DOWNLOADING",
+        _choice("on", "off"),
+        "on",
+        "on: the WebDataset stage and ShardCache.open read a shard this process downloads as "
+        "its bytes arrive (the first sample after the first chunk); the file is still "
+        "published only verified, and a failed verification raises IntegrityError from the "
+        "stream after samples were read from the unverified bytes; off: read only the "
+        "verified, published file",
+    ),
     "threads": _Spec("SHARDCACHE_THREADS", parse_int, 4, "prefetch download threads", 1, 1024),
     "prefetch_depth": _Spec(
         "SHARDCACHE_PREFETCH_DEPTH",
@@ -359,6 +369,7 @@ class Settings:
     parallel_parts: int = SPECS["parallel_parts"].default
     preallocate: str = SPECS["preallocate"].default
     verify: str = SPECS["verify"].default
+    read_while_downloading: str = SPECS["read_while_downloading"].default
     threads: int = SPECS["threads"].default
     prefetch_depth: int = SPECS["prefetch_depth"].default
     stall_timeout: float = SPECS["stall_timeout"].default

@@ -38,6 +38,13 @@ Invariants:
   window; above ``STARVATION_SHARE`` one warning (rate-limited) names the rates and the
   knobs, before anything becomes an error.
 
+- Early reading (:meth:`Prefetcher.next_early`, used by the WebDataset stage and
+  ``ShardCache.open``): a fetch may offer its shard for reading before it ends
+  (``progress.offer``); the consumer claims it and reads while the worker finishes the
+  download. Such a shard leaves the window when handed over, so the one being read may
+  still download next to ``depth`` others; its reader waits with this prefetcher's
+  watchdog (the same ``StallError``), and a failure after the hand-over reaches the reader.
+
 This module is the window (order, bound, laziness, cancellation, when a wait is a stall);
 the rate meter, the starvation monitor and the text of the warning and of the
 ``StallError`` live in :mod:`shardcache._prefetch_diagnostics`.
@@ -46,6 +53,7 @@ the rate meter, the starvation monitor and the text of the warning and of the
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -88,6 +96,16 @@ Release = Callable[[Path], None]
 """Called once for every fetched path the consumer is done with (see ``release``)."""
 
 
+class Early(Protocol):
+    """What a fetch may offer (``progress.offer(early)``) when its shard can be read before
+    the fetch ends: the consumer takes it with ``claim()`` (False: too late, the fetch is
+    ending: wait for its outcome instead)."""
+
+    path: Path
+
+    def claim(self) -> bool: ...
+
+
 class PrefetchedShard(NamedTuple):
     """One downloaded shard: unpacks as ``url, path``."""
 
@@ -108,6 +126,7 @@ class _Task:
     __slots__ = (
         "bytes_done",
         "bytes_total",
+        "early",
         "error",
         "from_source",
         "handed_over",
@@ -141,6 +160,7 @@ class _Task:
         self.thread_name: str | None = None
         self.thread_ident: int | None = None
         self.meter = RateMeter()
+        self.early: Early | None = None  # what the fetch offered for reading before it ends
 
 
 class _Shared:
@@ -186,6 +206,14 @@ class _Reporter:
                 shared.meter.add(delta, now)
             task.phase, task.bytes_done, task.bytes_total = phase, bytes_done, bytes_total
 
+    def offer(self, early: Early) -> None:
+        """The fetch can be read before it ends (:meth:`Prefetcher.next_early`)."""
+        shared, task = self._shared, self._task
+        with shared.cond:
+            if task.early is None and task.state != _DONE:
+                task.early = early
+                shared.cond.notify_all()
+
 
 def _work(shared: _Shared, name: str) -> None:
     """Worker loop: take the oldest queued shard, fetch it, publish the outcome."""
@@ -214,7 +242,8 @@ def _work(shared: _Shared, name: str) -> None:
             error = exc
         with cond:
             shared.workers[name] = None
-            if shared.cancelled.is_set() and path is not None and shared.release is not None:
+            released = shared.cancelled.is_set() and not task.handed_over
+            if released and path is not None and shared.release is not None:
                 task.handed_over = True  # nobody will consume it: release it now
                 shared.release(path)
             task.state, task.path, task.error = _DONE, path, error
@@ -282,6 +311,7 @@ class Prefetcher:
         self._finished = False  # next() raises StopIteration from now on
         self._left_behind: set[threading.Thread] = set()  # stuck workers a shutdown gave up on
         self._last_return: float | None = None
+        self._stall: StallError | None = None  # raised again by every later next_early()
         self._starvation = StarvationMonitor(threads, depth)
 
     # -- pickling (DataLoader workers) ------------------------------------------------
@@ -339,6 +369,33 @@ class Prefetcher:
             self.close()
 
     def __next__(self) -> PrefetchedShard:
+        return self._advance(early=False)[0]
+
+    def next_early(self) -> tuple[PrefetchedShard, Early | None, Callable[[], float]]:
+        """Like ``next()``, but returns a shard as soon as its fetch offered it for reading
+        (:class:`Early`, claimed for the caller) instead of when the fetch ended; the third
+        item, called while reading it, returns how long a reader may wait for more bytes and
+        raises this prefetcher's ``StallError`` once the shard stalled. An early shard is
+        not released by the prefetcher (its reader pins it); a later fetch failure reaches
+        the reader, not the prefetcher. Raises the ``StallError`` again once one was
+        raised."""
+        return self._advance(early=True)
+
+    def iter_early(self) -> Iterator[tuple[PrefetchedShard, Early | None, Callable[[], float]]]:
+        """:meth:`next_early` until the end, closing the prefetcher like ``__iter__``."""
+        try:
+            while True:
+                try:
+                    item = self.next_early()
+                except StopIteration:
+                    return
+                yield item
+        finally:
+            self.close()
+
+    def _advance(self, *, early: bool) -> tuple[PrefetchedShard, Early | None, Callable[[], float]]:
+        if early and self._stall is not None:
+            raise self._stall
         self._release_held()
         if self._finished:
             self._window.clear()  # only the consumer's thread touches the window
@@ -351,18 +408,17 @@ class Prefetcher:
             raise StopIteration
         head = self._window[0]
         try:
-            self._wait_for(shared, head)
-        except StallError:
-            self._shutdown(STALL_CLOSE_TIMEOUT, stuck_expected=True)
-            self._window.clear()
+            claimed = self._wait_for(shared, head, early)
+        except StallError as stall:
+            self._stall_shutdown(stall)
             raise
         self._window.popleft()
-        if head.error is not None:
+        if head.error is not None and not claimed:
             error, head.error = head.error, None
             self.close()
             self._window.clear()  # later shards' outcomes (and errors) are dropped
             self._raise_failure(head, error)
-        assert head.path is not None  # a done task without error has a path
+        assert claimed or head.path is not None  # a done task without error has a path
         now = self._clock()
         if self._last_return is not None:  # the first wait is the cold start: not judged
             warning = self._starvation.record(
@@ -373,8 +429,12 @@ class Prefetcher:
         self._last_return = now
         with shared.cond:
             head.handed_over = True
+        if claimed:
+            assert head.early is not None
+            shard = PrefetchedShard(head.url, head.early.path)
+            return shard, head.early, functools.partial(self._until_stall, shared, head)
         self._held = head.path if self._release is not None else None
-        return PrefetchedShard(head.url, head.path)
+        return PrefetchedShard(head.url, head.path), None, self._no_stall
 
     def _start(self) -> _Shared:
         if self._shared is not None:
@@ -421,8 +481,9 @@ class Prefetcher:
                 shared.queue.append(task)
                 shared.cond.notify_all()
 
-    def _wait_for(self, shared: _Shared, task: _Task) -> None:
-        """Block until ``task`` is done; raise StallError once it stops progressing."""
+    def _wait_for(self, shared: _Shared, task: _Task, early: bool = False) -> bool:
+        """Block until ``task`` is done, or (``early``) offered and claimed (then True);
+        raise StallError once it stops progressing."""
         with shared.cond:
             while True:
                 if shared.cancelled.is_set():  # closed (maybe by another thread) meanwhile
@@ -430,12 +491,38 @@ class Prefetcher:
                     self._window.clear()
                     raise StopIteration
                 if task.state == _DONE:
-                    return
+                    return False
+                if early and task.early is not None and task.early.claim():
+                    return True
                 now = shared.clock()
                 idle = now - task.last_change
                 if idle >= self.stall_timeout:
                     raise self._stall_error(shared, task, now)
                 shared.cond.wait(min(self.stall_timeout - idle, _MAX_WAIT))
+
+    def _until_stall(self, shared: _Shared, task: _Task) -> float:
+        """For the reader of an early shard: seconds it may wait for more bytes; raises the
+        StallError (and closes the prefetcher) once the shard's progress stopped for
+        ``stall_timeout``. Runs in the consumer's thread."""
+        if self._stall is not None:
+            raise self._stall
+        with shared.cond:
+            now = shared.clock()
+            idle = now - task.last_change
+            if task.state == _DONE or idle < self.stall_timeout:
+                return min(max(self.stall_timeout - idle, 0.001), _MAX_WAIT)
+            stall = self._stall_error(shared, task, now)
+        self._stall_shutdown(stall)
+        raise stall
+
+    @staticmethod
+    def _no_stall() -> float:
+        return _MAX_WAIT
+
+    def _stall_shutdown(self, stall: StallError) -> None:
+        self._stall = stall
+        self._shutdown(STALL_CLOSE_TIMEOUT, stuck_expected=True)
+        self._window.clear()
 
     def _raise_failure(self, task: _Task, error: BaseException) -> NoReturn:
         if task.from_source or (isinstance(error, ShardCacheError) and getattr(error, "url", None)):

@@ -16,7 +16,20 @@ which stops every prefetcher this stage started in the calling process.
 Errors follow webdataset's ``handler(exn)`` convention, called once per failed shard
 (after the cache's own retries): True skips the shard, False ends the stream, raising
 propagates. A :class:`~shardcache.StallError` is not a fault of one shard but of
-the whole data path, so it always propagates.
+the whole data path, so it always propagates (one raised while reading a shard that is
+still downloading reaches the handler through webdataset's tar expansion first, and is
+raised again when the next shard is requested).
+
+Read while downloading (SHARDCACHE_READ_WHILE_DOWNLOADING=on, the default): a shard this
+process downloads is handed to the tar expansion once its first bytes landed, and read as
+they arrive (:mod:`shardcache._growing`); it is still published only complete and verified.
+If its verification then fails, reading it raises :class:`~shardcache.IntegrityError`,
+which webdataset passes to the handler: the samples already yielded from that shard came
+from bytes that failed verification. Such a shard's ``local_path`` names where it will be
+published (it may not exist yet): read ``stream``. After the tar expansion is done with a
+shard read this way, the stage waits for its verdict before the next shard, so a failure
+past the tar's end-of-archive blocks reaches the handler too. With ``off``, every shard is
+read only once verified.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import webdataset as wds
 from ._cache import ShardCache
 from ._config import prefetch_overrides
 from ._errors import ShardCacheError, StallError
+from ._growing import GrowingFile
 from ._prefetch import Prefetcher
 from ._redact import get_logger
 from .distributed import rank_info
@@ -114,13 +128,25 @@ class CacheStage:
                 yield sample["url"]
 
         while True:
-            prefetcher = cache.prefetch(urls(), **self.prefetch_options)
+            prefetcher = cache.prefetch_streaming(urls(), **self.prefetch_options)
             self._live.add(prefetcher)
             try:
-                for _url, path in prefetcher:
+                for shard, growing, until_stall in prefetcher.iter_early():
                     sample = pending.popleft()
-                    with cache.open_prefetched(path) as stream:  # pinned, survives rm
-                        yield {**sample, "stream": stream, "local_path": str(path)}
+                    path = str(shard.path)
+                    if growing is not None:  # still downloading: read as it lands
+                        assert isinstance(growing, GrowingFile)
+                        opened = growing.open(until_stall)
+                    else:
+                        opened = cache.open_prefetched(shard.path)  # pinned, survives rm
+                    with opened as stream:
+                        yield {**sample, "stream": stream, "local_path": path}
+                    if growing is not None and (error := growing.verdict(until_stall)):
+                        # Read (perhaps not to its end) before its verdict: a failure not yet
+                        # raised by the stream goes to the handler here, once.
+                        logger.debug("shard %s failed after it was read: %s", path, error)
+                        if not self.handler(error):
+                            return
                 if not stdin:
                     return
             except StallError:

@@ -251,7 +251,8 @@ def test_status_counts_shards_in_use(s3, tmp_path: Path) -> None:
     s3.put_objects(BUCKET, {"a.tar": b"a" * 100, "b.tar": b"b" * 200})
     cache = ShardCache(tmp_path / "cache")
     cache.fetch(f"s3://{BUCKET}/b.tar")
-    with cache.open(f"s3://{BUCKET}/a.tar"):
+    with cache.open(f"s3://{BUCKET}/a.tar") as f:
+        assert f.read() == b"a" * 100  # read to its end: published (it may be read earlier)
         report = status(cache)
         assert (report.entries, report.bytes, report.in_use) == (2, 300, 1)
     assert status(cache).in_use == 0

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 from urllib.parse import unquote
@@ -41,7 +41,7 @@ from shardcache.testing._service import HOST, LoopbackService
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("status", "reset", "truncate", "corrupt", "hang")
+FAULT_KINDS = ("status", "reset", "truncate", "corrupt", "hang", "hold")
 _RECV = 64 * 1024
 _MAX_HEAD = 64 * 1024
 _POLL = 0.05  # seconds between checks of the stop flag while hanging / accepting
@@ -115,6 +115,13 @@ class FaultRule:
     """Body bytes to forward before closing (``truncate``); default half the body."""
     corrupt_at: int | None = None
     """Offset of the body byte inverted (``corrupt``); default the middle of the body."""
+    released: threading.Event = field(default_factory=threading.Event, repr=False)
+    """``hold``: set it (:meth:`release`) to send the rest of the held bodies."""
+
+    def release(self) -> None:
+        """``hold``: send the rest of every body this rule holds back."""
+        self.released.set()
+
     error_code: str | None = None
     """S3 error code in the XML body (``status``); default depends on the status."""
     injected: int = 0
@@ -376,7 +383,7 @@ class _Connection:
         if rule.kind == "reset":
             self.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return False
-        if rule.kind in ("truncate", "corrupt"):
+        if rule.kind in ("truncate", "corrupt", "hold"):
             return self.forward(req, method, fault=rule)
         self.drain_request_body(req)
         if rule.kind == "status":
@@ -457,6 +464,13 @@ class _Connection:
             resp.remove("Connection")
             raw = resp.to_bytes()
         self.send(self.client, raw)
+        if fault is not None and fault.kind == "hold" and framing[0] == "length":
+            held = min(framing[1], fault.truncate_bytes or framing[1] // 2)
+            self.relay_body(upstream_in, self.client, ("length", held))
+            while not fault.released.wait(_POLL):
+                if self.proxy.stopping:
+                    raise _ClosedError("proxy stopping")
+            framing = ("length", framing[1] - held)
         if fault is not None and fault.kind == "truncate":
             limit = fault.truncate_bytes
             if limit is None:
@@ -712,7 +726,8 @@ class FaultProxy(LoopbackService):
         (TCP RST instead of a response), ``"truncate"`` (headers plus ``truncate_bytes``
         of the body, default half, then close), ``"corrupt"`` (the whole response with the
         body byte at ``corrupt_at``, default the middle one, inverted), ``"hang"`` (never
-        answer). ``method``
+        answer), ``"hold"`` (headers plus ``truncate_bytes`` of a body, default half, then
+        the rest once the returned rule's ``release()`` was called). ``method``
         and ``path_contains`` (substring of the decoded URL) narrow the match.
         """
         name, status = parse_kind(kind)

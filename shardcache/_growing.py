@@ -1,0 +1,330 @@
+"""Reading a shard while it downloads: the in-flight file as a reader may see it.
+
+A download that may be read early writes through a :class:`GrowingFile`'s writer (the
+``out`` handed to the download strategy) instead of a plain file object. Every write
+reports where it landed, and the *watermark* is the contiguous prefix written so far in
+the current attempt: a :class:`GrowingReader` only ever returns bytes below it, read from
+its own descriptor of the same inode. The published file is unchanged: it still reaches
+its final name only complete and verified (:mod:`shardcache._cache`).
+
+Invariants:
+
+- A reader sees no byte past the watermark and no end of file before the download was
+  verified and published: the last read waits for the verdict. A failed verification
+  (or any other failure) raises that error from the reader; no end of file is reported.
+- A write below the watermark (a download started again from byte 0 after a failed
+  verification, a ``pipe:`` command run again) lowers the watermark; if a reader was already
+  given bytes past that point, the reader gets :class:`~shardcache.IntegrityError` even if
+  the new attempt is published: the bytes it consumed failed verification.
+- A reader holds a shared ``flock`` on the inode from the moment the ``.part`` exists, so
+  once renamed into place the shard is pinned (:mod:`shardcache._pins`) until the reader
+  closes, exactly as a reader of the published file pins it.
+- Writes that bypass the writer (the parallel ranged download writes parts with
+  ``os.pwrite`` out of order) do not move the watermark: such a download is offered to
+  no reader and is consumed once published, as before.
+- No lock is held while calling out: the announcement (to the prefetcher) and the reader's
+  stall check run outside the file's condition, so they cannot deadlock with a prefetcher.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from ._errors import FetchError, IntegrityError, ShardCacheError
+
+BytesLike = bytes | bytearray | memoryview
+Announce = Callable[["GrowingFile"], None]
+"""Called once, from the writing thread, when the first bytes of a download landed."""
+UntilStall = Callable[[], float]
+"""Seconds a reader may wait for more bytes; raises :class:`StallError` when there are none."""
+
+
+class GrowingFile:
+    """The in-flight download ``fd`` of the shard to be published at ``path``.
+
+    The writing side (the cache) writes through :meth:`writer`, then calls :meth:`published`
+    or :meth:`failed`. The reading side takes it with :meth:`claim` and reads it through
+    :meth:`open`; a download nobody claimed hands its pin to the cache (:meth:`detach_pin`).
+    """
+
+    def __init__(self, fd: int, path: Path, url: str, announce: Announce) -> None:
+        self.path = path
+        self.url = url
+        self._fd = fd
+        self._announce = announce
+        self._cond = threading.Condition()
+        self._watermark = 0  # contiguous bytes written in this attempt
+        self._handed = 0  # bytes given to the reader so far (its furthest read)
+        self._size: int | None = None  # set once verified and published
+        self._error: BaseException | None = None
+        self._announced = False
+        self._reported = False  # a reader raised the error
+        self.claimed = False  # a reader took it: the reader owns the pin
+        self._detached = False  # the cache took the pin: too late to claim
+        # A new open file description of the same inode, pinned (shared flock) at once.
+        pin_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(pin_fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(pin_fd)
+            raise
+        self._pin_fd: int | None = pin_fd
+
+    # -- the writing side ------------------------------------------------------------
+
+    def writer(self) -> GrowingWriter:
+        """The file object a download strategy writes into (positioned at 0)."""
+        return GrowingWriter(self._fd, self)
+
+    def wrote(self, offset: int, count: int) -> None:
+        """``count`` bytes were written at ``offset``."""
+        with self._cond:
+            if offset < self._watermark:
+                self._lower(offset)
+            if offset == self._watermark:
+                self._watermark += count
+                self._cond.notify_all()
+            first = not self._announced and self._watermark > 0
+            self._announced = self._announced or first
+        if first:
+            self._announce(self)
+
+    def truncated(self, size: int) -> None:
+        """The file was cut to ``size`` bytes (a download starting again)."""
+        with self._cond:
+            if size < self._watermark:
+                self._lower(size)
+
+    def _lower(self, offset: int) -> None:
+        """Bytes from ``offset`` on are being rewritten; called with the condition held."""
+        if offset < self._handed and self._error is None:
+            self._error = IntegrityError(
+                f"{self.url}: the download was started again from byte {offset} after its "
+                f"reader had consumed {self._handed} bytes (a failed verification, or a "
+                "command run again): the samples already read came from bytes that were not "
+                "verified and may be wrong. The shard is cached once verified; read it again, "
+                "or set SHARDCACHE_READ_WHILE_DOWNLOADING=off to read only verified shards.",
+                url=self.url,
+                expected="bytes that pass verification",
+                seen=f"a restart at byte {offset} after {self._handed} bytes were read",
+            )
+        self._watermark = offset
+        self._cond.notify_all()
+
+    def published(self, size: int) -> None:
+        """The download was verified and renamed into place with ``size`` bytes."""
+        with self._cond:
+            self._watermark = self._size = size
+            self._cond.notify_all()
+
+    def failed(self, exc: BaseException) -> None:
+        """The download failed with ``exc``: nothing was published."""
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+            if not self.claimed:
+                self._close_pin()
+
+    def detach_pin(self) -> int | None:
+        """For the cache once the download is published: the pin's descriptor if no reader
+        claimed this file (the caller now owns it), else None (the reader holds the pin)."""
+        with self._cond:
+            if self.claimed:
+                return None
+            self._detached = True
+            fd, self._pin_fd = self._pin_fd, None
+            return fd
+
+    def _close_pin(self) -> None:
+        fd, self._pin_fd = self._pin_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    # -- the reading side ------------------------------------------------------------
+
+    def claim(self) -> bool:
+        """Take this file for reading; False once the download is over (then the caller
+        gets the published file, or the error, the usual way)."""
+        with self._cond:
+            if self.claimed or self._detached or self._error is not None:
+                return False
+            self.claimed = True
+            return True
+
+    def open(
+        self, until_stall: UntilStall, on_close: Callable[[], None] | None = None
+    ) -> io.BufferedReader:
+        """A buffered reader of the claimed file; ``until_stall`` bounds each wait."""
+        assert self.claimed, "claim() the file first"
+        return io.BufferedReader(GrowingReader(self, until_stall, on_close), 1 << 20)
+
+    def _take_pin(self) -> int:
+        with self._cond:
+            fd, self._pin_fd = self._pin_fd, None
+        if fd is None:
+            raise FetchError(
+                f"{self.url}: the download stopped before it could be read",
+                url=self.url,
+                attempts=1,
+                cause="download stopped",
+            )
+        return fd
+
+    def verdict(self, until_stall: UntilStall) -> ShardCacheError | None:
+        """Wait until the download was published (None) or failed: then its error, unless a
+        reader already raised it (None). For a consumer done reading before the end of
+        the file (a tar reader stops at the end-of-archive blocks)."""
+        while True:
+            timeout = until_stall()
+            with self._cond:
+                if self._error is not None:
+                    if self._reported:
+                        return None
+                    self._reported = True
+                    return _reader_error(self.url, self._error)
+                if self._size is not None:
+                    return None
+                self._cond.wait(timeout)
+
+    def _available(self, pos: int, want: int, timeout: float) -> int:
+        """Bytes readable at ``pos`` (at most ``want``), waiting at most ``timeout``
+        seconds for some; 0 at the end of the verified file, -1 if none came in time."""
+        with self._cond:
+            for waited in (False, True):
+                if self._error is not None:
+                    self._reported = True
+                    raise _reader_error(self.url, self._error)
+                if pos < self._watermark:
+                    count = min(want, self._watermark - pos)
+                    self._handed = max(self._handed, pos + count)
+                    return count
+                if self._size is not None:
+                    return 0
+                if not waited:
+                    self._cond.wait(timeout)
+            return -1
+
+
+class GrowingWriter:
+    """The ``out`` of a download that may be read early: unbuffered, every write reported
+    to its :class:`GrowingFile` once it is in the file (so the watermark never runs ahead
+    of the bytes). Supports what the strategies use: write, seek, tell, truncate, flush,
+    fileno."""
+
+    def __init__(self, fd: int, growing: GrowingFile) -> None:
+        self._fd = fd
+        self._growing = growing
+        self._pos = 0
+
+    def write(self, data: BytesLike) -> int:
+        view = memoryview(data).cast("B")
+        start = self._pos
+        total = len(view)
+        while view:
+            written = os.pwrite(self._fd, view, self._pos)
+            view = view[written:]
+            self._pos += written
+        self._growing.wrote(start, total)
+        return total
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_SET:
+            self._pos = offset
+        elif whence == os.SEEK_CUR:
+            self._pos += offset
+        else:
+            self._pos = os.fstat(self._fd).st_size + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._pos if size is None else size
+        os.ftruncate(self._fd, size)
+        self._growing.truncated(size)
+        return size
+
+    def flush(self) -> None:
+        return None
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def __enter__(self) -> GrowingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class GrowingReader(io.RawIOBase):
+    """Reads a :class:`GrowingFile` from byte 0: blocks for bytes not yet written, ends only
+    at the end of the verified file, raises the download's error. Its descriptor pins the
+    shard until closed."""
+
+    def __init__(
+        self,
+        growing: GrowingFile,
+        until_stall: UntilStall,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._growing = growing
+        self._until_stall = until_stall
+        self._on_close = on_close
+        self._fd = growing._take_pin()
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def readinto(self, buffer: BytesLike) -> int:
+        view = memoryview(buffer).cast("B")
+        if not view:
+            return 0
+        while True:
+            count = self._growing._available(self._pos, len(view), self._until_stall())
+            if count >= 0:
+                break
+        if count == 0:
+            return 0
+        got = os.preadv(self._fd, [view[:count]], self._pos)
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            os.close(self._fd)
+        finally:
+            super().close()
+            if self._on_close is not None:
+                self._on_close()
+
+
+def _reader_error(url: str, error: BaseException) -> ShardCacheError:
+    """What a reader raises for the download's failure: the cache's own error as it is,
+    anything else (a cancelled download, a local I/O error) as :class:`FetchError`."""
+    if isinstance(error, ShardCacheError):
+        return error
+    cause = f"{type(error).__name__}: {error}"
+    failure = FetchError(
+        f"{url}: the download this reader was following stopped ({cause}); nothing was "
+        "published. Fetch the shard again.",
+        url=url,
+        attempts=1,
+        cause=cause,
+    )
+    failure.__cause__ = error
+    return failure
