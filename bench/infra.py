@@ -121,12 +121,17 @@ def shaped_proxy(upstream_port: int, link: Link) -> Iterator[tuple[str, int]]:
 
 
 # ---------------------------------------------------------------------------- data
+def samples_per_shard(size: int, sample_size: int) -> int:
+    """How many samples ``make_shard(size, sample_size, ...)`` writes."""
+    return max(1, size // (sample_size + 1536))
+
+
 def make_shard(size: int, sample_size: int, seed: int) -> bytes:
     """A WebDataset tar of about ``size`` bytes: samples of ``.bin`` (random) + ``.cls``."""
     pool = os.urandom(sample_size + 4096)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for i in range(max(1, size // (sample_size + 1536))):
+        for i in range(samples_per_shard(size, sample_size)):
             off = (i * 97 + seed) % 4096
             for ext, data in (
                 ("bin", pool[off : off + sample_size]),
