@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -177,6 +178,7 @@ def b2_cold(b: Bench) -> dict[str, Any]:
                     skipped[name] = f"{NOT_INSTALLED} ({exc})"
                 except Exception as exc:  # a peer failing must show, loudly, in its row
                     errors[name] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
                     print(f"B2 row {name!r} FAILED: {errors[name]}", file=sys.stderr, flush=True)
     results = _results(list(rows), runs, skipped, errors, expected, nbytes)
     s = results.pop(sc_name)

@@ -34,11 +34,11 @@ SIZES: dict[str, dict[str, Any]] = {
         "b5": 8 * MiB,
         "b6": (4 * MiB, 1 * MiB, 2 * MiB),  # object, part size, threshold
         "b7": (3, 300_000),
-        "link": Link(0.01, 4 * MB, 10 * MB),
+        "link": Link(0.005, 20 * MB, 40 * MB),  # tiny: the plumbing, not the figures
         "b7_rate": 2 * MB,
         "ceiling": (2, 1 * MiB),
         "b8": (2, 2 * MiB),
-        "b9": (2, 1 * MiB),
+        "b9": (2, 512 * 1024),
     },
     "full": {
         "reps": 3,

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import multiprocessing
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,7 @@ from bench.infra import BUCKET, count_samples
 Counted = tuple[int, int]
 OnSample = Callable[[], None] | None
 STUBS = Path(__file__).parent / "stubs"
+LOADER_TIMEOUT = 300.0  # seconds a DataLoader may wait for one sample from its workers
 
 
 class PeerMissing(Exception):
@@ -60,10 +63,18 @@ def _loader(dataset: Any, workers: int, **kw: Any) -> Any:
     """torch's DataLoader over an IterableDataset that yields one sample at a time.
 
     batch_size=None: samples come out one by one, as from the in-process readers; the
-    workers are forked (torch's default start method on Linux)."""
+    workers are forked (torch's default start method on Linux, said explicitly because
+    litdata's ``optimize`` switches the process-wide default to spawn)."""
     from torch.utils.data import DataLoader
 
-    return DataLoader(dataset, batch_size=None, num_workers=workers, **kw)
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context="fork",
+        timeout=LOADER_TIMEOUT,
+        **kw,
+    )
 
 
 def tar_samples(streams: Iterable[tuple[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -170,6 +181,24 @@ def read_s3torchconnector(
     return count_samples(iter(_loader(S3TarSamples(objects), workers)), on_sample)
 
 
+def s3torchconnector_fetch(keys: list[str], storage_options: dict[str, Any], dest: Path) -> None:
+    """Objects to files one at a time with s3torchconnector's S3Client (CRT): its README's
+    configuration for an S3-compatible server (``endpoint=``, ``S3ClientConfig(
+    force_path_style=True)``); ``get_object`` returns a streaming reader."""
+    require("s3torchconnector")
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+
+    client = S3Client(
+        storage_options["client_kwargs"]["region_name"],
+        endpoint=storage_options["endpoint_url"],
+        s3client_config=S3ClientConfig(force_path_style=True),
+    )
+    for key in keys:
+        with open(dest / key, "wb") as f:
+            shutil.copyfileobj(client.get_object(BUCKET, key), f, 8 << 20)
+
+
 # ---------------------------------------------------------------------------- litdata
 def _sample_fields(tar_bytes: bytes) -> Iterator[tuple[bytes, int]]:
     for sample in tar_samples([("shard", io.BytesIO(tar_bytes))]):
@@ -187,30 +216,69 @@ def write_litdata(shards: list[bytes], out: Path, chunk_bytes: int) -> list[Path
     require("litdata")
     import litdata
 
-    litdata.optimize(
-        fn=_litdata_items,
-        inputs=shards,
-        output_dir=str(out),
-        chunk_bytes=chunk_bytes,
-        num_workers=1,
-        mode="overwrite",
-    )
+    start_method = multiprocessing.get_start_method()
+    try:
+        litdata.optimize(
+            fn=_litdata_items,
+            inputs=shards,
+            output_dir=str(out),
+            chunk_bytes=chunk_bytes,
+            num_workers=1,
+            mode="overwrite",
+        )
+    finally:  # optimize sets the process-wide start method to spawn: put it back
+        multiprocessing.set_start_method(start_method, force=True)
     return sorted(p for p in out.iterdir() if p.is_file())
 
 
 def litdata_loader(url: str, storage_options: dict[str, Any], cache_dir: str, workers: int) -> Any:
     """litdata's ``StreamingDataset`` + ``StreamingDataLoader(num_workers=T)`` (its README's
     recipe), reading the optimized chunks from S3 into ``cache_dir``; ``storage_options``
-    go to its S3 client (endpoint, credentials). Iterate it twice: epoch 1 cold, epoch 2
-    from its cache."""
+    are its documented pass-through to its boto3 client (endpoint, credentials; taken here
+    from our s3fs-style options). Iterate it twice: epoch 1 cold, epoch 2 from its cache."""
     require("litdata")
     from litdata import StreamingDataLoader, StreamingDataset
     from litdata.streaming.resolver import Dir
 
+    boto3_options = {
+        "endpoint_url": storage_options["endpoint_url"],
+        "aws_access_key_id": storage_options["key"],
+        "aws_secret_access_key": storage_options["secret"],
+        "region_name": storage_options["client_kwargs"]["region_name"],
+    }
+    _litdata_allow_http()
     ds = StreamingDataset(
-        input_dir=Dir(path=cache_dir, url=url), storage_options=storage_options, shuffle=False
+        input_dir=Dir(path=cache_dir, url=url), storage_options=boto3_options, shuffle=False
     )
-    return StreamingDataLoader(ds, batch_size=None, num_workers=workers)
+    # Its loader needs an int batch_size: batches of one, unwrapped, so samples come one by one.
+    return StreamingDataLoader(
+        ds,
+        batch_size=1,
+        collate_fn=_only_item,
+        num_workers=workers,
+        multiprocessing_context="fork",
+        timeout=LOADER_TIMEOUT,
+    )
+
+
+def _litdata_allow_http() -> None:
+    """litdata 0.2.76 downloads chunks through obstore, whose client refuses plain http
+    unless its ``allow_http`` client option is set, and litdata builds that store with fixed
+    client options (``litdata.streaming.downloader._OBSTORE_CLIENT_OPTIONS``) that it does not
+    let a user extend. The link here is http on loopback, so the benchmark adds
+    ``allow_http`` to them (the one change to a peer's configuration; it is said in B2's
+    text). Everything else is litdata's own path: obstore for chunks, boto3 for the index."""
+    from litdata.streaming import downloader
+
+    options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    if isinstance(options, dict):
+        options["allow_http"] = "true"
+
+
+def _only_item(batch: list[Any]) -> Any:
+    """The one sample of a batch of one; litdata hands ``bytes`` fields out as memoryviews
+    of its chunk, which cannot cross to the main process: copied to bytes here."""
+    return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in batch[0].items()}
 
 
 # ---------------------------------------------------------------------------- Mosaic

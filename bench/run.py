@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import peers
 from bench.b2_cold import b2_cold
 from bench.b9_first_sample import b9_first_sample
 from bench.common import (
@@ -524,12 +525,18 @@ def b8_cpu(b: Bench) -> dict[str, Any]:
         for key in keys:
             subprocess.run(["curl", "-sSf", "-o", str(dest / key), signed[key]], check=True)
 
+    def s3torchconnector_get() -> None:
+        peers.s3torchconnector_fetch(keys, b.direct, b.fresh_dir("b8p"))
+
     readers: dict[str, Callable[[], None]] = {
         "shardcache fetch": shardcache_fetch,
         "s3fs get": s3fs_get,
         "boto3 download_file": boto3_download,
         "s3fs streaming read (no file)": s3fs_read,
     }
+    missing = peers.missing(["s3torchconnector"])
+    if not missing:
+        readers["s3torchconnector S3Client.get_object"] = s3torchconnector_get
     if shutil.which("curl"):
         readers["curl -o (floor)"] = curl
     gb = count * size / 1e9
@@ -547,17 +554,22 @@ def b8_cpu(b: Bench) -> dict[str, Any]:
             "reps": len(rs),
         }
 
-    results = {name: summ(rs) for name, rs in runs.items()}
+    results: dict[str, Any] = {name: summ(rs) for name, rs in runs.items()}
     s = results.pop("shardcache fetch")
     ratio = round(s["cpu_s_per_gb"] / results["s3fs get"]["cpu_s_per_gb"], 2)
+    s3tc = results.get("s3torchconnector S3Client.get_object")
+    if s3tc is None:
+        results["s3torchconnector S3Client.get_object"] = {"status": "not installed"}
+    s3tc_ratio = round(s["cpu_s_per_gb"] / s3tc["cpu_s_per_gb"], 2) if s3tc else None
     return {
         "what": f"{count} x {size / MiB:g} MiB objects fetched cold, one at a time, direct to "
         "the server; client CPU (user + sys of the process, its threads and children) per GB",
         "shardcache": s,
         "peers": results,
         "ratio": ratio,
-        "target": "<= 0.8 x s3fs get CPU per GB (verification on)",
-        "verdict": verdict(ratio <= 0.8),
+        "s3torchconnector_ratio": s3tc_ratio if s3tc else "not measured (not installed)",
+        "target": "<= 0.8 x s3fs get CPU per GB and <= 1.2 x s3torchconnector (verification on)",
+        "verdict": verdict(ratio <= 0.8 and (s3tc_ratio is None or s3tc_ratio <= 1.2)),
     }
 
 
@@ -641,7 +653,7 @@ def render(report: dict[str, Any]) -> str:
             for k, v in res.items()
             if k
             in {"link_fraction", "lock_ratio", "gets_exactly_one_per_shard", "best_peer"}
-            | {"limit_mb_s", "limit_is"}
+            | {"limit_mb_s", "limit_is", "s3torchconnector_ratio"}
         ]
         if "server_ranged_ceiling" in res:
             extra.append(

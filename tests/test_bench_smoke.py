@@ -32,7 +32,7 @@ def _numbers(value: object) -> list[float]:
     return []
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     proc = subprocess.run(
@@ -41,7 +41,7 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=290,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -66,7 +66,10 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     assert report["results"]["B3"]["gets_exactly_one_per_shard"] is True
     b8 = report["results"]["B8"]  # every reader of the CPU comparison reports CPU per GB
     assert {"s3fs get", "boto3 download_file"} <= set(b8["peers"])
-    assert all(r["cpu_s_per_gb"] > 0 for r in [b8["shardcache"], *b8["peers"].values()])
+    measured = [r for r in b8["peers"].values() if "status" not in r]
+    assert all(r["cpu_s_per_gb"] > 0 for r in [b8["shardcache"], *measured])
+    s3tc = b8["peers"]["s3torchconnector S3Client.get_object"]
+    assert ("status" in s3tc) == (importlib.util.find_spec("s3torchconnector") is None)
     _check_equal_concurrency(report["results"]["B2"])
     b6 = report["results"]["B6"]  # judged against min(link, the server's ranged ceiling)
     assert b6["server_ranged_ceiling"]["mb_s"] > 0 and b6["limit_mb_s"] > 0
