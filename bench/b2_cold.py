@@ -195,7 +195,7 @@ def b2_cold(b: Bench) -> dict[str, Any]:
         "what": f"{count} x {size / MiB:g} MiB shards ({expected} samples), cold, link: "
         f"{link.describe()}; T={t} for shardcache and every peer (litdata/Mosaic: the same "
         "samples in their own formats, same bucket, same link); mb_s = the tar shards' bytes "
-        "/ wall",
+        "/ wall" + "".join(f"; {note}" for note in sorted(peers.NOTES)),
         "shardcache": s,
         "peers": results,
         "ratio": round(ratio, 2) if ratio else None,

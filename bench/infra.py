@@ -193,12 +193,13 @@ def machine() -> dict[str, Any]:
         "s3fs": s3fs.__version__,
         "moto": moto.__version__,
     }
-    try:
-        import torch
+    from importlib.metadata import PackageNotFoundError, version
 
-        versions["torch"] = torch.__version__
-    except ImportError:
-        pass
+    for dist in ("torch", "boto3", "s3torchconnector", "litdata", "mosaicml-streaming"):
+        try:
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = "not installed"
     cpu_model = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:

@@ -27,6 +27,7 @@ from bench.infra import BUCKET, count_samples
 Counted = tuple[int, int]
 OnSample = Callable[[], None] | None
 STUBS = Path(__file__).parent / "stubs"
+NOTES: set[str] = set()  # what the run had to adjust for a peer, printed with B2
 LOADER_TIMEOUT = 300.0  # seconds a DataLoader may wait for one sample from its workers
 
 
@@ -273,6 +274,7 @@ def _litdata_allow_http() -> None:
     options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
     if isinstance(options, dict):
         options["allow_http"] = "true"
+        NOTES.add("litdata's obstore client options given allow_http (the link is plain http)")
 
 
 def _only_item(batch: list[Any]) -> Any:
@@ -293,6 +295,10 @@ def _torchvision_stubs() -> Iterator[None]:
         yield
         return
     sys.path.insert(0, str(STUBS))
+    NOTES.add(
+        "Mosaic Streaming imported with torchvision stand-ins (bench/stubs: no CPU torchvision "
+        "here; unused for MDS shards)"
+    )
     try:
         yield
     finally:
