@@ -47,6 +47,7 @@ from bench.infra import (
     install_wds_s3_opener,
     machine,
     median,
+    presigned,
     put,
     samples_per_shard,
 )
@@ -423,6 +424,7 @@ def b7_hiding(b: Bench) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {}
     with b.link() as (so, pids):
         install_wds_s3_opener(so)
+        streamed = presigned(b.s3.boto3_client(so["endpoint_url"]), urls)
         readers: dict[str, Callable[[Callable[[], None]], Any]] = {
             f"shardcache threads={t}": sc,
             "webdataset cache_dir= (one process)": lambda cb: read_wds(
@@ -432,7 +434,7 @@ def b7_hiding(b: Bench) -> dict[str, Any]:
                 urls, t, cache_dir=str(b.fresh_dir("b7w")), on_sample=cb
             ),
             f"webdataset streaming, DataLoader(num_workers={t})": lambda cb: peers.read_wds_loader(
-                urls, t, on_sample=cb
+                streamed, t, on_sample=cb
             ),
         }
         for rep in range(b.cfg["reps"]):
