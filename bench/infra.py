@@ -121,12 +121,17 @@ def shaped_proxy(upstream_port: int, link: Link) -> Iterator[tuple[str, int]]:
 
 
 # ---------------------------------------------------------------------------- data
+def samples_per_shard(size: int, sample_size: int) -> int:
+    """How many samples ``make_shard(size, sample_size, ...)`` writes."""
+    return max(1, size // (sample_size + 1536))
+
+
 def make_shard(size: int, sample_size: int, seed: int) -> bytes:
     """A WebDataset tar of about ``size`` bytes: samples of ``.bin`` (random) + ``.cls``."""
     pool = os.urandom(sample_size + 4096)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for i in range(max(1, size // (sample_size + 1536))):
+        for i in range(samples_per_shard(size, sample_size)):
             off = (i * 97 + seed) % 4096
             for ext, data in (
                 ("bin", pool[off : off + sample_size]),
@@ -154,6 +159,20 @@ def install_wds_s3_opener(storage_options: dict[str, Any]) -> None:
         return fs.open(url, mode)
 
     wds.gopen_schemes["s3"] = gopen_s3
+
+
+def presigned(client: Any, urls: list[str], expires: int = 3600) -> list[str]:
+    """http(s) URLs of the ``s3://`` objects, signed by ``client`` (its endpoint: the link).
+
+    WebDataset streams http(s) URLs with its built-in opener, ``curl`` in a pipe (one GET
+    per shard, bytes handed on as they arrive): its documented way to stream shards from a
+    web server or object store. The s3fs opener above reads a whole 50 MB block first."""
+    return [
+        client.generate_presigned_url(
+            "get_object", {"Bucket": u.split("/", 3)[2], "Key": u.split("/", 3)[3]}, expires
+        )
+        for u in urls
+    ]
 
 
 def count_samples(samples: Iterator[dict[str, Any]], on_sample: Callable[[], None] | None = None):
@@ -188,12 +207,13 @@ def machine() -> dict[str, Any]:
         "s3fs": s3fs.__version__,
         "moto": moto.__version__,
     }
-    try:
-        import torch
+    from importlib.metadata import PackageNotFoundError, version
 
-        versions["torch"] = torch.__version__
-    except ImportError:
-        pass
+    for dist in ("torch", "boto3", "s3torchconnector", "litdata", "mosaicml-streaming"):
+        try:
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = "not installed"
     cpu_model = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -12,7 +13,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IDS = [f"B{i}" for i in range(1, 9)]
+IDS = [f"B{i}" for i in range(1, 10)]
+# Peers scripts/bench installs in .venv-bench only: here they must say so, not vanish.
+OPTIONAL_PEERS = {
+    "s3torchconnector": "s3torchconnector",
+    "litdata": "litdata",
+    "mosaic": "streaming",
+}
 
 
 def _numbers(value: object) -> list[float]:
@@ -25,7 +32,7 @@ def _numbers(value: object) -> list[float]:
     return []
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     proc = subprocess.run(
@@ -34,7 +41,7 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=290,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -42,7 +49,7 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     assert report["size"] == "tiny"
     assert report["machine"]["cores"] >= 1 and report["machine"]["versions"]["python"]
     assert report["server_ceiling"]["mb_s"] > 0
-    assert list(report["results"]) == IDS
+    assert set(IDS) <= set(report["results"])
     for sid, res in report["results"].items():
         assert "error" not in res, (sid, res)
         assert res["verdict"] in {"met", "MISSED"}, sid
@@ -50,14 +57,50 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
         numbers = _numbers(res["shardcache"])
         assert numbers and all(math.isfinite(n) and n >= 0 for n in numbers), (sid, res)
         assert res["ratio"] is None or res["ratio"] > 0, sid
-        for peer in res["peers"].values():
-            assert _numbers(peer), (sid, peer)
+        assert not res.get("row_errors"), (sid, res["row_errors"])
+        for name, peer in res["peers"].items():
+            assert "error" not in peer, (sid, name, peer)
+            assert _numbers(peer) or peer["status"].startswith("not installed"), (sid, name)
     for sid in ("B2", "B3", "B6", "B7"):  # shaped runs report CPU next to the numbers
         assert "machine_cpu_pct" in report["results"][sid]["shardcache"], sid
     assert report["results"]["B3"]["gets_exactly_one_per_shard"] is True
     b8 = report["results"]["B8"]  # every reader of the CPU comparison reports CPU per GB
     assert {"s3fs get", "boto3 download_file"} <= set(b8["peers"])
-    assert all(r["cpu_s_per_gb"] > 0 for r in [b8["shardcache"], *b8["peers"].values()])
+    measured = [r for r in b8["peers"].values() if "status" not in r]
+    assert all(r["cpu_s_per_gb"] > 0 for r in [b8["shardcache"], *measured])
+    s3tc = b8["peers"]["s3torchconnector S3Client.get_object"]
+    assert ("status" in s3tc) == (importlib.util.find_spec("s3torchconnector") is None)
+    _check_equal_concurrency(report["results"]["B2"])
+    b6 = report["results"]["B6"]  # judged against min(link, the server's ranged ceiling)
+    assert b6["server_ranged_ceiling"]["mb_s"] > 0 and b6["limit_mb_s"] > 0
+    b7 = report["results"]["B7"]  # waiting for data apart from the per-sample work
+    for res in [b7["shardcache"], *b7["peers"].values()]:
+        assert res["work_s"] > 0 and res["wait_s"] >= 0, b7
+    b9 = report["results"]["B9"]
+    assert {"webdataset streaming", "webdataset cache_dir="} <= set(b9["peers"])
+    assert all(r["first_sample_s"] > 0 for r in [b9["shardcache"], *b9["peers"].values()])
     table = (tmp_path / "results.md").read_text()
     for sid in IDS:
         assert f"| {sid} |" in table
+
+
+def _check_equal_concurrency(b2: dict) -> None:
+    """Every peer ran (or says it is not installed) and every reader yielded every sample."""
+    rows = b2["peers"]
+    ran = {
+        "shardcache threads=1",
+        "webdataset streaming",
+        "webdataset cache_dir=",
+        "s3fs get",
+        "boto3 download_file",
+    }
+    for prefix in ran:
+        [row] = [r for name, r in rows.items() if name.startswith(prefix)]
+        assert row["samples_s"] > 0, (prefix, row)
+    for peer, module in OPTIONAL_PEERS.items():
+        found = [r for name, r in rows.items() if name.startswith(peer)]
+        assert found, (peer, list(rows))
+        if importlib.util.find_spec(module) is None:
+            assert all(r["status"].startswith("not installed") for r in found), (peer, found)
+        else:
+            assert all(r["samples_s"] > 0 for r in found), (peer, found)

@@ -1,0 +1,1 @@
+"""Stand-in for torchvision: only what ``import streaming`` needs (see bench/stubs/README.md)."""

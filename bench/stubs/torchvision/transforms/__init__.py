@@ -1,0 +1,1 @@
+"""Stand-in for torchvision.transforms (see bench/stubs/README.md)."""
