@@ -37,6 +37,7 @@ from ._eviction import (
 )
 from ._freshness import Freshness
 from ._fsinfo import mount_for
+from ._index import Index
 from ._layout import CacheLayout, ShardId, namespace
 from ._locks import LockPolicy, ShardLock
 from ._metadata import write_meta
@@ -132,6 +133,7 @@ class ShardCache:
         self._stats_lock = threading.Lock()
         self._policy: LockPolicy | None = None
         self._network_fs: bool | None = None
+        self._index_: Index | None = None
         self._pins: dict[Path, list[int]] = {}  # prefetched shards not yet released
         self._pins_lock = threading.Lock()
 
@@ -424,10 +426,17 @@ class ShardCache:
         published + reserved in-flight bytes never exceed SHARDCACHE_MAX_BYTES. A size not
         known ahead (``pipe:``) reserves nothing: the room is made once the download ended
         (:meth:`_publish_once`), and meanwhile the evictor counts the ``.part`` as it grows."""
+        index = self._index()
         if info.size is None:
-            return self._create_part(part)
+            if index is None:
+                return self._create_part(part)
+            with evict_lock(self.layout):
+                index.add_part(part, final)
+                return self._create_part(part)
         with evict_lock(self.layout):
             self._make_room(final, info)
+            if index is not None:
+                index.add_part(part, final)  # before the file: no part is ever uncounted
             fd = self._create_part(part)
             try:
                 self._reserve(fd, info)
@@ -466,6 +475,12 @@ class ShardCache:
         bounded = self.settings.max_bytes is not None
         with evict_lock(self.layout) if bounded else contextlib.nullcontext():
             self._publish_locked(fd, part, final)
+            index = self._index()
+            if index is not None:
+                try:
+                    index.published(part, final)
+                except CacheDirError as exc:  # published all the same; the index repairs
+                    logger.warning("%s published, but not recorded in the index: %s", final, exc)
 
     def _publish_locked(self, fd: int, part: Path, final: Path) -> None:
         original = part
@@ -579,7 +594,7 @@ class ShardCache:
                     final, info, f"the shard alone exceeds SHARDCACHE_MAX_BYTES={max_bytes}"
                 )
             reserve = 0 if on_disk else size
-            report = evict_locked(self.layout, max_bytes, reserve=reserve)
+            report = self._evict_locked(max_bytes, reserve)
             if report.kept_bytes + reserve > max_bytes:
                 raise self._full_error(
                     final,
@@ -593,9 +608,8 @@ class ShardCache:
         free = _free_bytes(final.parent)
         if on_disk or free >= size:
             return
-        entries, partial = scan(self.layout)
-        used = partial + sum(e.size for e in entries)
-        report = evict_locked(self.layout, max(0, used - (size - free)))
+        used = self._used_bytes()
+        report = self._evict_locked(max(0, used - (size - free)), 0)
         free = _free_bytes(final.parent)
         if free < size:
             raise self._full_error(
@@ -641,11 +655,52 @@ class ShardCache:
                 name="max_bytes",
                 value=None,
             )
-        return evict_lru(self.layout, limit)
+        if self._on_network_fs():
+            return evict_lru(self.layout, limit)
+        index = self._index(always=True)
+        assert index is not None
+        with evict_lock(self.layout):
+            # Asked for explicitly (the CLI): exact, even if processes without max_bytes
+            # (which do not keep the index) published meanwhile.
+            index.rebuild()
+            return index.evict(limit)
 
     def remove(self, path: Path) -> bool:
         """Remove a published shard and its metadata; False if missing or in use."""
-        return remove(self.layout, Path(path))
+        index = self._index()
+        if index is None:
+            return remove(self.layout, Path(path))
+        with evict_lock(self.layout):
+            removed = remove(self.layout, Path(path))
+            if removed:
+                index.forget(Path(path))
+            return removed
+
+    # -- accounting (the index, or a listing of the directory) ---------------------------
+
+    def _index(self, *, always: bool = False) -> Index | None:
+        """The scope's index when this process keeps it: SHARDCACHE_MAX_BYTES set (or
+        ``always``: an explicit evict) and a local disk (see :mod:`shardcache._index`)."""
+        if (self.settings.max_bytes is None and not always) or self._on_network_fs():
+            return None
+        if self._index_ is None:
+            self._index_ = Index(self.layout)
+        return self._index_
+
+    def _evict_locked(self, max_bytes: int, reserve: int) -> EvictReport:
+        """Evict to ``max_bytes`` with room for ``reserve`` (the caller holds evict_lock)."""
+        index = self._index()
+        if index is None:
+            return evict_locked(self.layout, max_bytes, reserve=reserve)
+        return index.evict(max_bytes, reserve)
+
+    def _used_bytes(self) -> int:
+        """Published bytes plus downloads in progress (the caller holds evict_lock)."""
+        index = self._index()
+        if index is not None:
+            return index.used_bytes()
+        entries, partial = scan(self.layout)
+        return partial + sum(e.size for e in entries)
 
     def _on_network_fs(self) -> bool:
         if self._network_fs is None:

@@ -36,6 +36,13 @@ logger = get_logger(__name__)
 
 TOUCH_INTERVAL = 60.0  # refresh a hit's "last used" time at most this often
 EVICT_LOCK_TIMEOUT = 600.0
+_listings = 0  # directories listed by this process (see listings())
+
+
+def listings() -> int:
+    """How many cache directories this process has listed: a test's proof that a path
+    (a miss with SHARDCACHE_MAX_BYTES and the index) lists none."""
+    return _listings
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ def list_dir(
     descriptor (:class:`SafeFS`); none if it is gone (a tmp cleaner), and entries removed
     while listing are left out. A directory that cannot be listed (or a link, or a foreign
     directory, on the way) raises CacheDirError, or is appended to ``unreadable``."""
+    global _listings  # noqa: PLW0603
+    _listings += 1
     try:
         with fs.directory(path) as dir_fd:
             listed = []
@@ -167,7 +176,7 @@ def evict_lock(layout: CacheLayout, timeout: float = EVICT_LOCK_TIMEOUT) -> Iter
     """Hold the scope's eviction lock (``.locks/evict.lock``): evictions and the space
     reservations of new downloads are serialised by it, so no two processes count the
     same free space. Survives its directory being removed meanwhile."""
-    path = layout.locks_dir / "evict.lock"
+    path = layout.evict_lock_path
     start = time.monotonic()
     delay = 0.001
     vanished = 0
@@ -229,6 +238,11 @@ def evict_locked(layout: CacheLayout, max_bytes: int, reserve: int = 0) -> Evict
             report.in_use += 1
             report.in_use_bytes += entry.size
     report.kept_bytes = used
+    log_evicted(layout, report, max_bytes)
+    return report
+
+
+def log_evicted(layout: CacheLayout, report: EvictReport, max_bytes: int) -> None:
     if report.removed:
         logger.info(
             "evicted %d shards (%d bytes) from %s to stay within %d bytes",
@@ -237,4 +251,3 @@ def evict_locked(layout: CacheLayout, max_bytes: int, reserve: int = 0) -> Evict
             layout.scope_dir,
             max_bytes,
         )
-    return report
