@@ -33,9 +33,10 @@ Crash safety (SIGKILL anywhere). Every transaction is atomic (WAL). A process ki
 between its rename and its publish record leaves a ``parts`` row whose file is gone: the
 next count looks for the published name and records it. Killed mid-eviction, the
 transaction rolls back, leaving rows of shards already unlinked: they are the oldest, so
-the next eviction meets them first, finds them missing and drops them (the count was too
-high meanwhile: the cache held less, never more). A file removed behind the index's back
-(``shardcache clean``, a tmp cleaner, ``verify``, another user) is dropped the same way.
+the evictor meets them first whenever it next needs room, finds them missing and drops
+them (the count was too high meanwhile: the cache held less, never more). A file removed
+behind the index's back (``shardcache clean``, a tmp cleaner, ``verify``, another user) is
+dropped the same way.
 
 Rebuilt from the directory (one listing, the old cost, once) when the file is missing,
 is not a database or is damaged, has another schema version, was written before this
@@ -161,7 +162,7 @@ class Index:
 
     def used_bytes(self) -> int:
         """Published bytes plus the bytes of downloads in progress, as counted now."""
-        return self._run(lambda conn: self._total(conn) + self._count_parts(conn))
+        return self._run(self._used)
 
     def evict(self, max_bytes: int, reserve: int = 0) -> EvictReport:
         """Remove least-recently-used shards until published + in-progress + ``reserve``
@@ -191,6 +192,8 @@ class Index:
         def work(conn: sqlite3.Connection) -> None:
             conn.execute("DELETE FROM entries")
             conn.execute("DELETE FROM parts")
+            # Counted afresh (the triggers only add and subtract): a drifted total goes too.
+            conn.execute("UPDATE state SET value = 0 WHERE key IN ('total_bytes', 'entries')")
             conn.executemany("INSERT INTO entries VALUES (?, ?, ?, ?)", entries)
             conn.executemany("INSERT INTO parts VALUES (?, ?)", parts)
             conn.executemany(
@@ -211,7 +214,7 @@ class Index:
     def _evict_pass(
         self, conn: sqlite3.Connection, max_bytes: int, reserve: int, report: EvictReport
     ) -> None:
-        used = self._total(conn) + self._count_parts(conn)
+        used = self._used(conn)
         after: tuple[int, str] = (-(1 << 62), "")
         while used + reserve > max_bytes:
             rows = conn.execute(
@@ -291,6 +294,10 @@ class Index:
         return total
 
     # -- connection, transactions, repair --------------------------------------------
+
+    def _used(self, conn: sqlite3.Connection) -> int:
+        parts = self._count_parts(conn)  # first: it may record a published shard
+        return self._total(conn) + parts
 
     @staticmethod
     def _total(conn: sqlite3.Connection) -> int:
