@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.b11_bookkeeping import b11_bookkeeping
 from bench.infra import (
     BUCKET,
     CTX,
@@ -680,6 +681,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B6": ("large single object over the shaped link", b6_large),
     "B7": ("latency hiding at a fixed consumer rate", b7_hiding),
     "B8": ("client CPU per GB of a cold fetch", b8_cpu),
+    "B11": ("bookkeeping cost vs the number of cached shards", b11_bookkeeping),
 }
 
 

@@ -666,8 +666,9 @@ class ShardCache:
             return index.evict(limit)
 
     def remove(self, path: Path) -> bool:
-        """Remove a published shard and its metadata; False if missing or in use."""
-        index = self._index()
+        """Remove a published shard and its metadata; False if missing or in use. Also
+        from the scope's index when there is one (``verify`` runs without max_bytes)."""
+        index = self._index(always=self.layout.fs_exists(self.layout.index_path))
         if index is None:
             return remove(self.layout, Path(path))
         with evict_lock(self.layout):

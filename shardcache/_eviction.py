@@ -56,6 +56,7 @@ class CacheEntry:
     etag: str | None = None
     md5: str | None = None
     url_redacted: bool = False
+    recorded_size: int | None = None  # the size its metadata record gives
 
 
 @dataclass
@@ -141,10 +142,15 @@ def scan(
                     etag=meta.get("etag"),
                     md5=meta.get("md5"),
                     url_redacted=bool(meta.get("url_redacted")),
+                    recorded_size=_int_or_none(meta.get("size")),
                 )
             )
     entries.sort(key=lambda e: e.last_used)
     return entries, partial
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def remove(layout: CacheLayout, path: Path) -> bool:

@@ -253,6 +253,14 @@ class CacheLayout:
         # stays below 255 bytes even inside a temp name: 64 + 1 + 20 + 12 = 97.
         return f"{stem}-{key[:_DIGEST_CHARS]}{suffix}"
 
+    def fs_exists(self, path: Path) -> bool:
+        """Whether ``path`` (inside the cache) exists, links not followed."""
+        try:
+            self.fs.lstat(path)
+        except OSError:
+            return False
+        return True
+
     def make_dir(self, directory: Path) -> None:
         """Create ``directory`` inside the cache (and the root, if missing) with the cache's
         mode, every component checked on the way (:class:`SafeFS`)."""

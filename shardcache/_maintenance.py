@@ -223,7 +223,7 @@ def status(cache: ShardCache) -> StatusReport:
     """Entries, disk, locks held and by whom, stale locks and orphan files of ``cache``."""
     layout = cache.layout
     report = StatusReport(scope_dir=layout.scope_dir)
-    entries = scan(layout, with_meta=True, unreadable=report.unreadable)[0]
+    entries = scan(layout, unreadable=report.unreadable)[0]  # counts only: no records read
     report.entries = len(entries)
     report.bytes = sum(e.size for e in entries)
     report.in_use = sum(1 for e in entries if is_held(layout.fs, e.path))
@@ -402,7 +402,10 @@ def _judge_meta_file(layout: CacheLayout, path: Path) -> Leftover | None:
     if not path.name.endswith(".json") or path.name.startswith("."):
         return None
     data = layout.data_path_of_meta(path)
-    # Order matters: a download writes the record, then renames its temp file into place.
+    if _exists(fs, data):  # the common case, one lstat (listing the bucket costs N/256)
+        return None
+    # Order matters: a download writes the record, then renames its temp file into place;
+    # so no live download, then still no shard (it may have been renamed meanwhile).
     if _live_download_of(fs, data):
         return None
     if _exists(fs, data) or not _exists(fs, path):

@@ -343,3 +343,40 @@ def test_a_crashed_download_counts_until_cleaned(tmp_path: Path) -> None:
     cache.fetch(urls[5])  # 4 + 1 <= 6: nothing more goes
     assert all(cache.contains(u) for u in urls[1:6])
     _assert_exact(_scope(cache))
+
+
+# ------------------------------------------------------------------------ maintenance
+
+
+def test_verify_quick_checks_sizes_against_the_records_without_the_source(
+    tmp_path: Path,
+) -> None:
+    urls = _sources(tmp_path, 4)
+    cache = ShardCache(tmp_path / "c", max_bytes=10 * SIZE)
+    for url in urls:
+        cache.fetch(url)
+    os.truncate(cache.path_for(urls[1]), 100)
+    for url in urls:  # the sources are gone: a full verify could not check anything
+        Path(url).unlink()
+    stray = _scope(cache) / "data" / "zz" / "copied-by-hand.tar"
+    stray.parent.mkdir()
+    stray.write_bytes(b"who knows")
+    env = {**os.environ, "SHARDCACHE_DIR": str(tmp_path / "c")}
+    done = subprocess.run(
+        [sys.executable, "-m", "shardcache", "verify", "--quick"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "5 shards, 3 ok, 1 bad, 0 not checkable, 1 of unknown origin" in done.stdout
+    assert f"bad: file://{urls[1]}: size 100 bytes, {SIZE} recorded when it was cached; " in (
+        done.stdout
+    )
+    assert not cache.path_for(urls[1]).exists() and stray.exists()
+    # Removed through the cache: the index knows (no rebuild needed to be exact).
+    shards, _parts, total = _indexed(_scope(cache))
+    assert cache.path_for(urls[1]).parent.name + "/" + cache.path_for(urls[1]).name not in shards
+    assert total == 3 * SIZE
