@@ -8,6 +8,11 @@ outlives its name).
 Evictions of one scope directory are serialised by ``.locks/evict.lock`` so two processes
 never both count the same free space. "Last used" is the file's mtime, refreshed on hits
 (at most once a minute per shard).
+
+:func:`evict_locked` here finds candidates by listing the data directory: linear in the
+cache. A size-bounded cache on a local disk evicts from the scope's index instead
+(:mod:`shardcache._index`, same rules, constant cost); the listing remains for network
+file systems and for the disk-full pass of caches without ``max_bytes``.
 """
 
 from __future__ import annotations
