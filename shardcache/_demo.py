@@ -2,8 +2,9 @@
 
 Without ``source`` it starts an embedded S3 (a moto server on 127.0.0.1, from the ``test``
 extra), writes a deterministic dataset of image-like samples, and fetches it. The server
-listens on a fixed port by default so that cache keys (which include the endpoint) stay
-the same across runs and a second run shows all hits.
+listens on a port fixed by the cache directory (:func:`demo_port`) so that cache keys (which
+include the endpoint) stay the same across runs and a second run shows all hits, while demos
+with different cache directories (tests running side by side) do not compete for one port.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import io
 import shutil
 import tarfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +27,8 @@ from .testing.s3server import S3Server
 logger = get_logger(__name__)
 
 DEMO_BUCKET = "shardcache-demo"
-DEMO_PORT = 47913
+DEMO_PORT = 47913  # the default cache directory's
+DERIVED_PORTS = range(20000, 32000)  # below Linux's ephemeral range (32768-60999)
 SAMPLES_PER_SHARD = 32
 
 
@@ -83,7 +86,7 @@ def run_demo(
     if source is not None:
         cache = ShardCache(cache_dir, threads=threads)
         return _run_pipeline(source, cache, fresh=fresh, workers=workers, decode=False)
-    server = _start_server(S3Server)
+    server = _start_server(S3Server, demo_port(cache_dir))
     try:
         server.put_objects(
             DEMO_BUCKET, {f"train-{i:06d}.tar": make_shard(i) for i in range(shards)}
@@ -97,12 +100,21 @@ def run_demo(
         server.stop()
 
 
-def _start_server(server_class: type[S3Server]) -> S3Server:
-    # A fixed port keeps cache keys stable across runs; fall back to any free port.
+def demo_port(cache_dir: Path | None) -> int:
+    """The embedded server's port for a demo caching into ``cache_dir``: the same on every
+    run with that directory (stable cache keys)."""
+    if cache_dir is None:
+        return DEMO_PORT
+    digest = zlib.crc32(str(Path(cache_dir).resolve()).encode())
+    return DERIVED_PORTS[digest % len(DERIVED_PORTS)]
+
+
+def _start_server(server_class: type[S3Server], port: int) -> S3Server:
+    # A stable port keeps cache keys stable across runs; fall back to any free port.
     try:
-        return server_class(port=DEMO_PORT).start()
+        return server_class(port=port).start()
     except Exception as exc:
-        logger.warning("port %d unavailable (%s); using a free port: expect misses", DEMO_PORT, exc)
+        logger.warning("port %d unavailable (%s); using a free port: expect misses", port, exc)
         return server_class().start()
 
 

@@ -3,7 +3,7 @@
 - Local sources (paths, ``file:`` URLs) are revalidated on every hit: the source's size and
   modification time (one ``stat``) against those recorded when the copy was made. The
   record is read from the shard's metadata once per published copy (a republish is a new
-  inode) and remembered in the process.
+  inode) and remembered in the process (up to ``RECORDED_LIMIT`` shards, then read again).
 - Remote sources are immutable by default: a hit costs nothing more. With
   ``SHARDCACHE_REVALIDATE=<interval>`` a hit last checked longer ago than the interval asks
   the store (one HEAD) whether its ETag, size or version changed; the check time is kept in
@@ -28,6 +28,8 @@ from ._remote import ObjectInfo, Remote
 from ._urls import LOCAL_PROTOCOLS, local_path
 
 logger = get_logger(__name__)
+
+RECORDED_LIMIT = 65_536  # local-source stamps remembered per cache (oldest dropped first)
 
 
 class Freshness:
@@ -71,6 +73,8 @@ class Freshness:
         if meta.get("data_ino") not in (None, st.st_ino):
             stamp = None  # the record of a new copy written just before it replaces this one
         with self._lock:
+            if final not in self._recorded and len(self._recorded) >= RECORDED_LIMIT:
+                del self._recorded[next(iter(self._recorded))]  # the oldest remembered
             self._recorded[final] = (st.st_ino, stamp)
         return stamp
 

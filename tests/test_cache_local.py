@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardcache import CacheFullError, RemoteNotFoundError, ShardCache
-from shardcache._demo import run_demo
+from shardcache._demo import DEMO_PORT, demo_port, run_demo
 from shardcache._fsinfo import mount_for, parse_mountinfo
 
 MOUNTINFO = """\
@@ -99,6 +99,13 @@ def test_demo_second_run_is_all_hits(tmp_path: Path) -> None:
     second = run_demo(cache_dir=tmp_path / "demo", shards=4)
     assert (second.misses, second.hits, second.samples) == (0, 4, 4 * 32)
     assert second.bytes == first.bytes > 0
+    assert second.endpoint == first.endpoint  # the port follows the cache directory
+
+
+def test_demos_with_different_cache_dirs_use_different_ports() -> None:
+    assert demo_port(Path("/data/a")) == demo_port(Path("/data/a"))
+    assert demo_port(Path("/data/a")) != demo_port(Path("/data/b"))
+    assert demo_port(None) == DEMO_PORT
 
 
 @pytest.fixture

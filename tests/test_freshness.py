@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardcache import ConfigError, RemoteNotFoundError, ShardCache
+from shardcache import _freshness as freshness
 from shardcache._locks import ShardLock
 from shardcache._metadata import read_meta, write_meta
 
@@ -60,6 +61,25 @@ def test_an_unchanged_local_shard_is_a_hit(tmp_path: Path) -> None:
         assert cache.fetch(str(source)).stat().st_ino == inode
     assert cache.contains(str(source))
     assert (cache.stats().misses, cache.stats().hits) == (1, 3)
+
+
+def test_the_remembered_stamps_are_bounded_and_a_forgotten_one_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(freshness, "RECORDED_LIMIT", 3)
+    cache = _cache(tmp_path)
+    sources = []
+    for i in range(5):
+        source = tmp_path / f"shard-{i}.tar"
+        source.write_bytes(bytes([i]) * 1000)
+        sources.append(source)
+        cache.fetch(str(source))
+    for source in sources:  # hits: every stamp is (re)remembered, the oldest dropped
+        assert cache.fetch(str(source)).read_bytes() == source.read_bytes()
+    assert len(cache._freshness._recorded) == 3
+    _rewrite(sources[0], b"new" * 100)  # forgotten long ago: its record is read again
+    assert cache.fetch(str(sources[0])).read_bytes() == b"new" * 100
+    assert (cache.stats().misses, cache.stats().hits) == (6, 5)
 
 
 def test_a_later_process_sees_the_rewrite(tmp_path: Path) -> None:

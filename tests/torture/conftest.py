@@ -18,13 +18,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-FULL = os.environ.get("SHARDCACHE_TORTURE", "").lower() == "full"
+from torture_scale import FULL
+
 _ROWS: list[dict[str, Any]] = []
-
-
-def scale(ci: int, full: int) -> int:
-    """``full`` under SHARDCACHE_TORTURE=full, else ``ci``."""
-    return full if FULL else ci
 
 
 class Figures:

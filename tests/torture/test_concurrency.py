@@ -9,8 +9,8 @@ import os
 import threading
 from pathlib import Path
 
-from conftest import scale
 from processes import run_together
+from torture_scale import scale
 
 from shardcache import ShardCache
 from shardcache._eviction import evict_lock, scan

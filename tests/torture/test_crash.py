@@ -43,8 +43,8 @@ from typing import Any
 
 import crash_child
 import pytest
-from conftest import scale
 from crash_child import INSTANTS, PATHS
+from torture_scale import scale
 
 from shardcache import ShardCache
 from shardcache import _cli as cli

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import scale
+from torture_scale import scale
 
 from shardcache import (
     PermanentFetchError,

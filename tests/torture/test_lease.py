@@ -7,8 +7,8 @@ import hashlib
 import random
 from pathlib import Path
 
-from conftest import scale
 from processes import run_together
+from torture_scale import scale
 
 from shardcache import ShardCache
 from shardcache._layout import is_temp_name

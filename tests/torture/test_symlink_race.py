@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 
 from processes import CTX
+from torture_scale import scale
 
 from shardcache import ShardCache, ShardCacheError
 from shardcache._maintenance import clean
@@ -141,10 +142,6 @@ def _prepare(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
 
 
 def test_symlink_swaps_never_redirect_reads_or_writes(tmp_path: Path, figures) -> None:
-    # Imported here, not at module level: the spawned children import this module, and
-    # their ``conftest`` may be tests/conftest.py, depending on the order pytest collected.
-    from conftest import scale
-
     expected, root, outside = _prepare(tmp_path)
     urls, scope = list(expected), root / "node"
     before = _snapshot(outside)

@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import scale
 from processes import CTX
+from torture_scale import scale
 
 from shardcache import ShardCache
 from shardcache.testing import S3Server
