@@ -27,13 +27,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ._dirs import dir_error
 from ._errors import CacheDirError, LockTimeout
 from ._layout import CacheLayout, is_temp_name
 from ._lock_flock import try_flock
 from ._locks import lock_file_error
-from ._metadata import read_meta
+from ._metadata import read_meta, read_meta_at
 from ._redact import get_logger
 from ._safefs import SafeFS
 
@@ -129,29 +130,50 @@ def scan(
     for bucket, bucket_st in list_dir(layout.fs, layout.data_dir, unreadable):
         if not stat.S_ISDIR(bucket_st.st_mode):
             continue
-        for name, st in list_dir(layout.fs, layout.data_dir / bucket, unreadable):
-            if not stat.S_ISREG(st.st_mode) or st.st_ino in seen:
-                continue
-            seen.add(st.st_ino)
-            if is_temp_name(name):
-                partial += st.st_size
-                continue
-            path = layout.data_dir / bucket / name
-            meta = read_meta(layout, path) if with_meta else {}
-            entries.append(
-                CacheEntry(
-                    path=path,
-                    size=st.st_size,
-                    last_used=st.st_mtime,
-                    url=meta.get("url"),
-                    etag=meta.get("etag"),
-                    md5=meta.get("md5"),
-                    url_redacted=bool(meta.get("url_redacted")),
-                    recorded_size=_int_or_none(meta.get("size")),
-                )
-            )
+        with _meta_dir(layout, bucket, with_meta) as meta_fd:
+            for name, st in list_dir(layout.fs, layout.data_dir / bucket, unreadable):
+                if not stat.S_ISREG(st.st_mode) or st.st_ino in seen:
+                    continue
+                seen.add(st.st_ino)
+                if is_temp_name(name):
+                    partial += st.st_size
+                    continue
+                path = layout.data_dir / bucket / name
+                meta = read_meta_at(meta_fd, f"{name}.json") if meta_fd is not None else {}
+                entries.append(_entry(path, st, meta))
     entries.sort(key=lambda e: e.last_used)
     return entries, partial
+
+
+@contextlib.contextmanager
+def _meta_dir(layout: CacheLayout, bucket: str, wanted: bool) -> Iterator[int | None]:
+    """A descriptor of ``.meta/<bucket>`` (None if not ``wanted``, missing or unusable)."""
+    if not wanted:
+        yield None
+        return
+    try:
+        ctx = layout.fs.directory(layout.meta_dir / bucket)
+        fd = ctx.__enter__()
+    except (OSError, CacheDirError):
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def _entry(path: Path, st: os.stat_result, meta: dict[str, Any]) -> CacheEntry:
+    return CacheEntry(
+        path=path,
+        size=st.st_size,
+        last_used=st.st_mtime,
+        url=meta.get("url"),
+        etag=meta.get("etag"),
+        md5=meta.get("md5"),
+        url_redacted=bool(meta.get("url_redacted")),
+        recorded_size=_int_or_none(meta.get("size")),
+    )
 
 
 def _int_or_none(value: object) -> int | None:
