@@ -18,10 +18,10 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ._config import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from ._errors import CacheDirError, CacheFullError, ConfigError, ShardCacheError
@@ -51,6 +51,7 @@ from ._trust import Trust, describe_owner
 from ._urls import url_protocol
 
 logger = get_logger(__name__)
+_T = TypeVar("_T")
 
 VANISHED_RETRIES = 8  # a miss is made again at most this often when its files vanish
 _VANISHED_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
@@ -134,6 +135,7 @@ class ShardCache:
         self._policy: LockPolicy | None = None
         self._network_fs: bool | None = None
         self._index_: Index | None = None
+        self._index_failed = False  # the index failed once: this process lists instead
         self._pins: dict[Path, list[int]] = {}  # prefetched shards not yet released
         self._pins_lock = threading.Lock()
 
@@ -426,17 +428,16 @@ class ShardCache:
         published + reserved in-flight bytes never exceed SHARDCACHE_MAX_BYTES. A size not
         known ahead (``pipe:``) reserves nothing: the room is made once the download ended
         (:meth:`_publish_once`), and meanwhile the evictor counts the ``.part`` as it grows."""
-        index = self._index()
         if info.size is None:
-            if index is None:
+            if self._index() is None:
                 return self._create_part(part)
             with evict_lock(self.layout):
-                index.add_part(part, final)
+                self._index_call(lambda index: index.add_part(part, final))
                 return self._create_part(part)
         with evict_lock(self.layout):
             self._make_room(final, info)
-            if index is not None:
-                index.add_part(part, final)  # before the file: no part is ever uncounted
+            # Registered before the file exists: no part is ever uncounted.
+            self._index_call(lambda index: index.add_part(part, final))
             fd = self._create_part(part)
             try:
                 self._reserve(fd, info)
@@ -475,12 +476,7 @@ class ShardCache:
         bounded = self.settings.max_bytes is not None
         with evict_lock(self.layout) if bounded else contextlib.nullcontext():
             self._publish_locked(fd, part, final)
-            index = self._index()
-            if index is not None:
-                try:
-                    index.published(part, final)
-                except CacheDirError as exc:  # published all the same; the index repairs
-                    logger.warning("%s published, but not recorded in the index: %s", final, exc)
+            self._index_call(lambda index: index.published(part, final))
 
     def _publish_locked(self, fd: int, part: Path, final: Path) -> None:
         original = part
@@ -684,24 +680,47 @@ class ShardCache:
         ``always``: an explicit evict) and a local disk (see :mod:`shardcache._index`)."""
         if (self.settings.max_bytes is None and not always) or self._on_network_fs():
             return None
+        if self._index_failed:
+            return None
         if self._index_ is None:
             self._index_ = Index(self.layout)
         return self._index_
 
+    def _index_call(
+        self, op: Callable[[Index], _T], fallback: Callable[[], _T] | None = None
+    ) -> Any:
+        """``op`` on the index when this process keeps one, else ``fallback``. The index is
+        an optimisation: if it fails (its directory removed under us by a tmp cleaner, a
+        lock held beyond its timeout), this process lists the directory from then on, as
+        before the index, and says so once; a damaged file is rebuilt, not a failure."""
+        index = self._index()
+        if index is not None:
+            try:
+                return op(index)
+            except CacheDirError as exc:
+                logger.warning(
+                    "%s; this process lists the cache directory instead from now on",
+                    exc.message,
+                )
+                index.invalidate()
+                self._index_failed = True
+        return fallback() if fallback is not None else None
+
     def _evict_locked(self, max_bytes: int, reserve: int) -> EvictReport:
         """Evict to ``max_bytes`` with room for ``reserve`` (the caller holds evict_lock)."""
-        index = self._index()
-        if index is None:
-            return evict_locked(self.layout, max_bytes, reserve=reserve)
-        return index.evict(max_bytes, reserve)
+        return self._index_call(
+            lambda index: index.evict(max_bytes, reserve),
+            lambda: evict_locked(self.layout, max_bytes, reserve=reserve),
+        )
 
     def _used_bytes(self) -> int:
         """Published bytes plus downloads in progress (the caller holds evict_lock)."""
-        index = self._index()
-        if index is not None:
-            return index.used_bytes()
-        entries, partial = scan(self.layout)
-        return partial + sum(e.size for e in entries)
+
+        def listed() -> int:
+            entries, partial = scan(self.layout)
+            return partial + sum(e.size for e in entries)
+
+        return self._index_call(lambda index: index.used_bytes(), listed)
 
     def _on_network_fs(self) -> bool:
         if self._network_fs is None:

@@ -17,7 +17,8 @@ What it holds (``<scope>/.locks/index.sqlite``, :attr:`CacheLayout.index_path`):
 Who writes it, and when. Only processes with ``SHARDCACHE_MAX_BYTES`` on a local disk, and
 only under the scope's eviction lock (``.locks/evict.lock``), which already serialises
 reservations, publishes and evictions: sqlite's own locks therefore never have two writers
-to arbitrate; readers (``status``) take the eviction lock too. A part is registered
+to arbitrate (``status``, ``verify`` and ``clean`` do not read it: they report what the
+directory holds, listing it once). A part is registered
 *before* its file is created, a publish is recorded right after its rename, an evicted
 shard's row is deleted in the eviction's transaction.
 
@@ -78,9 +79,10 @@ _T = TypeVar("_T")
 
 SCHEMA_VERSION = 1
 # Seconds sqlite waits for a lock held by another connection. Writers are serialised by the
-# eviction lock, so this only covers WAL recovery after a crash and checkpoints; bounded,
-# then the operation falls back to listing the directory.
-BUSY_TIMEOUT = 30.0
+# eviction lock, so a wait means something unusual (WAL recovery after a crash, the .locks
+# directory removed and made again by a tmp cleaner so that two evict.lock files exist):
+# short, then the operation lists the directory instead and the index is rebuilt.
+BUSY_TIMEOUT = 2.0
 RECONCILE_EVERY = 1000  # ... operations, or as many as the index has entries if more
 RECONCILE_AGE = 3600.0  # seconds: a reconcile at least this often while the index is used
 _BATCH = 64  # eviction candidates read per query
@@ -134,6 +136,13 @@ class Index:
         self.counters = IndexCounters()
         self._conn: sqlite3.Connection | None = None
         self._identity: tuple[int, int, int] | None = None  # (pid, st_dev, st_ino)
+        self._suspect = False  # an operation failed: rebuild before trusting it again
+
+    def invalidate(self) -> None:
+        """An operation on the index failed (its directory removed under us, a lock held
+        too long): the next use reopens it and rebuilds it from the directory first."""
+        self.close()
+        self._suspect = True
 
     # -- operations --------------------------------------------------------------------
 
@@ -329,7 +338,7 @@ class Index:
                 conn.execute("COMMIT")
                 return result
             except sqlite3.DatabaseError as exc:
-                if attempt == 2 or _busy(exc):
+                if attempt == 2 or not _damaged(exc):
                     raise self._error(exc) from exc
                 logger.warning("the cache index %s is damaged (%s): rebuilding it", self.path, exc)
                 self._replace()
@@ -347,7 +356,8 @@ class Index:
         ident = None if st is None else (os.getpid(), st.st_dev, st.st_ino)
         if self._conn is not None and ident == self._identity:
             conn = self._conn
-            if check and self._stale(conn):
+            if check and (self._suspect or self._stale(conn)):
+                self._suspect = False
                 self._reconcile()
             return conn
         if self._conn is not None:
@@ -356,7 +366,7 @@ class Index:
         try:
             self._open(st)
         except sqlite3.DatabaseError as exc:
-            if _busy(exc):
+            if not _damaged(exc):
                 raise self._error(exc) from exc
             logger.warning("the cache index %s is unusable (%s): rebuilding it", self.path, exc)
             self._replace()
@@ -402,7 +412,8 @@ class Index:
             conn.close()
             raise
         self._conn, self._identity = conn, (os.getpid(), st.st_dev, st.st_ino)
-        if fresh or self._stale(conn):
+        if fresh or self._suspect or self._stale(conn):
+            self._suspect = False
             self._reconcile()
 
     def _stale(self, conn: sqlite3.Connection) -> bool:
@@ -434,9 +445,13 @@ class Index:
         )
 
 
-def _busy(exc: sqlite3.DatabaseError) -> bool:
-    """Another connection held a lock for all of BUSY_TIMEOUT (not damage: no rebuild)."""
-    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    """The file is not (or no longer) a usable database of ours: replace and rebuild it.
+    Anything else (a lock held beyond BUSY_TIMEOUT, a disk I/O error such as the directory
+    removed under us) is raised: the caller lists the directory instead."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return True  # "file is not a database", "malformed", another schema version
+    return "malformed" in str(exc) or "not a database" in str(exc)
 
 
 @functools.cache
