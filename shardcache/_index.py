@@ -81,7 +81,7 @@ SCHEMA_VERSION = 1
 # Seconds sqlite waits for a lock held by another connection. Writers are serialised by the
 # eviction lock, so a wait means something unusual (WAL recovery after a crash, the .locks
 # directory removed and made again by a tmp cleaner so that two evict.lock files exist):
-# short, then the operation lists the directory instead and the index is rebuilt.
+# short, then this process lists the directory instead (ShardCache._index_call).
 BUSY_TIMEOUT = 2.0
 RECONCILE_EVERY = 1000  # ... operations, or as many as the index has entries if more
 RECONCILE_AGE = 3600.0  # seconds: a reconcile at least this often while the index is used
