@@ -26,6 +26,7 @@ from typing import Any
 from bench import peers
 from bench.b2_cold import b2_cold
 from bench.b9_first_sample import b9_first_sample
+from bench.b11_bookkeeping import b11_bookkeeping
 from bench.common import (
     SIZES,
     Bench,
@@ -585,6 +586,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B7": ("latency hiding at a fixed consumer rate", b7_hiding),
     "B8": ("client CPU per GB of a cold fetch", b8_cpu),
     "B9": ("time to first sample, cold", b9_first_sample),
+    "B11": ("bookkeeping cost vs the number of cached shards", b11_bookkeeping),
 }
 
 

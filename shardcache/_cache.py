@@ -18,10 +18,10 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ._config import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from ._errors import CacheDirError, CacheFullError, ConfigError, FetchError, ShardCacheError
@@ -38,6 +38,7 @@ from ._eviction import (
 from ._freshness import Freshness
 from ._fsinfo import mount_for
 from ._growing import Announce, GrowingFile
+from ._index import Index
 from ._layout import CacheLayout, ShardId, namespace
 from ._locks import LockPolicy, ShardLock
 from ._metadata import write_meta
@@ -51,6 +52,7 @@ from ._trust import Trust, describe_owner
 from ._urls import LOCAL_PROTOCOLS, url_protocol
 
 logger = get_logger(__name__)
+_T = TypeVar("_T")
 
 VANISHED_RETRIES = 8  # a miss is made again at most this often when its files vanish
 IDENTITY_MEMO = 65_536  # URLs whose identity a cache remembers (oldest dropped first)
@@ -136,6 +138,8 @@ class ShardCache:
         self._stats_lock = threading.Lock()
         self._policy: LockPolicy | None = None
         self._network_fs: bool | None = None
+        self._index_: Index | None = None
+        self._index_failed = False  # the index failed once: this process lists instead
         self._pins: dict[Path, list[int]] = {}  # prefetched shards not yet released
         self._pins_lock = threading.Lock()
 
@@ -534,9 +538,15 @@ class ShardCache:
         known ahead (``pipe:``) reserves nothing: the room is made once the download ended
         (:meth:`_publish_once`), and meanwhile the evictor counts the ``.part`` as it grows."""
         if info.size is None:
-            return self._create_part(part)
+            if self._index() is None:
+                return self._create_part(part)
+            with evict_lock(self.layout):
+                self._index_call(lambda index: index.add_part(part, final))
+                return self._create_part(part)
         with evict_lock(self.layout):
             self._make_room(final, info)
+            # Registered before the file exists: no part is ever uncounted.
+            self._index_call(lambda index: index.add_part(part, final))
             fd = self._create_part(part)
             try:
                 self._reserve(fd, info)
@@ -575,6 +585,7 @@ class ShardCache:
         bounded = self.settings.max_bytes is not None
         with evict_lock(self.layout) if bounded else contextlib.nullcontext():
             self._publish_locked(fd, part, final)
+            self._index_call(lambda index: index.published(part, final))
 
     def _publish_locked(self, fd: int, part: Path, final: Path) -> None:
         original = part
@@ -713,7 +724,7 @@ class ShardCache:
                     final, info, f"the shard alone exceeds SHARDCACHE_MAX_BYTES={max_bytes}"
                 )
             reserve = 0 if on_disk else size
-            report = evict_locked(self.layout, max_bytes, reserve=reserve)
+            report = self._evict_locked(max_bytes, reserve)
             if report.kept_bytes + reserve > max_bytes:
                 raise self._full_error(
                     final,
@@ -727,9 +738,8 @@ class ShardCache:
         free = _free_bytes(final.parent)
         if on_disk or free >= size:
             return
-        entries, partial = scan(self.layout)
-        used = partial + sum(e.size for e in entries)
-        report = evict_locked(self.layout, max(0, used - (size - free)))
+        used = self._used_bytes()
+        report = self._evict_locked(max(0, used - (size - free)), 0)
         free = _free_bytes(final.parent)
         if free < size:
             raise self._full_error(
@@ -775,11 +785,76 @@ class ShardCache:
                 name="max_bytes",
                 value=None,
             )
-        return evict_lru(self.layout, limit)
+        if self._on_network_fs():
+            return evict_lru(self.layout, limit)
+        index = self._index(always=True)
+        assert index is not None
+        with evict_lock(self.layout):
+            # Asked for explicitly (the CLI): exact, even if processes without max_bytes
+            # (which do not keep the index) published meanwhile.
+            index.rebuild()
+            return index.evict(limit)
 
     def remove(self, path: Path) -> bool:
-        """Remove a published shard and its metadata; False if missing or in use."""
-        return remove(self.layout, Path(path))
+        """Remove a published shard and its metadata; False if missing or in use. Also
+        from the scope's index when there is one (``verify`` runs without max_bytes)."""
+        index = self._index(always=self.layout.fs_exists(self.layout.index_path))
+        if index is None:
+            return remove(self.layout, Path(path))
+        with evict_lock(self.layout):
+            removed = remove(self.layout, Path(path))
+            if removed:
+                index.forget(Path(path))
+            return removed
+
+    # -- accounting (the index, or a listing of the directory) ---------------------------
+
+    def _index(self, *, always: bool = False) -> Index | None:
+        """The scope's index when this process keeps it: SHARDCACHE_MAX_BYTES set (or
+        ``always``: an explicit evict) and a local disk (see :mod:`shardcache._index`)."""
+        if (self.settings.max_bytes is None and not always) or self._on_network_fs():
+            return None
+        if self._index_failed:
+            return None
+        if self._index_ is None:
+            self._index_ = Index(self.layout)
+        return self._index_
+
+    def _index_call(
+        self, op: Callable[[Index], _T], fallback: Callable[[], _T] | None = None
+    ) -> Any:
+        """``op`` on the index when this process keeps one, else ``fallback``. The index is
+        an optimisation: if it fails (its directory removed under us by a tmp cleaner, a
+        lock held beyond its timeout), this process lists the directory from then on, as
+        before the index, and says so once; a damaged file is rebuilt, not a failure."""
+        index = self._index()
+        if index is not None:
+            try:
+                return op(index)
+            except CacheDirError as exc:
+                logger.warning(
+                    "%s; this process lists the cache directory instead from now on",
+                    exc.message,
+                )
+                index.invalidate()
+                self._index_failed = True
+        return fallback() if fallback is not None else None
+
+    def _evict_locked(self, max_bytes: int, reserve: int) -> EvictReport:
+        """Evict to ``max_bytes`` with room for ``reserve`` (the caller holds evict_lock)."""
+        return self._index_call(
+            lambda index: index.evict(max_bytes, reserve),
+            lambda: evict_locked(self.layout, max_bytes, reserve=reserve),
+        )
+
+    def _used_bytes(self) -> int:
+        """Published bytes plus downloads in progress (the caller holds evict_lock)."""
+
+        def listed() -> int:
+            entries, partial = scan(self.layout)
+            return partial + sum(e.size for e in entries)
+
+        return self._index_call(lambda index: index.used_bytes(), listed)
 
     def _on_network_fs(self) -> bool:
         if self._network_fs is None:

@@ -244,11 +244,18 @@ def _add_maintenance(commands: Any) -> None:
         "for URLs a JSON manifest lists with size / md5 / sha256, against those. Bad shards "
         "are removed (the next fetch downloads them again) and listed. Shards without a "
         "metadata record are reported as of unknown origin and left alone. Exit code 1 when "
-        "a shard was bad or could not be checked, else 0.",
+        "a shard was bad or could not be checked, else 0. With --quick, only each shard's "
+        "size against the one recorded when it was cached (nothing read, no source asked).",
         [
             "shardcache verify",
             "shardcache verify --manifest shards.json --threads 8",
+            "shardcache verify --quick",
         ],
+    )
+    verify.add_argument(
+        "--quick",
+        action="store_true",
+        help="only compare each shard's size with its metadata record (local, seconds)",
     )
     verify.add_argument(
         "--manifest", metavar="F", help='JSON manifest of {"url", "size", "md5"/"sha256"}'
@@ -399,7 +406,7 @@ def _cmd_evict(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ._verify import verify
 
-    report = verify(_cache(args), args.manifest, threads=args.threads)
+    report = verify(_cache(args), args.manifest, threads=args.threads, quick=args.quick)
     _emit(report, args.json)
     return EXIT_FAILED if report.failed else EXIT_OK
 

@@ -8,6 +8,11 @@ outlives its name).
 Evictions of one scope directory are serialised by ``.locks/evict.lock`` so two processes
 never both count the same free space. "Last used" is the file's mtime, refreshed on hits
 (at most once a minute per shard).
+
+:func:`evict_locked` here finds candidates by listing the data directory: linear in the
+cache. A size-bounded cache on a local disk evicts from the scope's index instead
+(:mod:`shardcache._index`, same rules, constant cost); the listing remains for network
+file systems and for the disk-full pass of caches without ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ._dirs import dir_error
 from ._errors import CacheDirError, LockTimeout
 from ._layout import CacheLayout, is_temp_name
 from ._lock_flock import try_flock
 from ._locks import lock_file_error
-from ._metadata import read_meta
+from ._metadata import read_meta, read_meta_at
 from ._redact import get_logger
 from ._safefs import SafeFS
 
@@ -36,6 +42,13 @@ logger = get_logger(__name__)
 
 TOUCH_INTERVAL = 60.0  # refresh a hit's "last used" time at most this often
 EVICT_LOCK_TIMEOUT = 600.0
+_listings = 0  # directories listed by this process (see listings())
+
+
+def listings() -> int:
+    """How many cache directories this process has listed: a test's proof that a path
+    (a miss with SHARDCACHE_MAX_BYTES and the index) lists none."""
+    return _listings
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,7 @@ class CacheEntry:
     etag: str | None = None
     md5: str | None = None
     url_redacted: bool = False
+    recorded_size: int | None = None  # the size its metadata record gives
 
 
 @dataclass
@@ -76,6 +90,8 @@ def list_dir(
     descriptor (:class:`SafeFS`); none if it is gone (a tmp cleaner), and entries removed
     while listing are left out. A directory that cannot be listed (or a link, or a foreign
     directory, on the way) raises CacheDirError, or is appended to ``unreadable``."""
+    global _listings  # noqa: PLW0603
+    _listings += 1
     try:
         with fs.directory(path) as dir_fd:
             listed = []
@@ -114,28 +130,54 @@ def scan(
     for bucket, bucket_st in list_dir(layout.fs, layout.data_dir, unreadable):
         if not stat.S_ISDIR(bucket_st.st_mode):
             continue
-        for name, st in list_dir(layout.fs, layout.data_dir / bucket, unreadable):
-            if not stat.S_ISREG(st.st_mode) or st.st_ino in seen:
-                continue
-            seen.add(st.st_ino)
-            if is_temp_name(name):
-                partial += st.st_size
-                continue
-            path = layout.data_dir / bucket / name
-            meta = read_meta(layout, path) if with_meta else {}
-            entries.append(
-                CacheEntry(
-                    path=path,
-                    size=st.st_size,
-                    last_used=st.st_mtime,
-                    url=meta.get("url"),
-                    etag=meta.get("etag"),
-                    md5=meta.get("md5"),
-                    url_redacted=bool(meta.get("url_redacted")),
-                )
-            )
+        with _meta_dir(layout, bucket, with_meta) as meta_fd:
+            for name, st in list_dir(layout.fs, layout.data_dir / bucket, unreadable):
+                if not stat.S_ISREG(st.st_mode) or st.st_ino in seen:
+                    continue
+                seen.add(st.st_ino)
+                if is_temp_name(name):
+                    partial += st.st_size
+                    continue
+                path = layout.data_dir / bucket / name
+                meta = read_meta_at(meta_fd, f"{name}.json") if meta_fd is not None else {}
+                entries.append(_entry(path, st, meta))
     entries.sort(key=lambda e: e.last_used)
     return entries, partial
+
+
+@contextlib.contextmanager
+def _meta_dir(layout: CacheLayout, bucket: str, wanted: bool) -> Iterator[int | None]:
+    """A descriptor of ``.meta/<bucket>`` (None if not ``wanted``, missing or unusable)."""
+    if not wanted:
+        yield None
+        return
+    try:
+        ctx = layout.fs.directory(layout.meta_dir / bucket)
+        fd = ctx.__enter__()
+    except (OSError, CacheDirError):
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def _entry(path: Path, st: os.stat_result, meta: dict[str, Any]) -> CacheEntry:
+    return CacheEntry(
+        path=path,
+        size=st.st_size,
+        last_used=st.st_mtime,
+        url=meta.get("url"),
+        etag=meta.get("etag"),
+        md5=meta.get("md5"),
+        url_redacted=bool(meta.get("url_redacted")),
+        recorded_size=_int_or_none(meta.get("size")),
+    )
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def remove(layout: CacheLayout, path: Path) -> bool:
@@ -167,7 +209,7 @@ def evict_lock(layout: CacheLayout, timeout: float = EVICT_LOCK_TIMEOUT) -> Iter
     """Hold the scope's eviction lock (``.locks/evict.lock``): evictions and the space
     reservations of new downloads are serialised by it, so no two processes count the
     same free space. Survives its directory being removed meanwhile."""
-    path = layout.locks_dir / "evict.lock"
+    path = layout.evict_lock_path
     start = time.monotonic()
     delay = 0.001
     vanished = 0
@@ -229,6 +271,11 @@ def evict_locked(layout: CacheLayout, max_bytes: int, reserve: int = 0) -> Evict
             report.in_use += 1
             report.in_use_bytes += entry.size
     report.kept_bytes = used
+    log_evicted(layout, report, max_bytes)
+    return report
+
+
+def log_evicted(layout: CacheLayout, report: EvictReport, max_bytes: int) -> None:
     if report.removed:
         logger.info(
             "evicted %d shards (%d bytes) from %s to stay within %d bytes",
@@ -237,4 +284,3 @@ def evict_locked(layout: CacheLayout, max_bytes: int, reserve: int = 0) -> Evict
             layout.scope_dir,
             max_bytes,
         )
-    return report

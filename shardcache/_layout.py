@@ -8,6 +8,8 @@ every path of the shard down the fetch path (data, lock, metadata). Layout::
     <scope>/.locks/<hh>/<digest64>.lock                    lock files (never deleted)
     <scope>/.locks/<hh>/<digest64>.owner|.lease            the holder's record / the lease
     <scope>/.locks/<hh>/<digest64>.<token>.<step>          a lease put aside (LEASE_STEPS)
+    <scope>/.locks/evict.lock                              the scope's eviction lock
+    <scope>/.locks/index.sqlite (-wal, -shm)               the index of data/ (_index)
     <scope>/.meta/<hh>/<final>.json                        metadata of a published shard
     <scope>/.meta/<hh>/.<final>.json.<pid>.<ns>.tmp        metadata being written
 
@@ -207,6 +209,8 @@ class CacheLayout:
         self.data_dir = self.scope_dir / "data"  # published shards
         self.locks_dir = self.scope_dir / ".locks"  # lock files; eviction never touches it
         self.meta_dir = self.scope_dir / ".meta"  # each published shard's metadata record
+        self.evict_lock_path = self.locks_dir / "evict.lock"  # evictions and reservations
+        self.index_path = self.locks_dir / "index.sqlite"  # sqlite; -wal and -shm beside it
 
     @property
     def root(self) -> Path:
@@ -248,6 +252,14 @@ class CacheLayout:
         # Invariant: the name has no '/', is never '.' or '..' (it holds the digest) and
         # stays below 255 bytes even inside a temp name: 64 + 1 + 20 + 12 = 97.
         return f"{stem}-{key[:_DIGEST_CHARS]}{suffix}"
+
+    def fs_exists(self, path: Path) -> bool:
+        """Whether ``path`` (inside the cache) exists, links not followed."""
+        try:
+            self.fs.lstat(path)
+        except OSError:
+            return False
+        return True
 
     def make_dir(self, directory: Path) -> None:
         """Create ``directory`` inside the cache (and the root, if missing) with the cache's

@@ -21,6 +21,7 @@ lease of a live (or unjudgeable) holder, a temp file of a living process.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import stat
 import time
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ._cache import ShardCache
+from ._errors import CacheDirError
 from ._eviction import list_dir, scan
 from ._identity import hostname, start_ticks, start_time
 from ._layout import (
@@ -223,10 +225,11 @@ def status(cache: ShardCache) -> StatusReport:
     """Entries, disk, locks held and by whom, stale locks and orphan files of ``cache``."""
     layout = cache.layout
     report = StatusReport(scope_dir=layout.scope_dir)
-    entries = scan(layout, with_meta=True, unreadable=report.unreadable)[0]
+    entries = scan(layout, unreadable=report.unreadable)[0]  # counts only: no records read
     report.entries = len(entries)
     report.bytes = sum(e.size for e in entries)
-    report.in_use = sum(1 for e in entries if is_held(layout.fs, e.path))
+    with _DirFds(layout.fs) as dirs:
+        report.in_use = sum(1 for e in entries if is_held(layout.fs, e.path, dirs.fd(e.path)))
     try:
         usage = shutil.disk_usage(layout.scope_dir)
         report.disk_total, report.disk_free = usage.total, usage.free
@@ -242,7 +245,10 @@ def status(cache: ShardCache) -> StatusReport:
         else:
             report.downloads += 1
             report.download_bytes += _size(layout.fs, path)
+    published = {e.path for e in entries}
     for path in _files(layout.fs, layout.meta_dir, report.unreadable):
+        if layout.data_path_of_meta(path) in published:
+            continue  # its shard was there a moment ago: not an orphan (clean judges again)
         orphan = _judge_meta_file(layout, path)
         if orphan is not None:
             report.orphans.append(orphan)
@@ -251,26 +257,31 @@ def status(cache: ShardCache) -> StatusReport:
 
 
 def _scan_locks(layout: CacheLayout, report: StatusReport) -> None:
-    for path in _files(layout.fs, layout.locks_dir, report.unreadable):
-        name = path.name
-        if name.endswith(".lock"):
-            if not is_held(layout.fs, path):
-                continue
-            holder = read_owner(layout.fs, path) if _is_shard_lock(path) else None
-            verdict, why = holder_verdict(holder) if holder else ("unknown", "no owner record")
-            report.locks_held.append(HeldLock(path, "flock", holder, verdict, why))
-        elif name.endswith(".lease"):
-            stale = _judge_lease(layout.fs, path)
-            if stale is not None:
-                report.stale_locks.append(stale)
-                continue
-            record = read_record(layout.fs, path)[1]
-            verdict, why = holder_verdict(record)
-            report.locks_held.append(HeldLock(path, "lease", record, verdict, why))
-        elif lease_step_of(name) is not None:
-            stale = _judge_lock_leftover(layout.fs, path)
-            if stale is not None:
-                report.stale_locks.append(stale)
+    with _DirFds(layout.fs) as dirs:
+        for path in _files(layout.fs, layout.locks_dir, report.unreadable):
+            _judge_lock_file(layout, report, path, dirs)
+
+
+def _judge_lock_file(layout: CacheLayout, report: StatusReport, path: Path, dirs: _DirFds) -> None:
+    name = path.name
+    if name.endswith(".lock"):
+        if not is_held(layout.fs, path, dirs.fd(path)):
+            return
+        holder = read_owner(layout.fs, path) if _is_shard_lock(path) else None
+        verdict, why = holder_verdict(holder) if holder else ("unknown", "no owner record")
+        report.locks_held.append(HeldLock(path, "flock", holder, verdict, why))
+    elif name.endswith(".lease"):
+        stale = _judge_lease(layout.fs, path)
+        if stale is not None:
+            report.stale_locks.append(stale)
+            return
+        record = read_record(layout.fs, path)[1]
+        verdict, why = holder_verdict(record)
+        report.locks_held.append(HeldLock(path, "lease", record, verdict, why))
+    elif lease_step_of(name) is not None:
+        stale = _judge_lock_leftover(layout.fs, path)
+        if stale is not None:
+            report.stale_locks.append(stale)
 
 
 def clean(cache: ShardCache) -> CleanReport:
@@ -402,7 +413,10 @@ def _judge_meta_file(layout: CacheLayout, path: Path) -> Leftover | None:
     if not path.name.endswith(".json") or path.name.startswith("."):
         return None
     data = layout.data_path_of_meta(path)
-    # Order matters: a download writes the record, then renames its temp file into place.
+    if _exists(fs, data):  # the common case, one lstat (listing the bucket costs N/256)
+        return None
+    # Order matters: a download writes the record, then renames its temp file into place;
+    # so no live download, then still no shard (it may have been renamed meanwhile).
     if _live_download_of(fs, data):
         return None
     if _exists(fs, data) or not _exists(fs, path):
@@ -420,6 +434,34 @@ def _live_download_of(fs: SafeFS, data: Path) -> bool:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+class _DirFds:
+    """Descriptors of the directories a walk over many files visits, each opened once
+    through :class:`SafeFS` and kept until the end (files are then opened relative to
+    them: one walk from the root per directory, not per file)."""
+
+    def __init__(self, fs: SafeFS) -> None:
+        self._fs = fs
+        self._stack = contextlib.ExitStack()
+        self._fds: dict[Path, int | None] = {}
+
+    def __enter__(self) -> _DirFds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def fd(self, path: Path) -> int | None:
+        """A descriptor of ``path``'s directory; None if it cannot be opened (the caller
+        then takes the walk, which says what is wrong)."""
+        parent = path.parent
+        if parent not in self._fds:
+            try:
+                self._fds[parent] = self._stack.enter_context(self._fs.directory(parent))
+            except (OSError, CacheDirError):
+                self._fds[parent] = None
+        return self._fds[parent]
 
 
 def _files(fs: SafeFS, root: Path, unreadable: list[tuple[Path, str]]) -> Iterator[Path]:

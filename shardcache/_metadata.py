@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,27 @@ def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None
                 raise
 
 
+def read_meta_at(dir_fd: int, name: str) -> dict[str, Any]:
+    """The record ``name`` in the metadata directory open as ``dir_fd`` (opened through the
+    cache's SafeFS); {} when missing, unreadable or not a JSON object. For walks over a
+    whole directory: one descriptor for all of its records."""
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        record = json.loads(os.read(fd, 1 << 16))
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+    return record if isinstance(record, dict) else {}
+
+
 def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
     """``final``'s metadata record; {} when it is missing, unreadable or not a JSON object."""
     try:
@@ -46,4 +68,4 @@ def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
-__all__ = ["read_meta", "write_meta"]
+__all__ = ["read_meta", "read_meta_at", "write_meta"]

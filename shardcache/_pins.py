@@ -63,15 +63,21 @@ def reopen_pinned(pin_fd: int) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def is_held(fs: SafeFS, path: Path) -> bool | None:
+def is_held(fs: SafeFS, path: Path, dir_fd: int | None = None) -> bool | None:
     """Whether some process holds a ``flock`` on ``path`` right now: a reader's pin on a
     shard, a holder's lock on a lock file (None: cannot tell).
 
     Probes with a non-blocking exclusive ``flock`` on a fresh descriptor, released at once;
     never creates or deletes the file. A holder in this very process counts as holding it.
+    ``dir_fd``: a descriptor of ``path``'s directory already opened through ``fs`` (one
+    walk for a whole directory of files).
     """
+    flags = os.O_RDONLY | os.O_NONBLOCK
     try:
-        fd = fs.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if dir_fd is None:
+            fd = fs.open(path, flags)
+        else:
+            fd = os.open(path.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     except OSError:

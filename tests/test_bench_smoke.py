@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IDS = [f"B{i}" for i in range(1, 10)]
+IDS = [*(f"B{i}" for i in range(1, 10)), "B11"]
 # Peers scripts/bench installs in .venv-bench only: here they must say so, not vanish.
 OPTIONAL_PEERS = {
     "s3torchconnector": "s3torchconnector",
@@ -82,6 +82,10 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     table = (tmp_path / "results.md").read_text()
     for sid in IDS:
         assert f"| {sid} |" in table
+    b11 = report["results"]["B11"]  # bookkeeping: per level, and the maintenance commands
+    assert {"miss_ms_100", "hit_ms_300", "status_s", "verify_quick_s", "evict_s"} <= set(
+        b11["shardcache"]
+    )
 
 
 def _check_equal_concurrency(b2: dict) -> None:
