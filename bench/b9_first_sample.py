@@ -60,13 +60,19 @@ def b9_first_sample(b: Bench) -> dict[str, Any]:
     count, size = b.cfg["b9"]
     t: int = b.cfg["threads"]
     urls = b.upload("b9", count, size)
-    sc_name = f"shardcache drop-in (threads={t})"
+    sc_name = f"shardcache drop-in (threads={t}, SHARDCACHE_READ_WHILE_DOWNLOADING=on)"
+    sc_off = f"shardcache drop-in (threads={t}, read_while_downloading=off, the default)"
     runs: dict[str, list[float]] = {}
     with b.link() as (so, _pids):
         install_wds_s3_opener(so)
         streamed = presigned(b.s3.boto3_client(so["endpoint_url"]), urls)
         readers: dict[str, Callable[[], Any]] = {
-            sc_name: lambda: _shardcache(urls, new_cache(b.fresh_dir("b9"), so), t),
+            sc_name: lambda: _shardcache(
+                urls, new_cache(b.fresh_dir("b9"), so, read_while_downloading="on"), t
+            ),
+            sc_off: lambda: _shardcache(
+                urls, new_cache(b.fresh_dir("b9"), so, read_while_downloading="off"), t
+            ),
             "webdataset streaming": lambda: _webdataset(streamed, None),
             "webdataset cache_dir=": lambda: _webdataset(urls, str(b.fresh_dir("b9w"))),
         }

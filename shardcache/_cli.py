@@ -239,8 +239,9 @@ def _add_maintenance(commands: Any) -> None:
         commands,
         "verify",
         "re-check cached shards against the remote (or a manifest); remove bad ones",
-        "Check every cached shard: its size against the remote object's, its MD5 against a "
-        "single-part object's ETag, and that the ETag has not changed since download; or, "
+        "Check every cached shard: its size against the remote object's, its content against "
+        "the object's full-object S3 checksum and a single-part object's ETag (MD5), and "
+        "that the ETag has not changed since download; or, "
         "for URLs a JSON manifest lists with size / md5 / sha256, against those. Bad shards "
         "are removed (the next fetch downloads them again) and listed. Shards without a "
         "metadata record are reported as of unknown origin and left alone. Exit code 1 when "

@@ -37,6 +37,12 @@ def shard(s3) -> tuple[str, bytes]:
     return f"s3://{BUCKET}/train-000000.tar", body
 
 
+@pytest.fixture(autouse=True)
+def _reading_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The setting is off by default: these tests (and their child processes) turn it on."""
+    monkeypatch.setenv("SHARDCACHE_READ_WHILE_DOWNLOADING", "on")
+
+
 def _cache(tmp_path: Path, proxy, **overrides) -> ShardCache:
     options = {"endpoint_url": proxy.endpoint_url}
     overrides = {"retry_backoff": 0.01, "chunk_size": 16 << 10, **overrides}

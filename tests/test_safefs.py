@@ -14,6 +14,7 @@ import pytest
 
 from shardcache import CacheDirError, ShardCache
 from shardcache import _safefs as safefs
+from shardcache._trust import Trust
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,24 +90,21 @@ def test_a_directory_made_writable_by_others_is_refused_on_the_next_hit(
         cache.fetch(url)
 
 
-def test_the_remembered_descriptors_are_bounded_and_closed_with_the_cache(
+def test_the_remembered_descriptors_are_bounded_and_closed_with_their_safefs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(safefs, "DIR_MEMO", 2)
-    source = tmp_path / "shard.tar"
-    source.write_bytes(b"x" * 100)
+    root = tmp_path / "cache"
     gc.collect()  # other tests' garbage holding descriptors
     fds_before = _fds()
-    caches = [ShardCache(tmp_path / "cache", rank=i) for i in range(3)]
-    cache = caches[0]
-    for scope in caches:
-        with scope.open(str(source)) as f:
-            assert f.read() == b"x" * 100
-    fs = cache.layout.fs
-    for other in caches[1:]:  # one root, three scopes: one SafeFS per cache, each bounded
-        assert len(other.layout.fs._dirs) <= 2
-    assert len(fs._dirs) <= 2
-    del caches, cache, fs, scope, other
+    fs = safefs.SafeFS(root, Trust.private())
+    for scope in ("rank-0", "rank-1", "node"):
+        for sub in ("data", ".meta", ".locks"):
+            fs.mkdirs(root / scope / sub / "ab")
+            fs.lstat(root / scope / sub / "ab")
+    assert len(fs._dirs) == 2  # scope and scope/<sub> are remembered; at most DIR_MEMO
+    assert _fds() == fds_before + 2
+    del fs
     gc.collect()
     assert _fds() == fds_before
 
