@@ -478,14 +478,17 @@ def test_missing_shard_raises_not_found_after_the_earlier_shards(s3, tmp_path: P
 def test_hung_download_raises_stall_error_with_diagnostics(s3, fault_proxy, tmp_path: Path) -> None:
     s3.put_objects(BUCKET, {f"train-{i}.tar": _blob(200_000, i) for i in range(3)})
     urls = [f"s3://{BUCKET}/train-{i}.tar" for i in range(3)]
-    io_timeout, stall_timeout = 6.0, 2.0  # margins for a loaded 2-core machine
+    # Margins for a loaded 2-core machine: the prefetch thread's first request makes its
+    # own S3 client and connection (fsspec keeps one file system per thread), which took
+    # over 2 s once in CI, before the hung GET was even sent.
+    io_timeout, stall_timeout = 12.0, 4.0
     cache = ShardCache(
         tmp_path / "cache",
         storage_options={"endpoint_url": fault_proxy.endpoint_url},
         io_timeout=io_timeout,
         retries=0,
     )
-    cache.fetch(urls[2])  # warm the S3 client up, so the stall is the hung GET's alone
+    cache.fetch(urls[2])  # a hit for the prefetcher; the server and proxy are warm
     fault_proxy.add_fault("hang", times=1, method="GET", path_contains="train-0.tar")
     shards = cache.prefetch(urls, threads=2, depth=3, stall_timeout=stall_timeout)
     # A StallError (not the read timeout's error, which retries=0 would surface as a

@@ -33,8 +33,17 @@ def walks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return seen
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _fds_under(root: Path) -> int:
+    """This process's descriptors open on ``root`` or below (other tests' threads may open
+    and close unrelated descriptors meanwhile)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        count += target == str(root) or target.startswith(f"{root}/")
+    return count
 
 
 def _cached(tmp_path: Path) -> tuple[ShardCache, str, Path]:
@@ -95,18 +104,16 @@ def test_the_remembered_descriptors_are_bounded_and_closed_with_their_safefs(
 ) -> None:
     monkeypatch.setattr(safefs, "DIR_MEMO", 2)
     root = tmp_path / "cache"
-    gc.collect()  # other tests' garbage holding descriptors
-    fds_before = _fds()
     fs = safefs.SafeFS(root, Trust.private())
     for scope in ("rank-0", "rank-1", "node"):
         for sub in ("data", ".meta", ".locks"):
             fs.mkdirs(root / scope / sub / "ab")
             fs.lstat(root / scope / sub / "ab")
     assert len(fs._dirs) == 2  # scope and scope/<sub> are remembered; at most DIR_MEMO
-    assert _fds() == fds_before + 2
+    assert _fds_under(root) == 2
     del fs
     gc.collect()
-    assert _fds() == fds_before
+    assert _fds_under(root) == 0
 
 
 def _hit_in_child(cache: ShardCache, url: str, out) -> None:

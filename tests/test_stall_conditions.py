@@ -80,9 +80,10 @@ class RecordingFetch:
 def test_a_slow_but_moving_link_is_not_a_stall_and_warns_of_starvation_once(
     s3, slow_proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
-    # Each shard takes ~1.8 s through the proxy, longer than the stall timeout; bytes
-    # arrive every ~0.16 s, far inside it.
-    size, stall_timeout = 250_000, 1.0
+    # Each shard takes ~3.5 s through the proxy, longer than the stall timeout; bytes
+    # arrive every ~0.16 s, far inside it. The timeout leaves room for the prefetch
+    # thread's first request (its own S3 client and connection: over 1 s once in CI).
+    size, stall_timeout = 350_000, 2.5
     objects = {f"slow-{i}.tar": _blob(size, i) for i in range(3)}
     s3.put_objects(BUCKET, objects)
     urls = [f"s3://{BUCKET}/{key}" for key in objects]
