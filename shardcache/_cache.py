@@ -128,6 +128,8 @@ class ShardCache:
                 parallel_threshold=s.parallel_threshold,
                 part_size=s.part_size,
                 max_parts_in_flight=s.parallel_parts,
+                # Every prefetch thread downloading parts at once, through one client.
+                max_connections=max(10, s.threads * s.parallel_parts),
             )
         )
         self._freshness = Freshness(self.layout, self.remote, s.revalidate)

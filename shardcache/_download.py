@@ -72,6 +72,7 @@ class RemoteOptions:
     parallel_threshold: int  # S3 objects at least this big use parallel ranged GETs
     part_size: int
     max_parts_in_flight: int  # concurrent ranged GETs per download; 1 disables them
+    max_connections: int  # connections one store's client may keep open at once
 
     def __repr__(self) -> str:
         rest = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -203,15 +204,21 @@ def s3_body(
             kw["IfMatch"] = f'"{info.etag}"'
     response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
     body = response["Body"]
-    least = min(piece, _MIN_PIECE)
+    # The first pieces are handed over small, then twice as big each time up to
+    # _MIN_PIECE: a reader following the download sees its first bytes (and its first
+    # samples) about one round trip after the request, not once 1 MiB arrived (100 ms at
+    # 10 MB/s), for a few more hand-overs per object.
+    least = min(piece, _FIRST_PIECE)
     try:
         while data := sync(fs.loop, _read_piece, body, piece, least):
             yield data
+            least = min(piece, _MIN_PIECE, 2 * least)
     finally:
         body.close()
 
 
 _MIN_PIECE = 1 << 20  # bytes gathered per hand-over from the event loop (see s3_body)
+_FIRST_PIECE = 64 << 10  # the first hand-over of a body
 _MAX_GATHER = 0.1  # seconds: a slower piece is handed over with what it has
 
 
