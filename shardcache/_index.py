@@ -61,11 +61,12 @@ import functools
 import os
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ._errors import CacheDirError
 from ._eviction import CacheEntry, EvictReport, list_dir, log_evicted, remove
@@ -126,9 +127,23 @@ class IndexCounters:
     reopened: int = 0
 
 
+def _serialised(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``method`` holding the index's own lock (see :class:`Index`)."""
+
+    @functools.wraps(method)
+    def locked(self: Index, *args: Any, **kwargs: Any) -> _T:
+        with self._thread_lock():
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class Index:
     """The index of one scope directory. Every method must be called under the scope's
-    eviction lock (:func:`shardcache._eviction.evict_lock`)."""
+    eviction lock (:func:`shardcache._eviction.evict_lock`), and runs under a lock of its
+    own as well: two threads of a process can both hold the eviction lock when its
+    directory was removed and made again (each then flocks a different file), and one of
+    them closing the connection while the other uses it would crash sqlite."""
 
     def __init__(self, layout: CacheLayout) -> None:
         self.layout = layout
@@ -137,7 +152,17 @@ class Index:
         self._conn: sqlite3.Connection | None = None
         self._identity: tuple[int, int, int] | None = None  # (pid, st_dev, st_ino)
         self._suspect = False  # an operation failed: rebuild before trusting it again
+        self._lock = (os.getpid(), threading.RLock())
 
+    def _thread_lock(self) -> threading.RLock:
+        """This process's lock (a forked child makes its own: the parent's may be held)."""
+        pid, lock = self._lock
+        if pid != os.getpid():
+            self._lock = (os.getpid(), threading.RLock())
+            lock = self._lock[1]
+        return lock
+
+    @_serialised
     def invalidate(self) -> None:
         """An operation on the index failed (its directory removed under us, a lock held
         too long): the next use reopens it and rebuilds it from the directory first."""
@@ -146,6 +171,7 @@ class Index:
 
     # -- operations --------------------------------------------------------------------
 
+    @_serialised
     def add_part(self, part: Path, final: Path) -> None:
         """Register a download before its file ``part`` is created (so no part is ever
         uncounted); its bytes are whatever the file holds when room is next made."""
@@ -153,6 +179,7 @@ class Index:
             "INSERT OR REPLACE INTO parts VALUES (?, ?)", (self._rel(part), self._rel(final))
         )
 
+    @_serialised
     def published(self, part: Path, final: Path) -> None:
         """Record that ``part`` was renamed to ``final`` (right after the rename)."""
         st = _lstat(self.layout, final)
@@ -165,14 +192,17 @@ class Index:
 
         self._run(work)
 
+    @_serialised
     def forget(self, path: Path) -> None:
         """A published shard was removed (``ShardCache.remove``)."""
         self._write("DELETE FROM entries WHERE name = ?", (self._rel(path),))
 
+    @_serialised
     def used_bytes(self) -> int:
         """Published bytes plus the bytes of downloads in progress, as counted now."""
         return self._run(self._used)
 
+    @_serialised
     def evict(self, max_bytes: int, reserve: int = 0) -> EvictReport:
         """Remove least-recently-used shards until published + in-progress + ``reserve``
         bytes fit in ``max_bytes`` (or nothing evictable is left); when they still do not
@@ -194,6 +224,7 @@ class Index:
         log_evicted(self.layout, report, max_bytes)
         return report
 
+    @_serialised
     def rebuild(self) -> None:
         """Make the index say exactly what the data directory holds (one listing)."""
         entries, parts = _list_data(self.layout)
@@ -213,6 +244,7 @@ class Index:
         self._run(work, check=False)
         self.counters.rebuilds += 1
 
+    @_serialised
     def close(self) -> None:
         if self._conn is not None and self._identity and self._identity[0] == os.getpid():
             self._conn.close()
