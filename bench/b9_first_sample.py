@@ -60,8 +60,8 @@ def b9_first_sample(b: Bench) -> dict[str, Any]:
     count, size = b.cfg["b9"]
     t: int = b.cfg["threads"]
     urls = b.upload("b9", count, size)
-    sc_name = f"shardcache drop-in (threads={t}, SHARDCACHE_READ_WHILE_DOWNLOADING=on)"
-    sc_off = f"shardcache drop-in (threads={t}, read_while_downloading=off, the default)"
+    sc_name = f"shardcache drop-in (threads={t}, read_while_downloading=on, the default)"
+    sc_off = f"shardcache drop-in (threads={t}, SHARDCACHE_READ_WHILE_DOWNLOADING=off)"
     runs: dict[str, list[float]] = {}
     with b.link() as (so, _pids):
         install_wds_s3_opener(so)

@@ -288,11 +288,25 @@ class ShardCache:
     ) -> Path:
         """The miss path, made again when the cache's own directories or files vanish
         under it (tmp cleaners, a user's ``rm -rf``): every step recreates what it needs."""
+        offers = _Offers(announce) if announce is not None else None
+        try:
+            return self._fetch_missing_again(shard, progress, offers)
+        except BaseException as exc:
+            if offers is not None:
+                offers.failed(exc)
+            raise
+
+    def _fetch_missing_again(
+        self, shard: ShardId, progress: Progress | None, offers: _Offers | None
+    ) -> Path:
         attempt = 0
         while True:
             attempt += 1
             try:
-                return self._fetch_miss(shard, progress, announce)
+                path = self._fetch_miss(shard, progress, offers)
+                if offers is None or offers.resumed(self.layout, path):
+                    return path
+                raise _Vanished(path)  # gone again before its reader could go on in it
             except _Vanished as exc:
                 if attempt == VANISHED_RETRIES:
                     raise CacheDirError(
@@ -892,9 +906,47 @@ class ShardCache:
 
 
 def _tell_failed(growing: GrowingFile | None, exc: BaseException) -> None:
-    """Tell a download's early reader (if any) that it failed with ``exc``."""
+    """Tell a download's early reader (if any) that this attempt failed with ``exc``."""
     if growing is not None:
-        growing.failed(exc)
+        growing.stopped(exc)
+
+
+class _Offers:
+    """The early-readable downloads of one fetch: the first is offered to ``announce``; a
+    later attempt of the same fetch (after a vanished directory, a full disk) is offered to
+    no one, and a reader of a stopped first attempt goes on in the published shard."""
+
+    def __init__(self, announce: Announce) -> None:
+        self._announce = announce
+        self._first: GrowingFile | None = None
+
+    def __call__(self, growing: GrowingFile) -> None:
+        if self._first is None:
+            self._first = growing
+            self._announce(growing)
+        else:
+            growing.stopped(_NotOffered())  # nobody may claim it: its pin is let go
+
+    def resumed(self, layout: CacheLayout, path: Path) -> bool:
+        """Hand the published ``path`` to a reader of a stopped first attempt; False if
+        it was gone before it could be pinned (then fetch again)."""
+        first = self._first
+        if first is None or not first.waits_for_resume():
+            return True
+        fd = pin(layout, path)
+        if fd is None:
+            return False
+        first.resumed(fd)
+        return True
+
+    def failed(self, exc: BaseException) -> None:
+        """The fetch failed: a reader of the first attempt gets ``exc``."""
+        if self._first is not None:
+            self._first.failed(exc)
+
+
+class _NotOffered(Exception):
+    """Why a later attempt's download cannot be claimed: its fetch offered an earlier one."""
 
 
 class _Vanished(Exception):

@@ -278,13 +278,12 @@ SPECS: dict[str, _Spec] = {
     "read_while_downloading": _Spec(
         "SHARDCACHE_READ_WHILE_DOWNLOADING",
         _choice("on", "off"),
-        "off",
+        "on",
         "on: the WebDataset stage and ShardCache.open read a shard this process downloads as "
         "its bytes arrive (the first sample after the first chunk); the file is still "
         "published only verified, and a failed verification raises IntegrityError from the "
-        "stream after samples were read from the unverified bytes; off (the default while a "
-        "tmp cleaner removing the in-flight file fails the reader): read only the verified, "
-        "published file",
+        "stream after samples were read from the unverified bytes; off: read only the "
+        "verified, published file",
     ),
     "threads": _Spec("SHARDCACHE_THREADS", parse_int, 4, "prefetch download threads", 1, 1024),
     "prefetch_depth": _Spec(

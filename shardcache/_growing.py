@@ -19,6 +19,13 @@ Invariants:
 - A reader holds a shared ``flock`` on the inode from the moment the ``.part`` exists, so
   once renamed into place the shard is pinned (:mod:`shardcache._pins`) until the reader
   closes, exactly as a reader of the published file pins it.
+- A download that stops (its directory removed by a tmp cleaner, the disk full, a read
+  error) is not the end for a reader that claimed it: the cache fetches the shard again
+  (without offering that attempt to a reader) and hands the published, verified file to
+  :meth:`GrowingFile.resumed`. The bytes already written are compared with it: the reader
+  goes on from the published file if every byte it was given matches, and gets
+  :class:`~shardcache.IntegrityError` if one does not. Only the cache's final failure
+  (:meth:`GrowingFile.failed`) reaches the reader as an error.
 - Writes that bypass the writer (the parallel ranged download writes parts with
   ``os.pwrite`` out of order) do not move the watermark: such a download is offered to
   no reader and is consumed once published, as before.
@@ -62,6 +69,9 @@ class GrowingFile:
         self._handed = 0  # bytes given to the reader so far (its furthest read)
         self._size: int | None = None  # set once verified and published
         self._error: BaseException | None = None
+        self._stopped = False  # this attempt stopped; the cache fetches the shard again
+        self._kept_fd: int | None = None  # the stopped attempt's bytes, to compare with
+        self._resumed_fd: int | None = None  # the published file a stopped reader goes on in
         self._announced = False
         self._reported = False  # a reader raised the error
         self.claimed = False  # a reader took it: the reader owns the pin
@@ -121,15 +131,87 @@ class GrowingFile:
         with self._cond:
             self._watermark = self._size = size
             self._cond.notify_all()
+            if not self._announced:  # offered to no one (an empty shard): nobody takes the pin
+                self._close_pin()
+
+    def stopped(self, exc: BaseException) -> None:
+        """This attempt failed with ``exc`` and nothing was published. A reader that claimed
+        the file waits for the cache's outcome (:meth:`resumed` or :meth:`failed`); an
+        unclaimed file can no longer be claimed."""
+        with self._cond:
+            if self._error is not None or self._stopped or self._size is not None:
+                return
+            if not self.claimed:
+                self._fail(exc)
+                return
+            self._stopped = True
+            self._kept_fd = os.dup(self._fd)  # the writer's descriptor closes on return
+
+    def waits_for_resume(self) -> bool:
+        """Whether a reader follows this stopped attempt (:meth:`resumed` is then due)."""
+        with self._cond:
+            return self._stopped
+
+    def resumed(self, pin_fd: int) -> None:
+        """The shard was published after this attempt stopped: ``pin_fd`` (owned from now
+        on) is the published file, pinned. Compares the bytes this attempt wrote with it;
+        the reader goes on in it from the first difference, or fails if it was already
+        given a byte that differs."""
+        with self._cond:
+            kept, self._kept_fd = self._kept_fd, None
+            if not self._stopped or self._error is not None or kept is None:
+                os.close(pin_fd)
+                if kept is not None:
+                    os.close(kept)
+                return
+        try:
+            same = _common_prefix(kept, pin_fd, self._watermark)
+            size = os.fstat(pin_fd).st_size
+        except BaseException:
+            os.close(pin_fd)
+            raise
+        finally:
+            os.close(kept)
+        with self._cond:
+            self._stopped = False
+            if same < self._handed:
+                os.close(pin_fd)
+                self._fail(
+                    IntegrityError(
+                        f"{self.url}: the download this reader was following stopped, and the "
+                        f"shard fetched again differs from it at byte {same}, after the reader "
+                        f"had consumed {self._handed} bytes: the samples already read came "
+                        "from bytes that were not verified and may be wrong. The shard is "
+                        "cached verified; read it again, or set "
+                        "SHARDCACHE_READ_WHILE_DOWNLOADING=off to read only verified shards.",
+                        url=self.url,
+                        expected="the first bytes of the published shard",
+                        seen=f"a difference at byte {same} after {self._handed} bytes were read",
+                    )
+                )
+                return
+            self._watermark = same
+            self._resumed_fd = pin_fd
+            self._size = size
+            self._cond.notify_all()
 
     def failed(self, exc: BaseException) -> None:
-        """The download failed with ``exc``: nothing was published."""
+        """The fetch failed with ``exc``: nothing was published (a no-op once it was)."""
         with self._cond:
-            if self._error is None:
-                self._error = exc
-            self._cond.notify_all()
-            if not self.claimed:
-                self._close_pin()
+            if self._size is None:
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record ``exc`` as the outcome; called with the condition held."""
+        if self._error is None:
+            self._error = exc
+        self._stopped = False
+        if self._kept_fd is not None:
+            os.close(self._kept_fd)
+            self._kept_fd = None
+        self._cond.notify_all()
+        if not self.claimed:
+            self._close_pin()
 
     def detach_pin(self) -> int | None:
         """For the cache once the download is published: the pin's descriptor if no reader
@@ -152,7 +234,7 @@ class GrowingFile:
         """Take this file for reading; False once the download is over (then the caller
         gets the published file, or the error, the usual way)."""
         with self._cond:
-            if self.claimed or self._detached or self._error is not None:
+            if self.claimed or self._detached or self._error is not None or self._stopped:
                 return False
             self.claimed = True
             return True
@@ -194,7 +276,8 @@ class GrowingFile:
 
     def _available(self, pos: int, want: int, timeout: float) -> int:
         """Bytes readable at ``pos`` (at most ``want``), waiting at most ``timeout``
-        seconds for some; 0 at the end of the verified file, -1 if none came in time."""
+        seconds for some; 0 at the end of the verified file, -1 if none came in time,
+        :data:`_SWITCH` when the rest is to be read from :meth:`_take_resumed`'s file."""
         with self._cond:
             for waited in (False, True):
                 if self._error is not None:
@@ -204,11 +287,26 @@ class GrowingFile:
                     count = min(want, self._watermark - pos)
                     self._handed = max(self._handed, pos + count)
                     return count
+                if self._resumed_fd is not None:
+                    return _SWITCH
                 if self._size is not None:
                     return 0
                 if not waited:
                     self._cond.wait(timeout)
             return -1
+
+    def _take_resumed(self) -> int:
+        with self._cond:
+            fd, self._resumed_fd = self._resumed_fd, None
+        assert fd is not None
+        return fd
+
+    def _drop_resumed(self) -> None:
+        """The reader closed: a published file it did not go on in is let go."""
+        with self._cond:
+            fd, self._resumed_fd = self._resumed_fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class GrowingWriter:
@@ -281,6 +379,7 @@ class GrowingReader(io.RawIOBase):
         self._on_close = on_close
         self._fd = growing._take_pin()
         self._pos = 0
+        self._settled = False  # reading the published file (after a resume): no waits
 
     def readable(self) -> bool:
         return True
@@ -292,9 +391,15 @@ class GrowingReader(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         if not view:
             return 0
-        while True:
+        count = len(view)
+        while not self._settled:
             count = self._growing._available(self._pos, len(view), self._until_stall())
-            if count >= 0:
+            if count == _SWITCH:
+                os.close(self._fd)  # the stopped attempt's file; its bytes were compared
+                self._fd = self._growing._take_resumed()
+                self._settled = True
+                count = len(view)
+            elif count >= 0:
                 break
         if count == 0:
             return 0
@@ -307,10 +412,32 @@ class GrowingReader(io.RawIOBase):
             return
         try:
             os.close(self._fd)
+            self._growing._drop_resumed()
         finally:
             super().close()
             if self._on_close is not None:
                 self._on_close()
+
+
+_SWITCH = -2
+"""From :meth:`GrowingFile._available`: go on in the published file."""
+_COMPARE_BLOCK = 1 << 20
+
+
+def _common_prefix(a: int, b: int, limit: int) -> int:
+    """How many of the first ``limit`` bytes of files ``a`` and ``b`` are the same."""
+    offset = 0
+    while offset < limit:
+        want = min(_COMPARE_BLOCK, limit - offset)
+        left, right = os.pread(a, want, offset), os.pread(b, want, offset)
+        if left != right or len(left) < want:
+            same = next(
+                (i for i, (x, y) in enumerate(zip(left, right, strict=False)) if x != y),
+                min(len(left), len(right)),
+            )
+            return offset + same
+        offset += want
+    return limit
 
 
 def _reader_error(url: str, error: BaseException) -> ShardCacheError:

@@ -9,6 +9,7 @@ before the release came from the first half.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import webdataset as wds
 
 import shardcache
 from shardcache import IntegrityError, ShardCache, StallError
+from shardcache import _cache as cache_module
 from shardcache._demo import make_shard
 from shardcache._growing import GrowingFile
 from shardcache._layout import is_temp_name
@@ -39,7 +41,7 @@ def shard(s3) -> tuple[str, bytes]:
 
 @pytest.fixture(autouse=True)
 def _reading_early(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The setting is off by default: these tests (and their child processes) turn it on."""
+    """On by default; set here so that a machine's or CI's setting cannot turn it off."""
     monkeypatch.setenv("SHARDCACHE_READ_WHILE_DOWNLOADING", "on")
 
 
@@ -350,14 +352,134 @@ def test_bytes_rewritten_after_they_were_read_raise_integrity_error(tmp_path: Pa
     os.close(fd)
 
 
-def test_a_failed_download_reaches_its_reader(tmp_path: Path) -> None:
+def _reading_ten_bytes(tmp_path: Path):
+    """A claimed download with 10 bytes written, and its reader, which read them."""
     growing, _offered, fd = _growing(tmp_path)
     growing.writer().write(b"a" * 10)
     assert growing.claim()
     reader = growing.open(_no_stall)
     assert reader.read1(100) == b"a" * 10
+    return growing, reader, fd
+
+
+def test_a_failed_download_reaches_its_reader(tmp_path: Path) -> None:
+    growing, reader, fd = _reading_ten_bytes(tmp_path)
     growing.failed(OSError(28, "No space left on device"))
     with pytest.raises(shardcache.FetchError, match="No space left"):
         reader.read()
     reader.close()
     os.close(fd)
+
+
+def _published_copy(tmp_path: Path, data: bytes) -> int:
+    """A published shard's pinned descriptor, as the cache hands it to ``resumed``."""
+    path = tmp_path / "published"
+    path.write_bytes(data)
+    return os.open(path, os.O_RDONLY)
+
+
+def _fds_under(root: Path) -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(f"{root}/")
+        except OSError:
+            continue
+    return count
+
+
+@pytest.mark.parametrize("read_before_stop", [50, 20], ids=["all-written", "some-written"])
+def test_a_stopped_download_goes_on_in_the_published_file(
+    tmp_path: Path, read_before_stop: int
+) -> None:
+    growing, _offered, fd = _growing(tmp_path)
+    out = growing.writer()
+    out.write(b"a" * read_before_stop)
+    assert growing.claim()
+    reader = growing.open(_no_stall)
+    assert reader.read(read_before_stop) == b"a" * read_before_stop
+    out.write(b"a" * (50 - read_before_stop))  # written, not read yet
+    growing.stopped(FileNotFoundError(2, "No such file or directory"))  # its directory went
+    os.close(fd)  # the writer's descriptor closes as the attempt ends
+    assert growing.waits_for_resume() and not growing.claim()
+    # The shard fetched again: the same first 30 bytes, then bytes the stopped attempt
+    # wrote differently (never given to this reader when it read only 20).
+    fresh = b"a" * 30 + b"b" * 70
+    if read_before_stop == 20:
+        growing.resumed(_published_copy(tmp_path, fresh))
+        assert reader.read() == fresh[20:]
+        assert growing.verdict(_no_stall) is None
+    else:  # it had read 50 bytes: 20 of them differ from the verified shard
+        growing.resumed(_published_copy(tmp_path, fresh))
+        with pytest.raises(IntegrityError, match="differs from it at byte 30"):
+            reader.read()
+    reader.close()
+    assert _fds_under(tmp_path) == 0  # the stopped attempt's and the published descriptors
+
+
+def test_a_stopped_download_whose_fetch_fails_gives_its_reader_the_fetch_error(
+    tmp_path: Path,
+) -> None:
+    growing, reader, fd = _reading_ten_bytes(tmp_path)
+    growing.stopped(FileNotFoundError(2, "No such file or directory"))
+    os.close(fd)
+    growing.failed(shardcache.CacheDirError("the cache's files kept disappearing"))
+    with pytest.raises(shardcache.CacheDirError, match="kept disappearing"):
+        reader.read()
+    reader.close()
+    assert _fds_under(tmp_path) == 0
+
+
+def test_a_stopped_download_nobody_claimed_cannot_be_claimed(tmp_path: Path) -> None:
+    growing, offered, fd = _growing(tmp_path)
+    growing.writer().write(b"a" * 10)
+    assert offered == [growing]
+    growing.stopped(OSError(28, "No space left on device"))
+    os.close(fd)
+    assert not growing.claim() and not growing.waits_for_resume()
+    assert _fds_under(tmp_path) == 0  # its pin was let go
+
+
+@pytest.mark.parametrize("way", ["stage", "open"])
+@pytest.mark.parametrize("removal", ["once", "again-and-again"])
+def test_directories_removed_under_a_reader_mid_download(
+    s3, shard, fault_proxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: str, removal: str
+) -> None:
+    """A tmp cleaner removes the cache's directories while a reader follows the in-flight
+    file. Once: the verified bytes are published from the open descriptor (one GET).
+    Again and again (the metadata directory gone at each of write_meta's three tries):
+    that attempt stops, the cache fetches the shard again, and the reader goes on in the
+    published file. Either way the reader gets the source's bytes."""
+    url, body = shard
+    hold = fault_proxy.add_fault("hold", times=1, method="GET", truncate_bytes=len(body) // 2)
+    cache = _cache(tmp_path, fault_proxy, max_bytes=10 << 20)
+    if removal == "again-and-again":
+        real_write_meta = cache_module.write_meta
+        calls = []
+
+        def write_meta(layout, final, record) -> None:
+            calls.append(final)
+            if len(calls) == 1:  # what write_meta raises after its third vanished try
+                raise FileNotFoundError(2, "No such file or directory", str(final))
+            real_write_meta(layout, final, record)
+
+        monkeypatch.setattr(cache_module, "write_meta", write_meta)
+    if way == "stage":
+        samples = _samples(cache, [url])
+        got = [next(samples)]
+    else:
+        stream = cache.open(url)
+        head = stream.read(4096)
+    assert not hold.released.is_set()  # read from the first half of the first GET
+    shutil.rmtree(cache.settings.scope_dir)  # the .part's directory with it
+    hold.release()
+    if way == "stage":
+        got.extend(samples)
+        assert got == _expected(body, tmp_path)
+    else:
+        with stream:
+            assert head + stream.read() == body
+    gets = 2 if removal == "again-and-again" else 1  # the stopped GET and one more
+    assert s3.count("GET", BUCKET, "train-000000.tar") == gets
+    assert cache.contains(url) and cache.path_for(url).read_bytes() == body
+    assert _temp_files(cache) == []

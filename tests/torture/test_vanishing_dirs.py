@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from processes import CTX
 from torture_scale import scale
 
@@ -89,7 +90,13 @@ def _remover(root: str, seed: int, stop, out) -> None:
     out.put(("remover", removed))
 
 
-def test_directories_removed_under_live_readers(tmp_path: Path, s3: S3Server, figures) -> None:
+@pytest.mark.parametrize("read_while_downloading", ["on", "off"])
+def test_directories_removed_under_live_readers(
+    tmp_path: Path, s3: S3Server, figures, monkeypatch: pytest.MonkeyPatch, read_while_downloading
+) -> None:
+    # Every process started below inherits it: readers following in-flight files whose
+    # directories vanish (on), and readers of published files only (off).
+    monkeypatch.setenv("SHARDCACHE_READ_WHILE_DOWNLOADING", read_while_downloading)
     rng = random.Random("vanish")
     objects = {f"train-{i:06d}.tar": rng.randbytes(rng.randrange(8_000, 40_000)) for i in range(24)}
     s3.put_objects(BUCKET, objects)
@@ -150,7 +157,7 @@ def test_directories_removed_under_live_readers(tmp_path: Path, s3: S3Server, fi
             assert _sha(path.read_bytes()) == expected[url]
     assert sum(removed.values()) >= scale(10, 50), removed
     figures.add(
-        "vanishing directories",
+        f"vanishing directories (read while downloading {read_while_downloading})",
         f"{len(kinds)} reader processes (open x2, prefetch, WebDataset stage) and `warm`, "
         f"eviction on, while a process ran `rm -rf` on random cache directories",
         sum(removed.values()),
