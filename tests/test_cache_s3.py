@@ -300,3 +300,32 @@ def test_cache_dir_that_is_a_file_is_a_clear_error(s3, shards, tmp_path: Path) -
     with pytest.raises(CacheDirError) as info:
         ShardCache(blocker).fetch(next(iter(shards)))
     assert str(blocker) in str(info.value)
+
+
+def test_every_thread_uses_one_s3_client_and_caches_share_service_models(
+    s3, tmp_path: Path
+) -> None:
+    s3.put_objects(BUCKET, {f"c-{i}.tar": _blob(1000, i) for i in range(6)})
+    urls = [f"s3://{BUCKET}/c-{i}.tar" for i in range(6)]
+    cache = ShardCache(tmp_path / "a")
+    seen = [cache.remote.filesystem(urls[0])[0]]
+    cache.remote.info(urls[0])  # the client is made here (botocore then edits its options)
+
+    def fetch(url: str) -> None:
+        cache.fetch(url)
+        seen.append(cache.remote.filesystem(url)[0])
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(fetch, urls[:3]))
+    with cache.prefetch(urls[3:], threads=3) as shards:
+        assert len(list(shards)) == 3
+    seen.append(cache.remote.filesystem(urls[0])[0])
+    assert len({id(fs) for fs in seen}) == 1, "one file system (one client) for all threads"
+    fs = seen[0]
+    assert fs.storage_options["config_kwargs"]["max_pool_connections"] >= 10
+    other = ShardCache(tmp_path / "b", io_timeout=33)  # other options: another client...
+    other.fetch(urls[0])
+    other_fs = other.remote.filesystem(urls[0])[0]
+    assert other_fs is not fs
+    loader = fs.session.get_component("data_loader")
+    assert other_fs.session.get_component("data_loader") is loader  # ...parses no model again
