@@ -35,7 +35,6 @@ Invariants:
 
 from __future__ import annotations
 
-import fcntl
 import io
 import os
 import threading
@@ -43,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ._errors import FetchError, IntegrityError, ShardCacheError
+from ._pins import pin_again
 
 BytesLike = bytes | bytearray | memoryview
 Announce = Callable[["GrowingFile"], None]
@@ -76,14 +76,7 @@ class GrowingFile:
         self._reported = False  # a reader raised the error
         self.claimed = False  # a reader took it: the reader owns the pin
         self._detached = False  # the cache took the pin: too late to claim
-        # A new open file description of the same inode, pinned (shared flock) at once.
-        pin_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(pin_fd, fcntl.LOCK_SH)
-        except BaseException:
-            os.close(pin_fd)
-            raise
-        self._pin_fd: int | None = pin_fd
+        self._pin_fd: int | None = pin_again(fd)  # pinned from the start
 
     # -- the writing side ------------------------------------------------------------
 

@@ -52,15 +52,20 @@ def open_pinned(layout: CacheLayout, path: Path) -> BinaryIO:
 
 def reopen_pinned(pin_fd: int) -> BinaryIO:
     """Open again, for reading and pinned until closed, the shard that ``pin_fd`` pins."""
-    # A new open file description of the same inode (its own offset), which works even
-    # when the name is gone; it carries its own shared flock.
-    fd = os.open(f"/proc/self/fd/{pin_fd}", os.O_RDONLY | os.O_CLOEXEC)
+    return os.fdopen(pin_again(pin_fd), "rb")
+
+
+def pin_again(fd: int) -> int:
+    """A new read-only descriptor of the file open as ``fd``, pinned (shared flock): a new
+    open file description of the same inode (its own offset and its own lock), which works
+    even when the file's name is gone."""
+    pinned = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fcntl.flock(pinned, fcntl.LOCK_SH)
     except BaseException:
-        os.close(fd)
+        os.close(pinned)
         raise
-    return os.fdopen(fd, "rb")
+    return pinned
 
 
 def is_held(fs: SafeFS, path: Path, dir_fd: int | None = None) -> bool | None:
