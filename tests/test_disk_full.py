@@ -285,6 +285,38 @@ def test_one_eviction_pass_and_one_retry_fill_the_shard(
 
 
 @needs_root
+def test_a_reader_following_a_download_that_filled_the_disk_goes_on_after_the_retry(
+    s3: S3Server, slow_proxy: FaultProxy, tmpfs: Path
+) -> None:
+    """Reading while downloading: the disk fills up under the download a reader follows;
+    one eviction pass makes room, the retry is published, and the reader goes on in the
+    published file (its bytes compared with what it had read): the source's bytes."""
+    old, new = _blob(SIZE + 3 * PAGE, 4), _blob(SIZE, 5)
+    s3.put_objects(BUCKET, {"old.tar": old, "new.tar": new})
+    s3.clear_requests()
+    direct = _cache(tmpfs, None, s3, ranged=False)
+    old_path = direct.fetch(f"s3://{BUCKET}/old.tar")
+    cache = _cache(tmpfs, slow_proxy, s3, ranged=False)
+    assert cache.settings.read_while_downloading == "on"  # the default
+    filler = Filler(tmpfs / "filler")
+    url = f"s3://{BUCKET}/new.tar"
+    try:
+        with cache.open(url) as stream:
+            head = stream.read(PAGE)  # from the in-flight file: the download goes on slowly
+            assert not cache.contains(url)
+            filler.fill()  # the download's next write meets a full disk
+            slow_proxy.conn_rate = None
+            rest = stream.read()
+        assert filler.filled and _sha(head + rest) == _sha(new)
+        assert not old_path.exists()  # evicted to make room
+        assert s3.count("GET", BUCKET, "new.tar") == 2  # the stopped attempt and the retry
+        assert _sha(cache.path_for(url).read_bytes()) == _sha(new)
+        assert not _temp_files(cache)
+    finally:
+        filler.close()
+
+
+@needs_root
 def test_no_room_after_the_eviction_pass_gives_up_after_one_attempt(
     s3: S3Server, slow_proxy: FaultProxy, tmpfs: Path
 ) -> None:
