@@ -182,19 +182,22 @@ def read_s3torchconnector(
     return count_samples(iter(_loader(S3TarSamples(objects), workers)), on_sample)
 
 
-def s3torchconnector_fetch(keys: list[str], storage_options: dict[str, Any], dest: Path) -> None:
-    """Objects to files one at a time with s3torchconnector's S3Client (CRT): its README's
-    configuration for an S3-compatible server (``endpoint=``, ``S3ClientConfig(
-    force_path_style=True)``); ``get_object`` returns a streaming reader."""
+def s3torchconnector_client(storage_options: dict[str, Any]) -> Any:
+    """s3torchconnector's S3Client (CRT), with its README's configuration for an
+    S3-compatible server (``endpoint=``, ``S3ClientConfig(force_path_style=True)``)."""
     require("s3torchconnector")
     from s3torchconnector import S3ClientConfig
     from s3torchconnector._s3client import S3Client
 
-    client = S3Client(
+    return S3Client(
         storage_options["client_kwargs"]["region_name"],
         endpoint=storage_options["endpoint_url"],
         s3client_config=S3ClientConfig(force_path_style=True),
     )
+
+
+def s3torchconnector_fetch(client: Any, keys: list[str], dest: Path) -> None:
+    """Objects to files one at a time; ``get_object`` returns a streaming reader."""
     for key in keys:
         with open(dest / key, "wb") as f:
             shutil.copyfileobj(client.get_object(BUCKET, key), f, 8 << 20)
