@@ -27,7 +27,9 @@ from ._errors import (
     RemoteIsADirectoryError,
     RemoteNotFoundError,
     RemotePermissionError,
+    ResumeError,
     ShardCacheError,
+    ShardFormatError,
     StallError,
     TransientFetchError,
     UrlError,
@@ -35,6 +37,7 @@ from ._errors import (
 )
 from ._prefetch import PrefetchedShard, Prefetcher
 from ._redact import RedactingFilter
+from ._resume_state import job_state
 from ._urls import expand_urls
 
 __version__ = "0.1.0"
@@ -49,6 +52,11 @@ def __getattr__(name: str) -> object:
         from . import _wds as wds
 
         return getattr(wds, name)
+    if name == "ResumableDataset":
+        from ._resumable import ResumableDataset
+
+        ResumableDataset.__module__ = __name__
+        return ResumableDataset
     raise AttributeError(f"module 'shardcache' has no attribute {name!r}")
 
 
@@ -70,14 +78,18 @@ __all__ = [
     "RemoteIsADirectoryError",
     "RemoteNotFoundError",
     "RemotePermissionError",
+    "ResumableDataset",
+    "ResumeError",
     "Settings",
     "ShardCache",
     "ShardCacheError",
+    "ShardFormatError",
     "StallError",
     "TransientFetchError",
     "UrlError",
     "WaitTimeout",
     "expand_urls",
+    "job_state",
     "split_by_node",
     "stage",
     "tarfile_samples",

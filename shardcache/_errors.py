@@ -18,6 +18,8 @@
     │   ├── CacheFullError(OSError)       out of space
     │   ├── LockTimeout(TimeoutError)     a shard lock could not be acquired in time
     │   └── LockFileError(OSError)        a lock file cannot be created (path, errno)
+    ├── ShardFormatError(ValueError)      a shard is not a readable tar (where, what was seen)
+    ├── ResumeError(ValueError)           a resume state does not fit this dataset (what differs)
     ├── StallError(TimeoutError)          a prefetch worker made no progress
     └── WaitTimeout(TimeoutError)         a cross-rank wait (directory, file) timed out
 
@@ -140,6 +142,16 @@ class LockFileError(CacheError, OSError):
     """A shard's lock file cannot be created or locked (names the path and errno)."""
 
 
+class ShardFormatError(ShardCacheError, ValueError):
+    """A shard is not a tar archive that can be read into samples (names the shard, the
+    byte offset and what was found there)."""
+
+
+class ResumeError(ShardCacheError, ValueError):
+    """A resume state cannot be used here: another format version, dataset, shard list,
+    seed or job layout; names what differs, both values and what to do."""
+
+
 class StallError(ShardCacheError, TimeoutError):
     """A prefetch worker made no progress for the stall timeout."""
 
@@ -166,7 +178,9 @@ __all__ = [
     "RemoteIsADirectoryError",
     "RemoteNotFoundError",
     "RemotePermissionError",
+    "ResumeError",
     "ShardCacheError",
+    "ShardFormatError",
     "StallError",
     "TransientFetchError",
     "UrlError",

@@ -356,9 +356,9 @@ class GrowingWriter:
 
 
 class GrowingReader(io.RawIOBase):
-    """Reads a :class:`GrowingFile` from byte 0: blocks for bytes not yet written, ends only
-    at the end of the verified file, raises the download's error. Its descriptor pins the
-    shard until closed."""
+    """Reads a :class:`GrowingFile` (from byte 0, or where it seeks to): blocks for bytes
+    not yet written, ends only at the end of the verified file, raises the download's error.
+    Its descriptor pins the shard until closed."""
 
     def __init__(
         self,
@@ -379,6 +379,28 @@ class GrowingReader(io.RawIOBase):
 
     def fileno(self) -> int:
         return self._fd
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """Move the read position; a read there waits for its bytes as any read does.
+        Not from the end: that is not known before the download is over."""
+        if whence == os.SEEK_SET:
+            position = offset
+        elif whence == os.SEEK_CUR:
+            position = self._pos + offset
+        else:
+            raise io.UnsupportedOperation(
+                f"{self._growing.url}: cannot seek from the end of a shard still downloading"
+            )
+        if position < 0:
+            raise ValueError(f"negative seek position {position}")
+        self._pos = position
+        return position
+
+    def tell(self) -> int:
+        return self._pos
 
     def readinto(self, buffer: BytesLike) -> int:
         view = memoryview(buffer).cast("B")

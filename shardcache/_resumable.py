@@ -1,0 +1,435 @@
+"""A sharded dataset read through the cache that resumes mid-epoch, exactly or elastically.
+
+::
+
+    dataset = shardcache.ResumableDataset(
+        "s3://bucket/train-{000000..000127}.tar", seed=0, shuffle_buffer=1000
+    ).compose(wds.decode("rgb"), wds.to_tuple("jpg", "cls"))
+    loader = StatefulDataLoader(dataset, batch_size=64, num_workers=4)
+
+Each epoch has a seeded shard order every rank computes alike (:meth:`set_epoch`), split
+between the job's *consumers* (rank x DataLoader worker); each consumer reads its shards
+through the WebDataset cache stage (:class:`~shardcache._wds.CacheStage`: prefetch
+threads, reading while downloading, the handler) and, optionally, a seeded shuffle buffer.
+
+:meth:`state_dict` says exactly which samples left the dataset: the piece and byte offset
+the next sample starts at, the samples in the shuffle buffer (shard, offset, key) and the
+buffer's draw count. StatefulDataLoader keeps one per worker. Restoring seeks to the
+offsets: nothing before them is read, let alone decoded. A state of all consumers
+(:func:`~shardcache._resume_state.job_state`) also resumes with another world size or
+worker count: the undelivered pieces are dealt out again, each sample exactly once.
+
+Stages given to :meth:`compose` run after the state is counted, so they must pass or drop
+each sample as it comes (decode, map, to_tuple, select); a stage that holds samples back
+(``wds.shuffle``, ``wds.batched``) would hold samples the state counts as delivered:
+use ``shuffle_buffer`` and the DataLoader's ``batch_size`` instead.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch.utils.data
+import webdataset as wds
+
+from ._cache import ShardCache
+from ._errors import ConfigError, ResumeError, ShardFormatError
+from ._redact import get_logger
+from ._resume_plan import RandomDraws, epoch_order, fresh_plan, share
+from ._resume_state import (
+    DatasetIdentity,
+    Progress,
+    State,
+    job_state,
+    leftover,
+    start_state,
+)
+from ._tar_members import samples
+from ._urls import Spec, expand_urls
+from ._wds import STDIN_URL, CacheStage, Handler
+from .distributed import rank_info
+
+logger = get_logger(__name__)
+
+Stage = Callable[[Iterator[Any]], Iterator[Any]]
+
+
+class ResumableDataset(torch.utils.data.IterableDataset):
+    """WebDataset samples (``{"__key__", "__url__", "__local_path__", suffix: bytes}``)
+    of a shard list, read through the cache, with a resumable, deterministic epoch order.
+
+    ``seed`` and the epoch (:meth:`set_epoch`) fix the shard order (``shuffle_shards``)
+    and the shuffle buffer's draws (``shuffle_buffer`` samples; 0: none). ``rank`` and
+    ``world_size`` default to shardcache's detection (torch.distributed, torchrun, SLURM);
+    DataLoader workers are found by ``torch.utils.data.get_worker_info()``. ``handler``,
+    ``cache``, ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
+    """
+
+    def __init__(
+        self,
+        urls: Spec,
+        *,
+        seed: int = 0,
+        shuffle_shards: bool = True,
+        shuffle_buffer: int = 0,
+        handler: Handler = wds.reraise_exception,
+        cache: ShardCache | None = None,
+        threads: int | None = None,
+        depth: int | None = None,
+        stall_timeout: float | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.urls = expand_urls(urls)
+        if STDIN_URL in self.urls:
+            raise ConfigError(
+                "ResumableDataset cannot read standard input ('-'): a resumable shard must "
+                "be read again from an offset; put the data in a file or bucket",
+                name="urls",
+                value=STDIN_URL,
+            )
+        self.seed = _whole("seed", seed, low=0)
+        self.shuffle_buffer = _whole("shuffle_buffer", shuffle_buffer, low=0)
+        if not isinstance(shuffle_shards, bool):
+            raise ConfigError(
+                f"shuffle_shards must be True or False, not {shuffle_shards!r}",
+                name="shuffle_shards",
+                value=shuffle_shards,
+            )
+        self.shuffle_shards = shuffle_shards
+        if (rank is None) != (world_size is None):
+            raise ConfigError(
+                "give both rank and world_size, or neither (then they are detected)",
+                name="rank" if rank is None else "world_size",
+                value=None,
+            )
+        if world_size is not None:
+            world_size = _whole("world_size", world_size, low=1)
+            rank = _whole("rank", rank, low=0)
+            if rank >= world_size:
+                raise ConfigError(
+                    f"rank {rank} is not below world_size {world_size}",
+                    name="rank",
+                    value=rank,
+                )
+        self.rank, self.world_size = rank, world_size
+        self.identity = DatasetIdentity.of(self.urls, self.seed, shuffle_shards)
+        self.epoch = 0
+        self._stage = CacheStage(
+            handler, cache=cache, threads=threads, depth=depth, stall_timeout=stall_timeout
+        )
+        self._stages: list[Stage] = []
+        self._epoch_chosen = False  # set_epoch() was called: a loaded state must agree
+        self._pending: State | None = None  # loaded, applied when iteration starts
+        self._progress: Progress | None = None  # the running (or last) iteration's
+
+    # -- configuration --------------------------------------------------------------
+
+    def compose(self, *stages: Stage) -> ResumableDataset:
+        """Append pipeline stages (``wds.decode(...)``, ``wds.to_tuple(...)``, any
+        ``iterator -> iterator`` callable that passes or drops samples one by one)."""
+        for stage in stages:
+            if not callable(stage):
+                raise TypeError(f"a stage must be callable, not {stage!r:.80}")
+        self._stages.extend(stages)
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next (its own shard order and shuffle draws). A loaded
+        state of another epoch that still has samples to deliver is refused, so that the
+        rest of that epoch is not skipped by accident."""
+        epoch = _whole("epoch", epoch, low=0)
+        pending = self._pending
+        if pending is not None and pending["epoch"] != epoch:
+            if not self._finished(pending):
+                raise ResumeError(
+                    f"set_epoch({epoch}) after loading a state in the middle of epoch "
+                    f"{pending['epoch']}: the rest of epoch {pending['epoch']} would be "
+                    f"skipped; call set_epoch({pending['epoch']}) to finish it first",
+                    expected=pending["epoch"],
+                    seen=epoch,
+                )
+            self._pending = None
+        if self._progress is not None and self._progress.epoch != epoch:
+            self._progress = None
+        self.epoch = epoch
+        self._epoch_chosen = True
+
+    # -- state ----------------------------------------------------------------------
+
+    def state_dict(self) -> State:
+        """This consumer's state (plain JSON). In the process that iterates: where the
+        iteration stands; before it: the loaded state, or the start of the epoch."""
+        if self._progress is not None:
+            return self._progress.as_json(self.identity)
+        if self._pending is not None:
+            return copy.deepcopy(self._pending)
+        return start_state(self.identity, self.epoch)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state`` when iteration next starts: a consumer state (the same
+        rank, worker and layout: exact), or a :func:`job_state` of every consumer (the
+        same layout: exact; another: elastic). Raises :class:`ResumeError` for a state of
+        another format version, dataset, shard list or seed."""
+        self.identity.check(state)
+        if state.get("kind") == "job":
+            state = job_state(state)  # checks that its parts agree
+            for part in state["parts"]:
+                self.identity.check(part)
+        if self._epoch_chosen and state["epoch"] != self.epoch:
+            raise ResumeError(
+                f"the state is of epoch {state['epoch']}, but set_epoch({self.epoch}) was "
+                f"called; call set_epoch({state['epoch']}) to finish that epoch",
+                expected=self.epoch,
+                seen=state["epoch"],
+            )
+        self._pending = copy.deepcopy(dict(state))
+        self._progress = None
+        self.epoch = int(state["epoch"])
+
+    # -- iteration ------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        slot, consumers = self._consumer()
+        pending, self._pending = self._pending, None
+        progress = self._progress_for(pending, slot, consumers)
+        self._progress = progress
+        stream: Iterator[Any] = self._delivered(progress)
+        for stage in self._stages:
+            stream = stage(stream)
+        return iter(stream)
+
+    def _consumer(self) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self.world_size is None:
+            ranks = rank_info()
+            rank, world_size = ranks.rank, ranks.world_size
+        else:
+            assert self.rank is not None
+            rank, world_size = self.rank, self.world_size
+        return rank * workers + worker, world_size * workers
+
+    def _order(self, epoch: int) -> list[int]:
+        return epoch_order(len(self.urls), self.seed, epoch, shuffle=self.shuffle_shards)
+
+    def _finished(self, state: State) -> bool:
+        """Whether a loaded state has nothing left to deliver of its epoch."""
+        order = self._order(int(state["epoch"]))
+        if state.get("kind") == "job":
+            return not leftover(state, order)[0] and any(
+                p["kind"] == "consumer" for p in state["parts"]
+            )
+        return state.get("kind") == "consumer" and not Progress.from_json(state, order).left()
+
+    def _progress_for(self, pending: State | None, slot: int, consumers: int) -> Progress:
+        epoch = self.epoch if pending is None else int(pending["epoch"])
+        order = self._order(epoch)
+        if pending is not None and pending["kind"] == "consumer":
+            if (pending["consumers"], pending["slot"]) != (consumers, slot):
+                raise ResumeError(
+                    f"this state is consumer {pending['slot']} of {pending['consumers']} "
+                    f"(rank x DataLoader worker), but it is loaded into consumer {slot} of "
+                    f"{consumers}: a worker's own state resumes only the same world size and "
+                    "num_workers. To resume with others, gather every rank's state with "
+                    "shardcache.job_state(...) and load that into the dataset",
+                    expected=[consumers, slot],
+                    seen=[pending["consumers"], pending["slot"]],
+                )
+            return Progress.from_json(pending, order)
+        if pending is not None and pending["kind"] == "job":
+            parts = {p["slot"]: p for p in pending["parts"] if p["kind"] == "consumer"}
+            same_layout = all(p["consumers"] == consumers for p in parts.values())
+            if parts and same_layout and len(parts) == consumers:  # every consumer: exact
+                return Progress.from_json(parts[slot], order)
+            if parts:
+                pieces, digest = leftover(pending, order)
+                plan = share(pieces, consumers, slot)
+                logger.info(
+                    "epoch %d resumed elastically: %d undelivered pieces dealt out to %d "
+                    "consumers, %d to this one (consumer %d)",
+                    epoch,
+                    len(pieces),
+                    consumers,
+                    len(plan),
+                    slot,
+                )
+                return Progress(
+                    epoch,
+                    consumers,
+                    slot,
+                    plan,
+                    carried=digest,
+                    offset=plan[0].start if plan else 0,
+                    buffer_size=self.shuffle_buffer,
+                )
+        return Progress(
+            epoch,
+            consumers,
+            slot,
+            fresh_plan(order, consumers, slot),
+            buffer_size=self.shuffle_buffer,
+        )
+
+    def _delivered(self, progress: Progress) -> Iterator[dict[str, Any]]:
+        """The consumer's samples in order; ``progress`` is kept true at every yield."""
+        draws = RandomDraws(
+            self.seed,
+            progress.epoch,
+            progress.carried or "",
+            progress.consumers,
+            progress.slot,
+            draws=progress.draws,
+        )
+        shuffler = _ShuffleBuffer(progress, draws)
+        for opened in self._stage(self._visits(progress)):
+            kind, detail = opened["visit"]
+            if kind == "buffer":
+                shuffler.restore(opened, detail)
+                continue
+            shuffler.drop_unrestored()
+            item = detail
+            if progress.item < item:  # the handler skipped the pieces in between
+                logger.warning(
+                    "pieces %d..%d of consumer %d were skipped by the handler",
+                    progress.item,
+                    item - 1,
+                    progress.slot,
+                )
+                _advance(progress, item)
+            try:
+                for sample in self._piece_samples(progress, opened):
+                    if (out := shuffler.add(sample)) is not None:
+                        progress.delivered += 1
+                        yield out
+            except ShardFormatError as exn:
+                if not self._stage.handler(exn):
+                    return
+            if progress.item == item:  # an empty piece, or one the handler gave up on
+                _advance(progress, item + 1)
+        shuffler.drop_unrestored()
+        _advance(progress, len(progress.plan))
+        while (out := shuffler.drain_one()) is not None:
+            progress.delivered += 1
+            yield out
+
+    def _visits(self, progress: Progress) -> Iterator[dict[str, Any]]:
+        """Shards to open, in order: those of buffered samples (once each), then those of
+        the pieces left."""
+        by_shard: dict[int, list[int]] = {}
+        for index, (shard, _offset, _key) in enumerate(progress.buffer):
+            by_shard.setdefault(shard, []).append(index)
+        for shard, indices in by_shard.items():
+            yield {"url": self.urls[shard], "visit": ("buffer", indices)}
+        for item in range(progress.item, len(progress.plan)):
+            yield {"url": self.urls[progress.plan[item].shard], "visit": ("piece", item)}
+
+    def _piece_samples(
+        self, progress: Progress, opened: Mapping[str, Any]
+    ) -> Iterator[dict[str, Any]]:
+        """The samples of the piece being read, from ``progress.offset``; the position moves
+        past each sample before it is handed on."""
+        item = progress.item
+        piece = progress.plan[item]
+        stream, url = opened["stream"], opened["url"]
+        stream.seek(progress.offset)
+        expected = progress.key
+        for sample in samples(stream, progress.offset, url, only_one=piece.single):
+            if expected is not None and sample.key != expected:
+                raise _changed(url, sample.offset, expected, sample.key)
+            expected = None
+            if piece.single or sample.end < 0:
+                _advance(progress, item + 1)
+            else:
+                progress.offset, progress.key = sample.end, sample.next_key
+            yield {
+                "position": (piece.shard, sample.offset, sample.key),
+                "sample": sample.as_dict(url, opened.get("local_path")),
+            }
+
+
+class _ShuffleBuffer:
+    """The seeded shuffle buffer, its positions mirrored in ``progress.buffer``: a full
+    buffer hands out a random held sample for each new one; the end drains it randomly."""
+
+    def __init__(self, progress: Progress, draws: RandomDraws) -> None:
+        self._progress = progress
+        self._draws = draws
+        # Samples of a restored state are read again; None until their shard is opened.
+        self._held: list[dict[str, Any] | None] = [None] * len(progress.buffer)
+
+    def restore(self, opened: Mapping[str, Any], indices: Sequence[int]) -> None:
+        stream, url = opened["stream"], opened["url"]
+        for index in sorted(indices, key=lambda i: self._progress.buffer[i][1]):
+            _shard, offset, key = self._progress.buffer[index]
+            stream.seek(offset)
+            sample = next(samples(stream, offset, url, only_one=True), None)
+            if sample is None or sample.key != key:
+                raise _changed(url, offset, key, None if sample is None else sample.key)
+            self._held[index] = sample.as_dict(url, opened.get("local_path"))
+
+    def drop_unrestored(self) -> None:
+        """Buffered samples whose shard the handler skipped are lost, as in webdataset."""
+        if None not in self._held:
+            return
+        keep = [i for i, sample in enumerate(self._held) if sample is not None]
+        logger.warning(
+            "%d buffered samples were lost with their shards", len(self._held) - len(keep)
+        )
+        self._held = [self._held[i] for i in keep]
+        self._progress.buffer = [self._progress.buffer[i] for i in keep]
+
+    def add(self, item: dict[str, Any]) -> dict[str, Any] | None:
+        progress = self._progress
+        if progress.buffer_size == 0:
+            return item["sample"]
+        if len(self._held) < progress.buffer_size:
+            self._held.append(item["sample"])
+            progress.buffer.append(item["position"])
+            return None
+        index = self._draws.below(progress.buffer_size)
+        out = self._held[index]
+        self._held[index] = item["sample"]
+        progress.buffer[index] = item["position"]
+        progress.draws = self._draws.draws
+        return out
+
+    def drain_one(self) -> dict[str, Any] | None:
+        if not self._held:
+            return None
+        index, last = self._draws.below(len(self._held)), len(self._held) - 1
+        held, positions = self._held, self._progress.buffer
+        held[index], held[last] = held[last], held[index]
+        positions[index], positions[last] = positions[last], positions[index]
+        positions.pop()
+        self._progress.draws = self._draws.draws
+        return held.pop()
+
+
+def _advance(progress: Progress, item: int) -> None:
+    progress.item = item
+    progress.offset = progress.plan[item].start if item < len(progress.plan) else 0
+    progress.key = None
+
+
+def _changed(url: str, offset: int, expected: str, seen: str | None) -> ResumeError:
+    return ResumeError(
+        f"{url} changed since the resume state was taken: at byte {offset} the state expects "
+        f"sample {expected!r}, the shard has {seen!r} there. Resume over the shards as they "
+        "were, or start the epoch again (set_epoch without loading the state)",
+        url=url,
+        offset=offset,
+        expected=expected,
+        seen=seen,
+    )
+
+
+def _whole(name: str, value: Any, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(
+            f"{name} must be a whole number >= {low}, not {value!r}", name=name, value=value
+        )
+    return value

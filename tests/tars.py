@@ -1,0 +1,48 @@
+"""Small WebDataset tars for the resume tests, in any of tarfile's formats."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Sequence
+
+Files = dict[str, bytes]
+
+
+def tar_bytes(
+    samples: Sequence[tuple[str, Files]],
+    *,
+    tar_format: int = tarfile.USTAR_FORMAT,
+    extras: Sequence[tuple[int, str]] = (),
+) -> bytes:
+    """A tar of ``samples`` (key, {suffix: bytes}); ``extras`` puts a directory or a
+    ``__meta__`` member (by name) before sample number ``index``."""
+    buf = io.BytesIO()
+    before = {index: name for index, name in extras}
+    with tarfile.open(fileobj=buf, mode="w", format=tar_format) as tar:
+        for index, (key, files) in enumerate(samples):
+            if index in before:
+                _add(tar, before[index], b"meta", directory=before[index].endswith("/"))
+            for suffix, data in files.items():
+                _add(tar, f"{key}.{suffix}", data)
+    return buf.getvalue()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, *, directory: bool = False) -> None:
+    info = tarfile.TarInfo(name.rstrip("/") if directory else name)
+    info.mtime, info.mode = 0, 0o755 if directory else 0o644
+    if directory:
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+    else:
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+
+def shard_samples(shard: int, count: int, size: int = 40) -> list[tuple[str, Files]]:
+    """``count`` samples of shard ``shard``: keys ``s{shard}_{i}``, a ``.bin`` and a
+    ``.cls`` member each."""
+    return [
+        (f"s{shard:04d}_{i:05d}", {"bin": bytes([i % 251]) * size, "cls": b"%d" % (i % 10)})
+        for i in range(count)
+    ]
