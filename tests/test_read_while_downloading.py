@@ -8,6 +8,7 @@ before the release came from the first half.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -330,6 +332,37 @@ def test_a_reader_sees_only_the_contiguous_prefix_and_the_verdict(tmp_path: Path
     growing.published(110)
     assert reader.read() == b"b" * 50 + b"z" * 10
     assert growing.verdict(_no_stall) is None
+    reader.close()
+    os.close(fd)
+
+
+def test_a_reader_seeks_ahead_of_the_download_and_waits_there(tmp_path: Path) -> None:
+    """A resumed epoch seeks to a sample's offset in a shard still downloading."""
+    growing, _offered, fd = _growing(tmp_path)
+    out = growing.writer()
+    out.write(b"a" * 50)
+    assert growing.claim()
+    deadline = [time.monotonic() + 0.2]
+
+    def until_stall() -> float:  # as the prefetcher's watchdog: a bounded wait, then a verdict
+        remaining = deadline[0] - time.monotonic()
+        if remaining <= 0:
+            raise StallError("no bytes at 70")
+        return remaining
+
+    reader = growing.open(until_stall)
+    reader.seek(70)
+    with pytest.raises(StallError):  # nothing at 70 yet: the wait is bounded
+        reader.read(5)
+    deadline[0] = time.monotonic() + 30
+    out.write(b"b" * 30)
+    assert reader.read(5) == b"b" * 5 and reader.tell() == 75
+    reader.seek(-30, os.SEEK_CUR)
+    assert reader.read(10) == b"a" * 5 + b"b" * 5
+    with pytest.raises(io.UnsupportedOperation, match="cannot seek from the end"):
+        reader.seek(0, os.SEEK_END)
+    growing.published(80)
+    assert reader.read() == b"b" * 25
     reader.close()
     os.close(fd)
 

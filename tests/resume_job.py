@@ -1,0 +1,155 @@
+"""A training job for the resume tests, run by torchrun and by sbatch (not a test module).
+
+It reads a ResumableDataset through torchdata's StatefulDataLoader, logs every batch's
+sample keys (``keys-<run>-rank<r>.jsonl``, one flushed line per batch) and saves
+checkpoints the way the README's "Resume" section shows:
+
+- each rank's ``loader.state_dict()`` (``loader-rank<r>.json``): the exact resume, with
+  the same world size and DataLoader workers;
+- ``shardcache.job_state`` of every rank's state, gathered over torch.distributed
+  (``job.json``): the elastic resume, with another world size or worker count.
+
+``--checkpoint-at STEP ...`` saves ``<out>/ckpt-<STEP>/`` after that many batches (of this
+run, counted over epochs). ``--then-wait`` makes the last one a kill point: every rank writes
+``killable-rank<r>`` and waits (bounded) to be SIGKILLed. ``--checkpoint-on-signal``
+saves ``<out>/ckpt-signal`` after the batch during which SIGUSR1 arrived (SLURM's
+``--signal``), then requeues the job (``scontrol requeue``) and exits.
+``--resume DIR`` starts from a checkpoint if DIR holds one. ``--run`` names the log; its
+``{restart}`` is replaced by ``SLURM_RESTART_COUNT`` (0 outside SLURM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import shardcache
+
+KILL_WAIT = 300.0  # a kill point waits this long for the SIGKILL, then fails
+
+
+def keys_of(batch: list[dict[str, Any]]) -> list[str]:
+    return [sample["__key__"] for sample in batch]
+
+
+def write_json(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def save(
+    directory: Path,
+    loader: StatefulDataLoader,
+    rank: int,
+    world_size: int,
+    meta: dict[str, Any],
+) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    state = loader.state_dict()
+    write_json(directory / f"loader-rank{rank}.json", state)
+    states: list[Any] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(states, state)
+    else:
+        states = [state]
+    if rank == 0:
+        write_json(directory / "job.json", shardcache.job_state(states))
+        write_json(directory / "meta.json", meta)  # last: the checkpoint is complete
+    if world_size > 1:
+        dist.barrier()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--shuffle-buffer", type=int, default=5)
+    parser.add_argument("--checkpoint-at", type=int, nargs="*", default=[])
+    parser.add_argument("--then-wait", action="store_true")
+    parser.add_argument("--checkpoint-on-signal", action="store_true")
+    parser.add_argument("--wait-for-signal-at", type=int, default=None)
+    parser.add_argument("--resume", type=Path, default=None)
+    args = parser.parse_args()
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world_size > 1 else 0
+
+    signalled = threading.Event()
+    if args.checkpoint_on_signal:
+        signal.signal(signal.SIGUSR1, lambda *_: signalled.set())
+
+    dataset = shardcache.ResumableDataset(
+        args.spec,
+        seed=args.seed,
+        shuffle_buffer=args.shuffle_buffer,
+        cache=shardcache.ShardCache(args.cache),
+    )
+    loader = StatefulDataLoader(
+        dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=keys_of
+    )
+    epoch, resumed = 0, False
+    if args.resume is not None and (args.resume / "meta.json").exists():
+        resumed = True
+        meta = json.loads((args.resume / "meta.json").read_text())
+        epoch = meta["epoch"]
+        if (meta["world_size"], meta["workers"]) == (world_size, args.workers):
+            state = json.loads((args.resume / f"loader-rank{rank}.json").read_text())
+            loader.load_state_dict(state)  # exact: each worker gets its own state back
+        else:  # elastic: every consumer's state, dealt out to the new layout
+            dataset.load_state_dict(json.loads((args.resume / "job.json").read_text()))
+
+    run = args.run.format(restart=os.environ.get("SLURM_RESTART_COUNT", "0"))
+    log = (args.out / f"keys-{run}-rank{rank}.jsonl").open("a")
+    step = 0
+    for epoch in range(epoch, args.epochs):  # noqa: B020 (resumes the loop variable)
+        dataset.set_epoch(epoch)
+        for keys in loader:
+            step += 1
+            log.write(json.dumps({"epoch": epoch, "step": step, "keys": keys}) + "\n")
+            log.flush()
+            meta = {"epoch": epoch, "world_size": world_size, "workers": args.workers}
+            if step in args.checkpoint_at:
+                save(args.out / f"ckpt-{step}", loader, rank, world_size, meta)
+                if args.then_wait and step == max(args.checkpoint_at):
+                    (args.out / f"killable-rank{rank}").write_text(str(os.getpid()))
+                    threading.Event().wait(KILL_WAIT)
+                    print("kill point: not killed in time", file=sys.stderr)
+                    return 3
+            if step == args.wait_for_signal_at and not resumed:
+                # A job that reaches its time limit: wait (bounded) for SLURM's signal.
+                (args.out / f"waiting-{run}").write_text(str(os.getpid()))
+                if not signalled.wait(KILL_WAIT):
+                    print("no SIGUSR1 arrived", file=sys.stderr)
+                    return 4
+            if signalled.is_set():
+                save(args.out / "ckpt-signal", loader, rank, world_size, meta)
+                job = os.environ["SLURM_JOB_ID"]
+                subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+                return 0
+    (args.out / f"done-{run}-rank{rank}").write_text(str(step))
+    if world_size > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""ResumableDataset over a moto S3 server: StatefulDataLoader with real workers (exact and
+elastic), the plain JSON state without torchdata, cold-cache resume while downloading, and
+every refusal of a state that does not fit."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import pickle
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import webdataset as wds
+from tars import shard_samples, tar_bytes
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import shardcache
+from shardcache import ConfigError, ResumableDataset, ResumeError, ShardCache, job_state
+
+BUCKET = "resume"
+SHARDS = 6
+PER_SHARD = 13  # odd: batches of 3 end mid-shard
+SPEC = f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"
+ALL_KEYS = [key for s in range(SHARDS) for key, _ in shard_samples(s, PER_SHARD)]
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def dataset_s3(s3) -> str:
+    s3.put_objects(
+        BUCKET,
+        {f"train-{i:06d}.tar": tar_bytes(shard_samples(i, PER_SHARD)) for i in range(SHARDS)},
+    )
+    return SPEC
+
+
+def keys_of(batch: list[dict[str, Any]]) -> list[str]:
+    return [sample["__key__"] for sample in batch]
+
+
+def _dataset(cache_dir: Path, **options: Any) -> ResumableDataset:
+    options = {"seed": 11, "shuffle_buffer": 5, "rank": 0, "world_size": 1, **options}
+    return ResumableDataset(SPEC, cache=ShardCache(cache_dir), threads=2, **options)
+
+
+def _loader(dataset: ResumableDataset, workers: int = 2) -> StatefulDataLoader:
+    return StatefulDataLoader(
+        dataset, batch_size=3, num_workers=workers, collate_fn=keys_of, timeout=60
+    )
+
+
+def _epochs(loader: StatefulDataLoader, dataset: ResumableDataset, epochs: range) -> list:
+    batches = []
+    for epoch in epochs:
+        dataset.set_epoch(epoch)
+        batches += [(epoch, keys) for keys in loader]
+    return batches
+
+
+def _run_until(cache_dir: Path, steps: set[int], workers: int = 2) -> tuple[list, dict]:
+    """Batches of two epochs; the loader's state (JSON round trip) after each of ``steps``."""
+    dataset = _dataset(cache_dir)
+    loader = _loader(dataset, workers)
+    batches, states = [], {}
+    for epoch in range(2):
+        dataset.set_epoch(epoch)
+        for keys in loader:
+            batches.append((epoch, keys))
+            if len(batches) in steps:
+                states[len(batches)] = json.loads(json.dumps(loader.state_dict()))
+    return batches, states
+
+
+def test_stateful_dataloader_resumes_exactly_from_any_batch(dataset_s3, tmp_path: Path) -> None:
+    steps = set(range(1, 53, 2))  # every other batch of both epochs: mid-shard, at shard ends
+    batches, states = _run_until(tmp_path / "cache", steps)
+    assert len(batches) == 52  # per epoch: 3 shards of 13 per worker, 13 batches of 3 each
+    for epoch in (0, 1):
+        keys = [k for e, ks in batches if e == epoch for k in ks]
+        assert sorted(keys) == sorted(ALL_KEYS)
+    first = [k for e, ks in batches if e == 0 for k in ks]
+    second = [k for e, ks in batches if e == 1 for k in ks]
+    assert first != second  # each epoch has its own order
+    for step in sorted(steps):
+        dataset = _dataset(tmp_path / "cache")
+        loader = _loader(dataset)
+        loader.load_state_dict(states[step])
+        epoch = batches[step - 1][0]
+        assert batches[:step] + _epochs(loader, dataset, range(epoch, 2)) == batches, step
+
+
+def test_elastic_resume_with_another_worker_count_delivers_the_rest_once(
+    dataset_s3, tmp_path: Path
+) -> None:
+    batches, states = _run_until(tmp_path / "cache", {5, 11})
+    for step in (5, 11):
+        delivered = [k for _e, ks in batches[:step] for k in ks]
+        for workers in (1, 3):
+            dataset = _dataset(tmp_path / "cache")
+            dataset.load_state_dict(job_state(states[step]))
+            rest = _epochs(_loader(dataset, workers), dataset, range(1))
+            keys = delivered + [k for _e, ks in rest for k in ks]
+            assert Counter(keys) == Counter(ALL_KEYS), (step, workers)
+
+
+def test_a_cold_cache_resumes_while_downloading(dataset_s3, tmp_path: Path, s3) -> None:
+    batches, states = _run_until(tmp_path / "warm", {7, 45})
+    fetched = {}
+    for step in (7, 45):
+        before = sum(s3.count("GET", BUCKET, f"train-{i:06d}.tar") for i in range(SHARDS))
+        dataset = _dataset(tmp_path / f"cold-{step}")  # empty: read while downloading
+        loader = _loader(dataset)
+        loader.load_state_dict(states[step])
+        epoch = batches[step - 1][0]
+        assert batches[:step] + _epochs(loader, dataset, range(epoch, 2)) == batches
+        after = sum(s3.count("GET", BUCKET, f"train-{i:06d}.tar") for i in range(SHARDS))
+        fetched[step] = after - before
+    # Early in epoch 0 every shard is still to be read; late in epoch 1 each worker reads
+    # its third shard: shards delivered whole (none of their samples buffered) are skipped
+    # without a single byte fetched.
+    assert fetched[7] == SHARDS
+    assert fetched[45] < SHARDS
+
+
+def test_plain_state_without_torchdata(dataset_s3, tmp_path: Path) -> None:
+    """A torch DataLoader without workers (or any loop over the dataset): the dataset's
+    own state_dict(), stored as JSON."""
+    dataset = _dataset(tmp_path / "cache")
+    loader = DataLoader(dataset, batch_size=4, collate_fn=keys_of)
+    full = [keys for keys in loader]
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(6)]
+    saved = json.dumps(dataset.state_dict())
+    del iterator
+    resumed = _dataset(tmp_path / "cache")
+    resumed.load_state_dict(json.loads(saved))
+    assert head + list(DataLoader(resumed, batch_size=4, collate_fn=keys_of)) == full
+
+
+def test_compose_applies_webdataset_stages_after_the_state(dataset_s3, tmp_path: Path) -> None:
+    dataset = _dataset(tmp_path / "cache", shuffle_buffer=0).compose(
+        wds.to_tuple("__key__", "cls"), wds.map_tuple(None, int)
+    )
+    iterator = iter(dataset)
+    first = [next(iterator) for _ in range(4)]
+    assert all(isinstance(cls, int) for _key, cls in first)
+    state = dataset.state_dict()
+    assert state["delivered"] == 4
+    rest = _dataset(tmp_path / "cache", shuffle_buffer=0)
+    rest.load_state_dict(state)
+    whole = [key for key, _cls in first] + [s["__key__"] for s in rest]
+    assert sorted(whole) == sorted(ALL_KEYS)
+
+
+def test_the_dataset_pickles_into_spawned_workers(dataset_s3, tmp_path: Path) -> None:
+    dataset = _dataset(tmp_path / "cache")
+    pickle.loads(pickle.dumps(dataset))
+    loader = StatefulDataLoader(
+        dataset,
+        batch_size=3,
+        num_workers=2,
+        collate_fn=keys_of,
+        multiprocessing_context=mp.get_context("spawn"),
+        timeout=60,
+    )
+    assert sorted(k for ks in loader for k in ks) == sorted(ALL_KEYS)
+
+
+# ------------------------------------------------------------------ refused states
+def _state_after(dataset: ResumableDataset, count: int) -> dict:
+    iterator = iter(dataset)
+    for _ in range(count):
+        next(iterator)
+    state = dataset.state_dict()
+    iterator.close()
+    return state
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seed": 12}, "taken with seed=11; this dataset has seed=12"),
+        ({"shuffle_shards": False}, "shuffle_shards=True; this dataset has shuffle_shards=False"),
+    ],
+)
+def test_a_state_of_another_seed_or_order_is_refused(
+    dataset_s3, tmp_path: Path, change: dict, message: str
+) -> None:
+    state = _state_after(_dataset(tmp_path / "cache"), 4)
+    with pytest.raises(ResumeError, match=message):
+        _dataset(tmp_path / "cache", **change).load_state_dict(state)
+
+
+def test_a_state_of_another_shard_list_is_refused(dataset_s3, tmp_path: Path) -> None:
+    state = _state_after(_dataset(tmp_path / "cache"), 4)
+    other = ResumableDataset(
+        f"s3://{BUCKET}/train-{{000000..000004}}.tar",
+        seed=11,
+        cache=ShardCache(tmp_path / "cache"),
+        rank=0,
+        world_size=1,
+    )
+    with pytest.raises(ResumeError, match="another shard list \\(6 shards") as caught:
+        other.load_state_dict(state)
+    assert "this dataset's (5 shards" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.update(version=99), "version 99 cannot be read by this shardcache"),
+        (lambda s: s.update(format="other"), "not a shardcache resume state"),
+    ],
+)
+def test_a_state_of_another_format_or_version_is_refused(
+    dataset_s3, tmp_path: Path, edit, message: str
+) -> None:
+    state = _state_after(_dataset(tmp_path / "cache"), 4)
+    edit(state)
+    with pytest.raises(ResumeError, match=message):
+        _dataset(tmp_path / "cache").load_state_dict(state)
+
+
+def test_a_workers_state_in_another_slot_says_to_gather_a_job_state(
+    dataset_s3, tmp_path: Path
+) -> None:
+    state = _state_after(_dataset(tmp_path / "cache", rank=0, world_size=2), 3)
+    other = _dataset(tmp_path / "cache", rank=1, world_size=2)
+    other.load_state_dict(state)
+    with pytest.raises(ResumeError, match=r"shardcache\.job_state"):
+        iter(other)
+
+
+def test_set_epoch_refuses_to_skip_the_rest_of_a_loaded_epoch(dataset_s3, tmp_path: Path) -> None:
+    state = _state_after(_dataset(tmp_path / "cache"), 4)
+    dataset = _dataset(tmp_path / "cache")
+    dataset.load_state_dict(state)
+    with pytest.raises(ResumeError, match="rest of epoch 0 would be skipped"):
+        dataset.set_epoch(1)
+    dataset.set_epoch(0)  # the same epoch: resumes
+    assert len(list(dataset)) == len(ALL_KEYS) - 4
+
+
+def test_job_state_refuses_states_of_different_epochs(dataset_s3, tmp_path: Path) -> None:
+    first = _state_after(_dataset(tmp_path / "cache", rank=0, world_size=2), 2)
+    later = _dataset(tmp_path / "cache", rank=1, world_size=2)
+    later.set_epoch(1)
+    with pytest.raises(ResumeError, match="different epochs \\(0 and 1\\)"):
+        job_state([first, _state_after(later, 2)])
+
+
+def test_a_shard_that_changed_since_the_state_is_refused(dataset_s3, tmp_path: Path, s3) -> None:
+    state = _state_after(_dataset(tmp_path / "cache", shuffle_buffer=0), 3)
+    shard = state["item"]  # the shard being read: rewrite it with other keys
+    order = _dataset(tmp_path / "cache")._order(0)
+    changed = [(f"x{key}", files) for key, files in shard_samples(order[shard], PER_SHARD)]
+    s3.put_objects(BUCKET, {f"train-{order[shard]:06d}.tar": tar_bytes(changed)})
+    dataset = _dataset(tmp_path / "fresh", shuffle_buffer=0)
+    dataset.load_state_dict(state)
+    with pytest.raises(ResumeError, match="changed since the resume state was taken"):
+        list(dataset)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"shuffle_buffer": -1}, "shuffle_buffer must be a whole number >= 0"),
+        ({"seed": 1.5}, "seed must be a whole number"),
+        ({"rank": 2, "world_size": 2}, "rank 2 is not below world_size 2"),
+        ({"rank": None, "world_size": 2}, "give both rank and world_size"),
+    ],
+)
+def test_bad_arguments_are_config_errors(tmp_path: Path, options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _dataset(tmp_path / "cache", **options)
+
+
+def test_standard_input_cannot_be_resumed(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read standard input"):
+        ResumableDataset(["-"], cache=ShardCache(tmp_path))
+
+
+def test_public_names() -> None:
+    assert shardcache.ResumableDataset is ResumableDataset
+    assert ResumableDataset.__module__ == "shardcache"
