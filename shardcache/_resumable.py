@@ -124,6 +124,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._stages: list[Stage] = []
         self._epoch_chosen = False  # set_epoch() was called: a loaded state must agree
         self._pending: State | None = None  # loaded, applied when iteration starts
+        self._pending_entered = False  # set_epoch() of the loaded state's epoch was called
         self._progress: Progress | None = None  # the running (or last) iteration's
 
     # -- configuration --------------------------------------------------------------
@@ -138,13 +139,19 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Read epoch ``epoch`` next (its own shard order and shuffle draws). A loaded
-        state of another epoch that still has samples to deliver is refused, so that the
-        rest of that epoch is not skipped by accident."""
+        """Read epoch ``epoch`` next (its own shard order and shuffle draws).
+
+        A loaded state applies to its own epoch: ``set_epoch`` of that epoch keeps it (the
+        next iteration, here or in DataLoader workers, resumes it), a later ``set_epoch``
+        then moves on. Moving to another epoch straight after loading a state that still
+        has samples to deliver is refused, so the rest of that epoch is not skipped by
+        accident."""
         epoch = _whole("epoch", epoch, low=0)
         pending = self._pending
-        if pending is not None and pending["epoch"] != epoch:
-            if not self._finished(pending):
+        if pending is not None and pending["epoch"] == epoch:
+            self._pending_entered = True
+        elif pending is not None:
+            if not (self._pending_entered or self._finished(pending)):
                 raise ResumeError(
                     f"set_epoch({epoch}) after loading a state in the middle of epoch "
                     f"{pending['epoch']}: the rest of epoch {pending['epoch']} would be "
@@ -187,6 +194,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 seen=state["epoch"],
             )
         self._pending = copy.deepcopy(dict(state))
+        self._pending_entered = False
         self._progress = None
         self.epoch = int(state["epoch"])
 

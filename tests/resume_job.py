@@ -13,7 +13,9 @@ checkpoints the way the README's "Resume" section shows:
 run, counted over epochs). ``--then-wait`` makes the last one a kill point: every rank writes
 ``killable-rank<r>`` and waits (bounded) to be SIGKILLed. ``--checkpoint-on-signal``
 saves ``<out>/ckpt-signal`` after the batch during which SIGUSR1 arrived (SLURM's
-``--signal``), then requeues the job (``scontrol requeue``) and exits.
+``--signal``), writes ``signalled-<run>-rank<r>.json`` (when the signal arrived, the step it
+checkpointed after, whether it had been waiting for it), then requeues the job
+(``scontrol requeue``) and exits.
 ``--resume DIR`` starts from a checkpoint if DIR holds one. ``--run`` names the log; its
 ``{restart}`` is replaced by ``SLURM_RESTART_COUNT`` (0 outside SLURM).
 """
@@ -27,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +78,8 @@ def main() -> int:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--cache", required=True)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--run", required=True)
+    # --log-as under torchrun: its own parser takes "--run..." for its "--run-path".
+    parser.add_argument("--log-as", "--run", dest="run", required=True)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
@@ -94,8 +98,14 @@ def main() -> int:
     rank = dist.get_rank() if world_size > 1 else 0
 
     signalled = threading.Event()
+    received: list[float] = []  # when SIGUSR1 arrived (time.time())
     if args.checkpoint_on_signal:
-        signal.signal(signal.SIGUSR1, lambda *_: signalled.set())
+
+        def on_signal(*_: object) -> None:
+            received.append(time.time())
+            signalled.set()
+
+        signal.signal(signal.SIGUSR1, on_signal)
 
     dataset = shardcache.ResumableDataset(
         args.spec,
@@ -119,7 +129,7 @@ def main() -> int:
 
     run = args.run.format(restart=os.environ.get("SLURM_RESTART_COUNT", "0"))
     log = (args.out / f"keys-{run}-rank{rank}.jsonl").open("a")
-    step = 0
+    step, waited = 0, False
     for epoch in range(epoch, args.epochs):  # noqa: B020 (resumes the loop variable)
         dataset.set_epoch(epoch)
         for keys in loader:
@@ -137,11 +147,15 @@ def main() -> int:
             if step == args.wait_for_signal_at and not resumed:
                 # A job that reaches its time limit: wait (bounded) for SLURM's signal.
                 (args.out / f"waiting-{run}").write_text(str(os.getpid()))
+                waited = True
                 if not signalled.wait(KILL_WAIT):
                     print("no SIGUSR1 arrived", file=sys.stderr)
                     return 4
             if signalled.is_set():
                 save(args.out / "ckpt-signal", loader, rank, world_size, meta)
+                record = {"received_at": received[0], "step": step, "waited": waited}
+                write_json(args.out / f"signalled-{run}-rank{rank}.json", record)
+                print(f"SIGUSR1: checkpoint after step {step}, requeueing", file=sys.stderr)
                 job = os.environ["SLURM_JOB_ID"]
                 subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
                 return 0

@@ -242,6 +242,21 @@ def test_set_epoch_refuses_to_skip_the_rest_of_a_loaded_epoch(dataset_s3, tmp_pa
         dataset.set_epoch(1)
     dataset.set_epoch(0)  # the same epoch: resumes
     assert len(list(dataset)) == len(ALL_KEYS) - 4
+    dataset.set_epoch(1)  # then the next one, from its start
+    assert len(list(dataset)) == len(ALL_KEYS)
+
+
+def test_with_workers_the_loaded_epoch_is_resumed_in_them_then_left(
+    dataset_s3, tmp_path: Path
+) -> None:
+    """The main process's copy never iterates: set_epoch moves on after its epoch."""
+    state = _state_after(_dataset(tmp_path / "cache"), 4)
+    dataset = _dataset(tmp_path / "cache")
+    dataset.load_state_dict(job_state(state))
+    loader = _loader(dataset, workers=2)
+    batches = _epochs(loader, dataset, range(2))
+    assert len([k for e, ks in batches if e == 0 for k in ks]) == len(ALL_KEYS) - 4
+    assert sorted(k for e, ks in batches if e == 1 for k in ks) == sorted(ALL_KEYS)
 
 
 def test_job_state_refuses_states_of_different_epochs(dataset_s3, tmp_path: Path) -> None:

@@ -1,0 +1,151 @@
+"""Resume under torchrun: 2 ranks x 2 DataLoader workers over shards on the S3 server.
+
+One uninterrupted run gives the reference. A second run saves checkpoints at several
+batches (mid-shard, at a shard's end, in the second epoch), then every rank waits at a kill
+point until the test SIGKILLs the whole job (torchrun, ranks and workers: one process
+group). Restarts from each checkpoint must yield, per rank, exactly the reference's
+remaining batches; restarts with 3 ranks, and with 1 worker per rank, must deliver every
+sample of the epoch exactly once overall (tests/resume_job.py is the training job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from tars import shard_samples, tar_bytes
+
+BUCKET = "torchrun"
+SHARDS = 8
+PER_SHARD = 13
+SPEC = f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"
+ALL_KEYS = [key for s in range(SHARDS) for key, _ in shard_samples(s, PER_SHARD)]
+JOB = Path(__file__).with_name("resume_job.py")
+CHECKPOINTS = (3, 8, 17, 23)  # batches of each rank; 18 per epoch (2 workers x 9)
+RUN_TIMEOUT = 120
+pytestmark = pytest.mark.timeout(600)
+
+
+class Job:
+    def __init__(self, s3, root: Path) -> None:
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")},
+            **s3.env(),
+            "OMP_NUM_THREADS": "1",
+        }
+        self.out = root / "out"
+        self.out.mkdir()
+        self.cache = root / "cache"
+
+    def command(self, run: str, ranks: int, workers: int, *extra: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            str(JOB),
+            f"--spec={SPEC}",
+            f"--cache={self.cache}",
+            f"--out={self.out}",
+            f"--log-as={run}",
+            f"--workers={workers}",
+            *extra,
+        ]
+
+    def run(self, run: str, ranks: int = 2, workers: int = 2, *extra: str) -> None:
+        done = subprocess.run(
+            self.command(run, ranks, workers, *extra),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            check=False,
+        )
+        assert done.returncode == 0, _tracebacks(done.stderr)
+
+    def run_and_kill(self, run: str, *extra: str) -> None:
+        """Run until every rank waits at its kill point, then SIGKILL the whole job."""
+        proc = subprocess.Popen(
+            self.command(run, 2, 2, *extra),
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # torchrun, its ranks and their workers: one group
+        )
+        deadline = time.monotonic() + RUN_TIMEOUT
+        markers = [self.out / f"killable-rank{rank}" for rank in (0, 1)]
+        while not all(m.exists() for m in markers):
+            assert proc.poll() is None, proc.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the job never reached its kill point"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.05)  # a bounded poll for the markers, not a synchronisation
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+        proc.stderr.close()  # type: ignore[union-attr]
+
+    def batches(self, run: str, rank: int) -> list[tuple[int, list[str]]]:
+        path = self.out / f"keys-{run}-rank{rank}.jsonl"
+        lines = path.read_text().splitlines()
+        return [(b["epoch"], b["keys"]) for b in map(json.loads, lines)]
+
+
+def _tracebacks(stderr: str) -> str:
+    """The ranks' tracebacks (torchrun's summary after them says little)."""
+    start = stderr.find("Traceback")
+    return stderr[start : start + 6000] if start >= 0 else stderr[-4000:]
+
+
+@pytest.fixture
+def job(s3, tmp_path: Path) -> Job:
+    s3.put_objects(
+        BUCKET,
+        {f"train-{i:06d}.tar": tar_bytes(shard_samples(i, PER_SHARD)) for i in range(SHARDS)},
+    )
+    return Job(s3, tmp_path)
+
+
+def test_sigkilled_job_resumes_exactly_and_elastically(job: Job) -> None:
+    job.run("full")
+    reference = {rank: job.batches("full", rank) for rank in (0, 1)}
+    assert [len(reference[r]) for r in (0, 1)] == [36, 36]  # 2 epochs x 18 batches
+    for epoch in (0, 1):
+        keys = [k for r in (0, 1) for e, ks in reference[r] if e == epoch for k in ks]
+        assert Counter(keys) == Counter(ALL_KEYS)
+
+    points = [str(step) for step in CHECKPOINTS]
+    job.run_and_kill("killed", "--checkpoint-at", *points, "--then-wait")
+    for rank in (0, 1):  # up to the kill point, the same batches as the reference
+        killed = job.batches("killed", rank)
+        assert killed == reference[rank][: max(CHECKPOINTS)]
+
+    for step in CHECKPOINTS:  # exact: the same ranks and workers
+        job.run(f"exact{step}", 2, 2, f"--resume={job.out / f'ckpt-{step}'}")
+        for rank in (0, 1):
+            resumed = job.batches(f"exact{step}", rank)
+            assert reference[rank][:step] + resumed == reference[rank], (step, rank)
+
+    for ranks, workers in ((3, 2), (2, 1)):  # elastic: every sample of the epoch once
+        step = 8
+        run = f"elastic{ranks}x{workers}"
+        job.run(run, ranks, workers, f"--resume={job.out / f'ckpt-{step}'}")
+        delivered = [k for r in (0, 1) for _e, ks in reference[r][:step] for k in ks]
+        rest = [
+            k
+            for r in range(ranks)
+            for e, ks in job.batches(run, r)
+            if e == 0  # the checkpoint's epoch
+            for k in ks
+        ]
+        assert Counter(delivered + rest) == Counter(ALL_KEYS), run
+        # The next epoch, read by the new layout from its start, is whole too.
+        after = [k for r in range(ranks) for e, ks in job.batches(run, r) if e == 1 for k in ks]
+        assert Counter(after) == Counter(ALL_KEYS), run
