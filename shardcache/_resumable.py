@@ -201,6 +201,9 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     # -- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if in_worker and self._progress is not None:
+            return _refuse_persistent_workers()  # raised from next(): the worker survives it
         slot, consumers = self._consumer()
         pending, self._pending = self._pending, None
         progress = self._progress_for(pending, slot, consumers)
@@ -415,6 +418,18 @@ class _ShuffleBuffer:
         positions.pop()
         self._progress.draws = self._draws.draws
         return held.pop()
+
+
+def _refuse_persistent_workers() -> Iterator[Any]:
+    raise ConfigError(
+        "ResumableDataset was iterated twice in one DataLoader worker: the workers are "
+        "persistent (persistent_workers=True), and set_epoch() in the main process does not "
+        "reach them, so every epoch would repeat the first one's order. Use "
+        "persistent_workers=False (the default)",
+        name="persistent_workers",
+        value=True,
+    )
+    yield  # a generator: the error comes from the first next()
 
 
 def _advance(progress: Progress, item: int) -> None:

@@ -293,6 +293,20 @@ def test_bad_arguments_are_config_errors(tmp_path: Path, options: dict, message:
         _dataset(tmp_path / "cache", **options)
 
 
+def test_persistent_workers_are_refused_as_they_would_repeat_an_epoch(
+    dataset_s3, tmp_path: Path
+) -> None:
+    dataset = _dataset(tmp_path / "cache")
+    loader = DataLoader(
+        dataset, batch_size=3, num_workers=1, persistent_workers=True, collate_fn=keys_of
+    )
+    dataset.set_epoch(0)
+    assert sorted(k for ks in loader for k in ks) == sorted(ALL_KEYS)
+    dataset.set_epoch(1)
+    with pytest.raises(ConfigError, match="persistent_workers=False"):
+        list(loader)
+
+
 def test_standard_input_cannot_be_resumed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read standard input"):
         ResumableDataset(["-"], cache=ShardCache(tmp_path))
