@@ -315,3 +315,60 @@ def test_standard_input_cannot_be_resumed(tmp_path: Path) -> None:
 def test_public_names() -> None:
     assert shardcache.ResumableDataset is ResumableDataset
     assert ResumableDataset.__module__ == "shardcache"
+
+
+# ------------------------------------------------------------------ handler
+def _local_shards(root: Path, broken: dict[int, bytes | None]) -> list[str]:
+    """Local shards; ``broken[i]`` replaces shard i's bytes (None: the file is missing)."""
+    urls = []
+    for shard in range(SHARDS):
+        path = root / f"local-{shard}.tar"
+        data = broken.get(shard, tar_bytes(shard_samples(shard, PER_SHARD)))
+        if data is not None:
+            path.write_bytes(data)
+        urls.append(str(path))
+    return urls
+
+
+@pytest.mark.parametrize(
+    ("broken", "error"),
+    [(None, shardcache.RemoteNotFoundError), (b"not a tar" * 100, shardcache.ShardFormatError)],
+)
+def test_a_shard_the_handler_skips_is_passed_over_and_the_state_stays_exact(
+    tmp_path: Path, broken: bytes | None, error: type
+) -> None:
+    urls = _local_shards(tmp_path, {2: broken})
+    seen: list[BaseException] = []
+
+    def handler(exn: BaseException) -> bool:
+        seen.append(exn)
+        return True
+
+    def dataset() -> ResumableDataset:
+        return ResumableDataset(
+            urls,
+            seed=3,
+            handler=handler,
+            cache=ShardCache(tmp_path / "cache"),
+            rank=0,
+            world_size=1,
+        )
+
+    full = [s["__key__"] for s in dataset()]
+    assert sorted(full) == sorted(k for k in ALL_KEYS if not k.startswith("s0002_"))
+    assert [type(e) for e in seen] == [error]
+    for count in (5, 30, 60):
+        first = dataset()
+        state = _state_after(first, count)
+        resumed = dataset()
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        assert full[:count] + [s["__key__"] for s in resumed] == full
+
+
+def test_without_a_handler_a_bad_shard_raises_where_it_is(tmp_path: Path) -> None:
+    urls = _local_shards(tmp_path, {0: b"\0" * 100 + b"x" * 1000})
+    dataset = ResumableDataset(
+        urls, shuffle_shards=False, cache=ShardCache(tmp_path / "cache"), rank=0, world_size=1
+    )
+    with pytest.raises(shardcache.ShardFormatError, match=r"local-0\.tar at byte 0"):
+        list(dataset)
