@@ -27,6 +27,7 @@ _META_RE = re.compile(r"__[^/]*__($|/)")
 _REGULAR = (b"0", b"\0", b"7")  # regular file, old-style regular, contiguous
 _GNU_LONGNAME = b"L"
 _PAX = (b"x", b"X")
+_MAX_MEMBER = 1 << 40  # larger sizes come from damaged headers (base-256 fields reach 2**95)
 
 
 @dataclass(frozen=True)
@@ -104,20 +105,36 @@ def _name(header: bytes) -> str:
     return name.decode("utf-8", "surrogateescape")
 
 
-def _pax_records(data: bytes) -> dict[str, str]:
+def _pax_records(data: bytes, where: str) -> dict[str, str]:
     records: dict[str, str] = {}
     pos = 0
     while pos < len(data):
         space = data.find(b" ", pos)
         if space < 0:
             break
-        length = int(data[pos:space])
+        try:
+            length = int(data[pos:space])
+        except ValueError:
+            raise ShardFormatError(
+                f"{where}: a pax header record starts with {data[pos:space][:20]!r}, not its "
+                "length; the shard is damaged",
+                where=where,
+            ) from None
         if length <= 0:
             break
         key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
         records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         pos += length
     return records
+
+
+def _pax_size(text: str, where: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ShardFormatError(
+            f"{where}: a pax header gives the size {text[:20]!r}, not a number", where=where
+        ) from None
 
 
 def _read_exactly(stream: BinaryIO, count: int, where: str) -> bytes:
@@ -146,7 +163,13 @@ def members(stream: BinaryIO, offset: int, where: str) -> Iterator[Member]:
         here = f"{where} at byte {position}"
         _checked(header, here)
         kind = header[156:157]
-        size = int(pax["size"]) if "size" in pax else _octal(header[124:136], here)
+        size = _pax_size(pax["size"], here) if "size" in pax else _octal(header[124:136], here)
+        if not 0 <= size <= _MAX_MEMBER:
+            raise ShardFormatError(
+                f"{here}: a tar member of size {size}; expected 0 to {_MAX_MEMBER} bytes. The "
+                "shard is damaged",
+                where=here,
+            )
         padded = -(-size // BLOCK) * BLOCK
         position += BLOCK
         if kind == _GNU_LONGNAME or kind in _PAX:
@@ -154,7 +177,7 @@ def members(stream: BinaryIO, offset: int, where: str) -> Iterator[Member]:
             if kind == _GNU_LONGNAME:
                 long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             else:
-                pax = _pax_records(data)
+                pax = _pax_records(data, here)
             position += padded
             continue  # an extension header: the member follows
         name = pax.get("path") or long_name or _name(header)

@@ -3,6 +3,7 @@ expansion, over every tar format tarfile writes."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import tarfile
 
@@ -99,3 +100,17 @@ def test_a_repeated_suffix_is_refused_as_webdataset_refuses_it() -> None:
         _ours(data)
     with pytest.raises(ValueError, match="duplicate file name"):
         _webdataset(data)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(archives(), st.data())
+def test_damaged_archives_raise_shard_format_error_or_read(archive, data) -> None:
+    """Any damage (bytes overwritten anywhere, the end cut) gives samples or a
+    ShardFormatError: never another exception, never a hang."""
+    raw = bytearray(archive[0])
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw[at : at + 8] = data.draw(st.binary(min_size=1, max_size=8))
+    cut = data.draw(st.integers(0, len(raw)))
+    with contextlib.suppress(ShardFormatError):
+        _ours(bytes(raw[:cut]))
