@@ -73,7 +73,23 @@ def save(
         dist.barrier()
 
 
-def main() -> int:
+class Signalled:
+    """SIGUSR1 (SLURM's ``--signal``) as an event, and when it first arrived."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.at: float | None = None  # time.time()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR1, self._handle)
+
+    def _handle(self, *_: object) -> None:
+        if self.at is None:
+            self.at = time.time()
+        self.event.set()
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--cache", required=True)
@@ -90,22 +106,19 @@ def main() -> int:
     parser.add_argument("--checkpoint-on-signal", action="store_true")
     parser.add_argument("--wait-for-signal-at", type=int, default=None)
     parser.add_argument("--resume", type=Path, default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> int:
+    args = parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world_size > 1 else 0
 
-    signalled = threading.Event()
-    received: list[float] = []  # when SIGUSR1 arrived (time.time())
+    signalled = Signalled()
     if args.checkpoint_on_signal:
-
-        def on_signal(*_: object) -> None:
-            received.append(time.time())
-            signalled.set()
-
-        signal.signal(signal.SIGUSR1, on_signal)
+        signalled.install()
 
     dataset = shardcache.ResumableDataset(
         args.spec,
@@ -148,12 +161,12 @@ def main() -> int:
                 # A job that reaches its time limit: wait (bounded) for SLURM's signal.
                 (args.out / f"waiting-{run}").write_text(str(os.getpid()))
                 waited = True
-                if not signalled.wait(KILL_WAIT):
+                if not signalled.event.wait(KILL_WAIT):
                     print("no SIGUSR1 arrived", file=sys.stderr)
                     return 4
-            if signalled.is_set():
+            if signalled.event.is_set():
                 save(args.out / "ckpt-signal", loader, rank, world_size, meta)
-                record = {"received_at": received[0], "step": step, "waited": waited}
+                record = {"received_at": signalled.at, "step": step, "waited": waited}
                 write_json(args.out / f"signalled-{run}-rank{rank}.json", record)
                 print(f"SIGUSR1: checkpoint after step {step}, requeueing", file=sys.stderr)
                 job = os.environ["SLURM_JOB_ID"]
