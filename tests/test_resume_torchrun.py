@@ -2,10 +2,12 @@
 
 One uninterrupted run gives the reference. A second run saves checkpoints at several
 batches (mid-shard, at a shard's end, in the second epoch), then every rank waits at a kill
-point until the test SIGKILLs the whole job (torchrun, ranks and workers: one process
-group). Restarts from each checkpoint must yield, per rank, exactly the reference's
-remaining batches; restarts with 3 ranks, and with 1 worker per rank, must deliver every
-sample of the epoch exactly once overall (tests/resume_job.py is the training job).
+point until the test SIGKILLs the whole job: torchrun, its ranks and their DataLoader
+workers (torchrun gives each rank a session of its own, so the test kills every
+descendant, not a process group). Restarts from each checkpoint must yield, per rank,
+exactly the reference's remaining batches; restarts with 3 ranks, and with 1 worker per
+rank, must deliver every sample of the epoch exactly once overall (tests/resume_job.py is
+the training job).
 """
 
 from __future__ import annotations
@@ -73,13 +75,13 @@ class Job:
         assert done.returncode == 0, _tracebacks(done.stderr)
 
     def run_and_kill(self, run: str, *extra: str) -> None:
-        """Run until every rank waits at its kill point, then SIGKILL the whole job."""
+        """Run until every rank waits at its kill point, then SIGKILL the whole job: the
+        torchrun agent, its ranks (each in a session of its own) and their workers."""
         proc = subprocess.Popen(
             self.command(run, 2, 2, *extra),
             env=self.env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            start_new_session=True,  # torchrun, its ranks and their workers: one group
         )
         deadline = time.monotonic() + RUN_TIMEOUT
         markers = [self.out / f"killable-rank{rank}" for rank in (0, 1)]
@@ -88,14 +90,55 @@ class Job:
             assert time.monotonic() < deadline, "the job never reached its kill point"
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(0.05)  # a bounded poll for the markers, not a synchronisation
-        os.killpg(proc.pid, signal.SIGKILL)
+        job = _descendants(proc.pid)
+        assert len(job) >= 2 + 2 * 2  # the ranks and their DataLoader workers
+        for pid in [proc.pid, *job]:
+            os.kill(pid, signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL
         proc.stderr.close()  # type: ignore[union-attr]
+        _wait_gone(job, time.monotonic() + 30)
 
     def batches(self, run: str, rank: int) -> list[tuple[int, list[str]]]:
         path = self.out / f"keys-{run}-rank{rank}.jsonl"
         lines = path.read_text().splitlines()
         return [(b["epoch"], b["keys"]) for b in map(json.loads, lines)]
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (torchrun starts each rank with a new session, so a
+    process group kill would miss them)."""
+    parents = _parents()
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, not yet reaped
+
+
+def _wait_gone(pids: list[int], deadline: float) -> None:
+    while alive := [pid for pid in pids if _alive(pid)]:
+        assert time.monotonic() < deadline, f"still running after SIGKILL: {alive}"
+        time.sleep(0.05)  # polling /proc with a deadline, not a synchronisation
 
 
 def _tracebacks(stderr: str) -> str:
