@@ -26,6 +26,7 @@ from typing import Any
 from bench import peers
 from bench.b2_cold import b2_cold
 from bench.b9_first_sample import b9_first_sample
+from bench.b10_resume import b10_resume
 from bench.b11_bookkeeping import b11_bookkeeping
 from bench.common import (
     SIZES,
@@ -603,6 +604,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B7": ("latency hiding at a fixed consumer rate", b7_hiding),
     "B8": ("client CPU per GB of a cold fetch", b8_cpu),
     "B9": ("time to first sample, cold", b9_first_sample),
+    "B10": ("resume mid-epoch from a checkpoint, warm and cold", b10_resume),
     "B11": ("bookkeeping cost vs the number of cached shards", b11_bookkeeping),
 }
 
@@ -674,7 +676,8 @@ def render(report: dict[str, Any]) -> str:
             for k, v in res.items()
             if k
             in {"link_fraction", "lock_ratio", "gets_exactly_one_per_shard", "best_peer"}
-            | {"limit_mb_s", "limit_is", "s3torchconnector_ratio"}
+            | {"limit_mb_s", "limit_is", "s3torchconnector_ratio", "speedup_vs_naive"}
+            | {"cold_ratio", "resume_overhead_warm_s", "resume_overhead_cold_s"}
         ]
         if "server_ranged_ceiling" in res:
             extra.append(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IDS = [*(f"B{i}" for i in range(1, 10)), "B11"]
+IDS = [f"B{i}" for i in range(1, 12)]
 # Peers scripts/bench installs in .venv-bench only: here they must say so, not vanish.
 OPTIONAL_PEERS = {
     "s3torchconnector": "s3torchconnector",
@@ -82,6 +82,14 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     table = (tmp_path / "results.md").read_text()
     for sid in IDS:
         assert f"| {sid} |" in table
+    b10 = report["results"]["B10"]  # resume: warm, cold, the uninterrupted run, the naive one
+    assert b10["shardcache"]["first_batch_s"] > 0 and b10["shardcache"]["finish_s"] > 0
+    cold = b10["peers"]["shardcache resume cold (fresh cache, shaped link)"]
+    assert cold["first_batch_s"] > 0 and cold["gets"] > 0
+    assert b10["peers"]["uninterrupted epoch (warm)"]["samples_s"] > 0
+    [naive] = [r for name, r in b10["peers"].items() if name.startswith("naive resume")]
+    assert naive["to_resume_point_s"] > 0
+    assert b10["speedup_vs_naive"] > 0 and not b10["row_errors"]
     b11 = report["results"]["B11"]  # bookkeeping: per level, and the maintenance commands
     assert {"miss_ms_100", "hit_ms_300", "status_s", "verify_quick_s", "evict_s"} <= set(
         b11["shardcache"]
