@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,16 +10,22 @@ import fsspec
 import pytest
 import s3fs
 from accounts import Account, make_accounts, world_tmp
+from hypothesis import settings
 
 from shardcache.testing import FaultProxy, S3Server
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
+# Property tests draw the same examples on every run (a red CI is reproducible);
+# SHARDCACHE_HYPOTHESIS=explore draws new random ones, for a search by hand.
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", database=None)
+settings.load_profile(os.environ.get("SHARDCACHE_HYPOTHESIS", "deterministic"))
+
 
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests see no SHARDCACHE_*, torchrun or SLURM settings of the machine they run on."""
-    import os
 
     for name in list(os.environ):
         if name.startswith(("SHARDCACHE_", "SLURM_")) or name in _LAUNCHER_VARS:
