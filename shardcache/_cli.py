@@ -197,9 +197,15 @@ def _add_maintenance(commands: Any) -> None:
             "shardcache status",
             "shardcache status --json --scope node",
             "shardcache status --rank 3",
+            "shardcache status --all",
         ],
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--all",
+        action="store_true",
+        help="every rank-N and node directory under the cache root, in one table",
+    )
     _cache_options(status)
     status.set_defaults(func=_cmd_status)
 
@@ -355,9 +361,14 @@ def _emit(report: Any, as_json: bool) -> None:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from ._maintenance import status
+    from ._maintenance import status, status_all
 
-    _emit(status(_cache(args)), args.json)
+    if args.all:
+        if args.scope is not None or args.rank is not None:
+            raise UsageError("--all shows every scope: give it without --scope or --rank")
+        _emit(status_all(_settings(args)), args.json)
+    else:
+        _emit(status(_cache(args)), args.json)
     return EXIT_OK
 
 

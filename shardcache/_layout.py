@@ -276,6 +276,18 @@ class CacheLayout:
         return final.parent / f".{final.name}.{host_tag()}.{os.getpid()}.{token}.part"
 
 
+_RANK_DIR_RE = re.compile(r"rank-(0|[1-9][0-9]{0,8})")
+
+
+def parse_scope_dir(name: str) -> tuple[str, int] | None:
+    """A scope directory's name back to ``(scope, rank)``: ``"node"`` -> ``("node", 0)``,
+    ``"rank-3"`` -> ``("rank", 3)``; None for any other name."""
+    if name == "node":
+        return "node", 0
+    match = _RANK_DIR_RE.fullmatch(name)
+    return ("rank", int(match.group(1))) if match else None
+
+
 def scope_dir(root: Path | str, scope: str, rank: int) -> Path:
     """The scope directory: ``root/rank-<rank>`` for "rank", ``root/node`` for "node"."""
     root = Path(root)

@@ -22,6 +22,7 @@ lease of a live (or unjudgeable) holder, a temp file of a living process.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import stat
 import time
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ._cache import ShardCache
+from ._config import Settings
 from ._errors import CacheDirError
 from ._eviction import list_dir, scan
 from ._identity import hostname, start_ticks, start_time
@@ -40,6 +42,7 @@ from ._layout import (
     host_tag,
     lease_step_of,
     meta_temp_pid,
+    parse_scope_dir,
     parse_temp_name,
 )
 from ._lock_lease import remove_lease_if_unchanged
@@ -219,6 +222,76 @@ class CleanReport:
 
 
 # ------------------------------------------------------------------------------ status
+
+
+@dataclass
+class StatusSummary:
+    """``status --all``: every scope directory (``rank-*``, ``node``) under a cache root."""
+
+    root: Path
+    reports: list[StatusReport] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"root": str(self.root), "scopes": [r.as_json() for r in self.reports]}
+
+    def format(self) -> str:
+        if not self.reports:
+            return f"cache root  {self.root}\nno scope directories (rank-N, node) under it"
+        header = ("scope", "shards", "bytes", "in use", "downloads", "locks", "stale", "orphans")
+        rows = [header] + [
+            (
+                r.scope_dir.name,
+                str(r.entries),
+                format_bytes(r.bytes),
+                str(r.in_use),
+                str(r.downloads),
+                str(len(r.locks_held)),
+                str(len(r.stale_locks)),
+                str(len(r.orphans)),
+            )
+            for r in self.reports
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = [f"cache root  {self.root}: {len(self.reports)} scope directories"]
+        for row in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        for report in self.reports:
+            root, name = report.scope_dir, report.scope_dir.name
+            lines += [f"{name}: {lock.describe()}" for lock in report.locks_held]
+            lines += [f"{name}: {item.describe(root)}" for item in report.stale_locks]
+            lines += [f"{name}: {item.describe(root)}" for item in report.orphans]
+            lines += [f"{name}: {line.strip()}" for line in unreadable_lines(report.unreadable)]
+        dirty = [r.scope_dir.name for r in self.reports if r.stale_locks or r.orphans]
+        if dirty:
+            lines.append(
+                f"run 'shardcache clean --rank N' (or --scope node) for {', '.join(dirty)} "
+                "to remove their stale locks and orphans"
+            )
+        return "\n".join(lines)
+
+
+def status_all(settings: Settings) -> StatusSummary:
+    """:func:`status` of every scope directory under ``settings.cache_dir``: ``node``
+    first, then ``rank-N`` by rank. Symbolic links are not followed."""
+    root = settings.cache_dir
+    try:
+        names = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except OSError as exc:
+        raise CacheDirError(
+            f"cannot list the cache root {root}: {exc.strerror or exc}; expected the directory "
+            "SHARDCACHE_DIR / --cache-dir names, holding rank-N and node directories",
+            path=str(root),
+            errno=exc.errno,
+        ) from exc
+    scopes = sorted(
+        (parsed for name in names if (parsed := parse_scope_dir(name)) is not None),
+        key=lambda scope_rank: (scope_rank[0] != "node", scope_rank[1]),
+    )
+    summary = StatusSummary(root)
+    for scope, rank in scopes:
+        cache = ShardCache(settings=settings.replace(scope=scope, rank=rank))
+        summary.reports.append(status(cache))
+    return summary
 
 
 def status(cache: ShardCache) -> StatusReport:

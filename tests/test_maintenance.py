@@ -233,6 +233,84 @@ def test_status_and_clean_from_the_command_line(tmp_path: Path) -> None:
         assert json.loads(run("status", "--json").stdout)["orphans"] == []
 
 
+def test_status_all_shows_every_scope_directory_of_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for name, size in (("a.tar", 1000), ("b.tar", 3000)):
+        (sources / name).write_bytes(b"x" * size)
+    fetched = {("rank", 0): ["a.tar"], ("rank", 12): ["a.tar", "b.tar"], ("node", 0): ["b.tar"]}
+    for (scope, rank), names in fetched.items():
+        cache = ShardCache(root, scope=scope, rank=rank)
+        for name in names:
+            cache.fetch(str(sources / name))
+    crashed = _final(ShardCache(root, scope="rank", rank=12), "s3://b/crashed.tar")
+    with _child(_start_download, str(crashed), kill=True) as dead_pid:
+        pass
+    (root / "rank-x").mkdir()  # not a scope directory: left out
+    (root / "rank-7").symlink_to(tmp_path)  # a link is never followed
+    env = {**os.environ, "SHARDCACHE_DIR": str(root)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "shardcache", "status", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    shown = run("--all")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"cache root  {root}: 3 scope directories"
+    assert lines[1].split() == [
+        "scope",
+        "shards",
+        "bytes",
+        "in",
+        "use",
+        "downloads",
+        "locks",
+        "stale",
+        "orphans",
+    ]
+    assert lines[2].split()[:3] == ["node", "1", "3.0"]
+    assert lines[3].split()[:3] == ["rank-0", "1", "1.0"]
+    assert lines[4].split()[:2] == ["rank-12", "2"] and lines[4].split()[-1] == "1"
+    assert "rank-12: orphan download: " in shown.stdout
+    assert f"pid {dead_pid} no longer exists" in shown.stdout
+    assert "'shardcache clean --rank N' (or --scope node) for rank-12" in shown.stdout
+    scopes = json.loads(run("--all", "--json").stdout)["scopes"]
+    assert [(Path(s["scope_dir"]).name, s["entries"], s["bytes"]) for s in scopes] == [
+        ("node", 1, 3000),
+        ("rank-0", 1, 1000),
+        ("rank-12", 2, 4000),
+    ]
+    refused = run("--all", "--rank", "3")
+    assert refused.returncode == 2 and "without --scope or --rank" in refused.stderr
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardcache",
+            "status",
+            "--all",
+            "--cache-dir",
+            str(tmp_path / "no"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert missing.returncode != 0 and f"cannot list the cache root {tmp_path / 'no'}" in (
+        missing.stderr
+    )
+
+
 def test_a_temp_file_of_another_host_is_an_orphan_only_when_old(tmp_path: Path) -> None:
     cache = ShardCache(tmp_path / "cache")
     final = _final(cache, "s3://b/x.tar")
