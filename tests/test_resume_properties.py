@@ -71,31 +71,19 @@ class Job:
     def run(self, consumers: int) -> list[list[str]]:
         return [[s["__key__"] for s in self.dataset(c, consumers)] for c in range(consumers)]
 
-    def checkpoint(self, consumers: int, runs: list[list[str]]) -> tuple[list[dict], list[int]]:
-        """Each consumer's state after a random part of its run, as JSON would keep it."""
-        states, taken = [], []
-        for slot in range(consumers):
-            k = round(self.spec["fractions"][slot % 9] * len(runs[slot]))
-            dataset = self.dataset(slot, consumers)
-            iterator = iter(dataset)
-            got = [next(iterator)["__key__"] for _ in range(k)]
-            assert got == runs[slot][:k]
-            states.append(json.loads(json.dumps(dataset.state_dict())))
-            iterator.close()
-            taken.append(k)
-        return states, taken
-
-    def checkpoint_resumed(
-        self, whole: dict, consumers: int, rests: list[list[str]]
+    def checkpoint(
+        self, consumers: int, runs: list[list[str]], *, loaded: dict | None = None, shift: int = 0
     ) -> tuple[list[dict], list[int]]:
-        """Each consumer's state after a random part of an elastically resumed run."""
+        """Each consumer's state after a random part of its run (started from ``loaded``,
+        if given), as JSON would keep it, and how many samples each had delivered."""
         states, taken = [], []
         for slot in range(consumers):
-            k = round(self.spec["fractions"][(slot + 4) % 9] * len(rests[slot]))
+            k = round(self.spec["fractions"][(slot + shift) % 9] * len(runs[slot]))
             dataset = self.dataset(slot, consumers)
-            dataset.load_state_dict(whole)
+            if loaded is not None:
+                dataset.load_state_dict(loaded)
             iterator = iter(dataset)
-            assert [next(iterator)["__key__"] for _ in range(k)] == rests[slot][:k]
+            assert [next(iterator)["__key__"] for _ in range(k)] == runs[slot][:k]
             states.append(json.loads(json.dumps(dataset.state_dict())))
             iterator.close()
             taken.append(k)
@@ -139,7 +127,7 @@ def test_another_layout_delivers_every_undelivered_sample_exactly_once(spec: dic
         assert [job.resume(whole, s, resumed_with) for s in range(resumed_with)] == rests
 
         # A checkpoint inside the resumed epoch resumes exactly, and elastically again.
-        again, again_taken = job.checkpoint_resumed(whole, resumed_with, rests)
+        again, again_taken = job.checkpoint(resumed_with, rests, loaded=whole, shift=4)
         for slot in range(resumed_with):
             assert job.resume(again[slot], slot, resumed_with) == rests[slot][again_taken[slot] :]
         also = [k for slot, rest in enumerate(rests) for k in rest[: again_taken[slot]]]
