@@ -371,7 +371,7 @@ def b10_resume(b: Bench) -> dict[str, Any]:
         figures["ratio"] = round(rest / _wall(runs["resume warm"]) / rate, 3)
         figures["resume_overhead_warm_s"] = overhead["warm"]
         if "naive" not in errors:
-            figures["speedup_vs_naive"] = round(_wall(runs["naive"], "first") / first, 1)
+            figures["speedup_vs_naive"] = round(_wall(runs["naive"], "first") / first, 2)
     if not ({"uninterrupted", "resume cold"} & set(errors)):
         figures["cold_ratio"] = round(rest / _wall(runs["resume cold"]) / rate, 3)
         figures["resume_overhead_cold_s"] = overhead["cold"]

@@ -89,7 +89,9 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     assert b10["peers"]["uninterrupted epoch (warm)"]["samples_s"] > 0
     [naive] = [r for name, r in b10["peers"].items() if name.startswith("naive resume")]
     assert naive["to_resume_point_s"] > 0
-    assert b10["speedup_vs_naive"] > 0 and not b10["row_errors"]
+    # A ratio of two times: at tiny size the naive skip of a few hundred samples may well
+    # beat the workers' start-up, so only its presence is checked, never its size.
+    assert b10["speedup_vs_naive"] >= 0 and not b10["row_errors"]
     b11 = report["results"]["B11"]  # bookkeeping: per level, and the maintenance commands
     assert {"miss_ms_100", "hit_ms_300", "status_s", "verify_quick_s", "evict_s"} <= set(
         b11["shardcache"]
