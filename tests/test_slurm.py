@@ -131,7 +131,7 @@ def run_job(cmd: list[str], env: Mapping[str, str], cwd: Path, name: str) -> str
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        subprocess.run(["scancel", f"--name={name}"], timeout=30, check=False)
+        subprocess.run(["scancel", f"--name={name}"], env=dict(env), timeout=30, check=False)
         pytest.fail(f"{cmd[0]} did not finish in {JOB_TIMEOUT}s: {' '.join(cmd)}\n{_text(exc)}")
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -170,6 +170,7 @@ def sbatch_and_wait(args: list[str], env: Mapping[str, str], cwd: Path) -> tuple
     while True:
         proc = subprocess.run(
             ["scontrol", "--oneliner", "show", "job", job_id],
+            env=dict(env),  # SLURM_CONF: the cluster the job was submitted to
             capture_output=True,
             text=True,
             timeout=30,
@@ -179,7 +180,7 @@ def sbatch_and_wait(args: list[str], env: Mapping[str, str], cwd: Path) -> tuple
         if fields.get("JobState") in _FINAL_STATES:
             return fields["JobState"], fields.get("ExitCode", "?")
         if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], timeout=30, check=False)
+            subprocess.run(["scancel", job_id], env=dict(env), timeout=30, check=False)
             pytest.fail(f"batch job {job_id} did not end in {JOB_TIMEOUT}s: {proc.stdout}")
         time.sleep(0.1)  # poll interval of a bounded wait, not a synchronisation
 

@@ -11,12 +11,14 @@ _S = TypeVar("_S", bound="LoopbackService")
 
 
 class LoopbackService(abc.ABC):
-    """A server on 127.0.0.1: ``port``/``endpoint_url`` once started; a context manager.
+    """A server on 127.0.0.1 (or ``_host``): ``port``/``endpoint_url`` once started; a
+    context manager.
 
     Subclasses set ``self._port`` when listening and implement ``start``/``stop``.
     """
 
     _port: int | None = None
+    _host: str = HOST
 
     @abc.abstractmethod
     def start(self: _S) -> _S:
@@ -35,8 +37,8 @@ class LoopbackService(abc.ABC):
 
     @property
     def endpoint_url(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        return f"http://{HOST}:{self.port}"
+        """``http://127.0.0.1:PORT`` (or the address it listens on)."""
+        return f"http://{self._host}:{self.port}"
 
     def __enter__(self: _S) -> _S:
         return self.start()

@@ -562,6 +562,10 @@ class FaultProxy(LoopbackService):
     Shaping (all off by default; applies to bytes sent to the client): ``latency``
     seconds before the first response byte of each request, ``conn_rate`` bytes/s per
     client connection, ``total_rate`` bytes/s over all connections together.
+
+    ``host`` is the address it listens on: 127.0.0.1, or the host's address on a bridge
+    to network namespaces the tests made (the SLURM nodes of ``scripts/slurm-local
+    --nodes``), so that processes there reach the S3 server through it.
     """
 
     def __init__(
@@ -574,8 +578,10 @@ class FaultProxy(LoopbackService):
         latency: float = 0.0,
         conn_rate: float | None = None,
         total_rate: float | None = None,
+        host: str = HOST,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self._host = host
         self.connect_timeout = connect_timeout
         if latency < 0 or (conn_rate is not None and conn_rate <= 0):
             raise ValueError("latency must be >= 0 and conn_rate positive")
@@ -610,13 +616,13 @@ class FaultProxy(LoopbackService):
         return self._stop.is_set()
 
     def start(self) -> FaultProxy:
-        """Bind 127.0.0.1 and start accepting connections."""
+        """Bind 127.0.0.1 (or ``host``) and start accepting connections."""
         if self._listener is not None:
             return self
         self._stop.clear()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((HOST, self._requested_port))
+        listener.bind((self._host, self._requested_port))
         listener.listen(128)
         listener.settimeout(_POLL)
         self._listener = listener
