@@ -93,6 +93,10 @@ class Throttle:
             limit = self._limit(now)
             at = max(now, self._next)
             if limit is not None:
+                if self._next < now:
+                    # An idle process starts at a random phase of its slot: processes that
+                    # start (or come back) together do not send in lock step.
+                    at = now + random.uniform(0.0, 1.0 / limit)
                 self._next = at + 1.0 / limit
             if self._rate is None:
                 self._sent.append(at)
