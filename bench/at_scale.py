@@ -236,8 +236,13 @@ def replay(  # noqa: PLR0915 (one event loop, read top to bottom)
             break
         now[0] = t
         throttle = throttles[slot // slots]
+        if kind == "answered":
+            if throttle:
+                throttle.succeeded()
+            kind = "ready"
         if kind == "ready":
-            push(throttle.acquire() if throttle else t, slot, "send")
+            due, wait = throttle.poll() if throttle else (True, t)
+            push(t if due else t + wait, slot, "send" if due else "ready")
         elif kind == "send":
             sent += 1
             tokens = min(limit, tokens + (t - stamp) * limit)
@@ -247,7 +252,7 @@ def replay(  # noqa: PLR0915 (one event loop, read top to bottom)
                 admitted_late += t >= 10
                 sent_late += t >= 10
                 attempt[slot] = 0
-                push(t + start["request_s"], slot, "ready")
+                push(t + start["request_s"], slot, "answered")
             else:
                 refused += 1
                 sent_late += t >= 10

@@ -20,10 +20,11 @@ then growth while requests succeed):
   jittered interval away, so that thousands of processes that were refused together do
   not come back together. Answers to requests sent before that cut were caused by the same
   excess: they do not cut again;
-* until the next throttling answer the rate grows by :data:`GROWTH` per second
-  (compounded), so a process slowed down by a passing overload is back at full speed within
-  a minute or two, and probes the limit again only gradually; past :data:`RELEASE` it is
-  unlimited again;
+* every answered request grows the rate by :data:`GROWTH` (5 %): a process grows as fast
+  as it hears back, so 32,000 processes at a fraction of a request per second each probe
+  the limit slowly together, while a lone process that was slowed down by a passing
+  overload is back at full speed after a few hundred requests (past :data:`RELEASE` it is
+  unlimited again);
 * ``SHARDCACHE_MAX_REQUEST_RATE`` caps the rate from the start (requests per second per
   process): the only way to stay under a known limit without any ``SlowDown`` at all.
 
@@ -49,7 +50,7 @@ logger = get_logger(__name__)
 T = TypeVar("T")
 
 BETA = 0.5  # a cut keeps this fraction of the rate
-GROWTH = 0.1  # while requests succeed, the rate grows by this fraction per second
+GROWTH = 0.05  # each answered request grows a throttled rate by this fraction
 MIN_RATE = 0.05  # requests/s a process is never slowed below (one request per 20 s)
 WINDOW = 1.0  # seconds over which the send rate before the first cut is measured
 FLOOR = 8.0  # requests/s a first cut starts from at least (a quiet process is not starved)
@@ -88,23 +89,33 @@ class Throttle:
 
     def acquire(self) -> float:
         """Wait for this request's slot; returns the time it is sent (pass it back)."""
+        while True:
+            due, at = self.poll()
+            if due:
+                return at
+            self._sleep(at)
+
+    def poll(self) -> tuple[bool, float]:
+        """``(True, now)``: the slot is taken, send now; ``(False, seconds)``: ask again
+        after that long. Nothing is reserved ahead: waiting threads compete for the next
+        slot at the rate in force when it comes, so a rate that grows serves them sooner
+        and no wait is longer than one slot (20 s at :data:`MIN_RATE`)."""
         with self._lock:
             now = self._clock()
             limit = self._limit(now)
-            at = max(now, self._next)
+            if limit is not None and self._next < now - 1.0 / limit:
+                # Idle for a slot or more: start at a random phase of a slot, so that
+                # processes that start (or come back) together do not send in lock step.
+                self._next = now + random.uniform(0.0, 1.0 / limit)
+            if now < self._next:
+                return False, self._next - now
             if limit is not None:
-                if self._next < now:
-                    # An idle process starts at a random phase of its slot: processes that
-                    # start (or come back) together do not send in lock step.
-                    at = now + random.uniform(0.0, 1.0 / limit)
-                self._next = at + 1.0 / limit
+                self._next = now + 1.0 / limit
             if self._rate is None:
-                self._sent.append(at)
-                while self._sent and self._sent[0] <= at - WINDOW:
+                self._sent.append(now)
+                while self._sent and self._sent[0] <= now - WINDOW:
                     self._sent.popleft()
-        if at > now:
-            self._sleep(at - now)
-        return at
+            return True, now
 
     def throttled(self, sent_at: float) -> None:
         """The request sent at ``sent_at`` was refused with a throttling answer."""
@@ -131,14 +142,19 @@ class Throttle:
             self.cuts,
         )
 
+    def succeeded(self) -> None:
+        """A request was answered (not throttled): a throttled rate grows by
+        :data:`GROWTH`. Growth per answer, not per second: a process at a low rate hears
+        back rarely, and must not grow faster than it learns whether the store keeps up."""
+        with self._lock:
+            if self._rate is not None:
+                self._rate *= 1.0 + GROWTH
+                if self._rate > RELEASE:
+                    self._rate = None
+
     def _limit(self, now: float) -> float | None:
-        """The rate in force at ``now`` (call with the lock held): grown since the last
-        update, and capped by ``max_rate``."""
-        if self._rate is not None and now > self._grown_at:
-            self._rate *= (1.0 + GROWTH) ** min(now - self._grown_at, 3600.0)
-            self._grown_at = now
-            if self._rate > RELEASE:
-                self._rate = None
+        """The rate in force (call with the lock held): the adaptive one, capped by
+        ``max_rate``."""
         if self._rate is None:
             return self.max_rate
         return self._rate if self.max_rate is None else min(self._rate, self.max_rate)
@@ -170,8 +186,10 @@ def throttled_call(throttle: Throttle, request: Callable[[], T]) -> T:
     raised on (the caller's retry policy decides about the request itself)."""
     sent = throttle.acquire()
     try:
-        return request()
+        result = request()
     except Exception as exc:
         if is_throttled(exc):
             throttle.throttled(sent)
         raise
+    throttle.succeeded()
+    return result
