@@ -48,6 +48,7 @@ from ._redact import get_logger, redact_url
 from ._remote import ObjectInfo, Progress, Remote, RemoteOptions
 from ._retry import RetryPolicy
 from ._safefs import SafeFS
+from ._throttle import process_throttle
 from ._trust import Trust, describe_owner
 from ._urls import LOCAL_PROTOCOLS, url_protocol
 
@@ -130,6 +131,7 @@ class ShardCache:
                 max_parts_in_flight=s.parallel_parts,
                 # Every prefetch thread downloading parts at once, through one client.
                 max_connections=max(10, s.threads * s.parallel_parts),
+                throttle=process_throttle(s.max_request_rate),
             )
         )
         self._freshness = Freshness(self.layout, self.remote, s.revalidate)

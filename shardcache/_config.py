@@ -109,6 +109,37 @@ def _optional_size(text: str, name: str) -> int | None:
     return parse_size(text, name)
 
 
+RATE_FORM = "a number of requests per second such as 50 or 0.5 (optionally with /s), or 0/none"
+_MAX_RATE = 1e6
+
+
+def _optional_rate(text: str, name: str) -> float | None:
+    """Requests per second, ``0``/``none``/``unlimited``/``off`` for no limit."""
+    raw = str(text).strip().lower()
+    if raw in {"", "0", "none", "unlimited", "off"}:
+        return None
+    try:
+        value = float(raw.removesuffix("/s"))
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(
+            f"{name}={text!r} is not a request rate; expected {RATE_FORM}.",
+            name=name,
+            value=text,
+        )
+    if value == 0:
+        return None
+    if not 0.001 <= value <= _MAX_RATE:
+        raise ConfigError(
+            f"{name}={text!r} is out of range; expected a rate between 0.001 and "
+            f"{_MAX_RATE:g} requests/s, or 0 for none.",
+            name=name,
+            value=text,
+        )
+    return value
+
+
 def _json_object(text: str, name: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -260,6 +291,13 @@ SPECS: dict[str, _Spec] = {
         1,
         256,
     ),
+    "max_request_rate": _Spec(
+        "SHARDCACHE_MAX_REQUEST_RATE",
+        _optional_rate,
+        None,
+        "requests/s this process sends to S3 at most (HEADs, GETs, ranged parts, retries); "
+        "0/none: no cap. Either way a SlowDown answer slows the whole process down",
+    ),
     "preallocate": _Spec(
         "SHARDCACHE_PREALLOCATE",
         _choice("auto", "off"),
@@ -367,6 +405,7 @@ class Settings:
     parallel_threshold: int = SPECS["parallel_threshold"].default
     part_size: int = SPECS["part_size"].default
     parallel_parts: int = SPECS["parallel_parts"].default
+    max_request_rate: float | None = SPECS["max_request_rate"].default
     preallocate: str = SPECS["preallocate"].default
     verify: str = SPECS["verify"].default
     read_while_downloading: str = SPECS["read_while_downloading"].default
@@ -466,7 +505,10 @@ def _resolve_one(name: str, spec: _Spec, env: Mapping[str, str], explicit: Any) 
                 break
         else:
             return spec.default, "default"
-    value = spec.parse(raw, label) if isinstance(raw, str) else raw
+    # A rate given in code is checked by the same parser (it has no bounds of its own: None
+    # means no cap).
+    parse_it = isinstance(raw, str) or (spec.parse is _optional_rate and not isinstance(raw, bool))
+    value = spec.parse(str(raw), label) if parse_it else raw
     _check_bounds(label, raw, spec, value)
     return value, source
 

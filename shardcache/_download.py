@@ -26,6 +26,7 @@ from ._checksums import Checksum, expected
 from ._errors import IntegrityError
 from ._redact import get_logger, redact_options
 from ._retry import RetryPolicy
+from ._throttle import Throttle, throttled_call
 
 logger = get_logger(__name__)
 
@@ -73,6 +74,7 @@ class RemoteOptions:
     part_size: int
     max_parts_in_flight: int  # concurrent ranged GETs per download; 1 disables them
     max_connections: int  # connections one store's client may keep open at once
+    throttle: Throttle  # the process's request slots (shared by every thread; see _throttle)
 
     def __repr__(self) -> str:
         rest = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -182,11 +184,19 @@ class Strategy(abc.ABC):
 
 
 def s3_body(
-    fs: Any, path: str, info: ObjectInfo, piece: int, *, start: int = 0, end: int | None = None
+    fs: Any,
+    path: str,
+    info: ObjectInfo,
+    piece: int,
+    throttle: Throttle,
+    *,
+    start: int = 0,
+    end: int | None = None,
 ) -> Iterator[bytes]:
     """One GET of bytes ``[start, end)`` of an S3 object (the whole object when neither is
-    given), in pieces of at most ``piece`` bytes. A ranged GET carries ``If-Match`` on the
-    ETag, so a changed object is never stitched together (HTTP 412 instead).
+    given), in pieces of at most ``piece`` bytes, sent in a slot of ``throttle``. A ranged
+    GET carries ``If-Match`` on the ETag, so a changed object is never stitched together
+    (HTTP 412 instead).
 
     Each piece is gathered on the event loop's thread until it holds at least
     ``_MIN_PIECE`` bytes, the body ends, or ``_MAX_GATHER`` seconds passed (progress
@@ -202,7 +212,9 @@ def s3_body(
         kw["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         if info.etag:
             kw["IfMatch"] = f'"{info.etag}"'
-    response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
+    response = throttled_call(
+        throttle, lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
+    )
     body = response["Body"]
     # The first pieces are handed over small, then twice as big each time up to
     # _MIN_PIECE: a reader following the download sees its first bytes (and its first

@@ -217,7 +217,7 @@ class ParallelDownload(Strategy):
         """One ranged GET of bytes ``[start, end)``."""
         fs, path = self.source.filesystem(info.url)
         piece = min(self.options.chunk_size, _PART_PIECE)
-        return s3_body(fs, path, info, piece, start=start, end=end)
+        return s3_body(fs, path, info, piece, self.options.throttle, start=start, end=end)
 
 
 # Failures that are not the store's answer for this part: passed on as they are.

@@ -75,7 +75,7 @@ class StreamDownload(Strategy):
         fs, path = self.source.filesystem(info.url)
         chunk = self.options.chunk_size
         if url_protocol(info.url) in {"s3", "s3a"}:
-            yield from s3_body(fs, path, info, chunk, start=offset)
+            yield from s3_body(fs, path, info, chunk, self.options.throttle, start=offset)
             return
         if url_protocol(info.url) in {"http", "https"}:
             yield from _http_body(fs, path, info, offset, chunk)

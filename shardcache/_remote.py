@@ -26,6 +26,7 @@ from ._errors import FetchError, PermanentFetchError, UrlError
 from ._pipes import check_allowed
 from ._redact import get_logger
 from ._retry import describe, fetch_error, is_transient
+from ._throttle import throttled_call
 from ._urls import LOCAL_PROTOCOLS, local_path, url_protocol
 
 logger = get_logger(__name__)
@@ -145,14 +146,17 @@ class Remote:
         if protocol in {"s3", "s3a"}:
             bucket, key, version = fs.split_path(path)
             kw = {"VersionId": version} if version else {}
-            head = sync(
-                fs.loop,
-                fs._call_s3,
-                "head_object",
-                Bucket=bucket,
-                Key=key,
-                ChecksumMode="ENABLED",  # the object's additional checksum, if it has one
-                **kw,
+            head = throttled_call(
+                self.options.throttle,
+                lambda: sync(
+                    fs.loop,
+                    fs._call_s3,
+                    "head_object",
+                    Bucket=bucket,
+                    Key=key,
+                    ChecksumMode="ENABLED",  # the object's additional checksum, if it has one
+                    **kw,
+                ),
             )
             etag = str(head.get("ETag", "")).strip('"') or None
             md5 = None

@@ -55,6 +55,15 @@ _TRANSIENT_CODES = {
     "502",
     "504",
 }
+# Answers that mean "too many requests" (S3's SlowDown; the AWS SDKs' throttling codes): the
+# whole process slows down (shardcache._throttle), besides the request's own retry.
+_THROTTLING_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+}
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404", "NoSuchVersion"}
 _TRANSIENT_ERRNOS = {
     errno.ECONNRESET,
@@ -233,6 +242,16 @@ def describe(exc: BaseException) -> str:
         message = getattr(item, "response", {}).get("Error", {}).get("Message", "")
         return f"HTTP {status} {code}: {message}".strip().rstrip(":")
     return f"{type(item).__name__}: {item}"
+
+
+def is_throttled(exc: BaseException) -> bool:
+    """Whether the store refused ``exc``'s request for its rate: HTTP 429, or 503 / a
+    throttling code (S3's ``SlowDown``) anywhere in the cause chain."""
+    for item in _chain(exc):
+        status, code = _http_status_and_code(item)
+        if status in (429, 503) or code in _THROTTLING_CODES:
+            return True
+    return False
 
 
 def is_transient(exc: BaseException) -> bool:

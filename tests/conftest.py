@@ -12,6 +12,7 @@ import s3fs
 from accounts import Account, make_accounts, world_tmp
 from hypothesis import settings
 
+from shardcache import _throttle
 from shardcache.testing import FaultProxy, S3Server
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -30,6 +31,15 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith(("SHARDCACHE_", "SLURM_")) or name in _LAUNCHER_VARS:
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_throttles() -> Iterator[None]:
+    """Every test starts with unthrottled processes: a SlowDown another test provoked must
+    not slow this one down (the throttle is process-wide on purpose)."""
+    _throttle.reset_for_tests()
+    yield
+    _throttle.reset_for_tests()
 
 
 @pytest.fixture(scope="session")

@@ -118,3 +118,18 @@ def _check_equal_concurrency(b2: dict) -> None:
             assert all(r["status"].startswith("not installed") for r in found), (peer, found)
         else:
             assert all(r["samples_s"] > 0 for r in found), (peer, found)
+
+
+@pytest.mark.timeout(120)
+def test_at_scale_simulation_runs_the_planning_code_at_tiny_size(capsys) -> None:
+    """bench/at_scale.py at 4 nodes: every table printed, the split covers every shard
+    once (the first epoch downloads each shard once in every scope), no time checked."""
+    from bench import at_scale
+
+    assert at_scale.main(["--nodes", "4", "--shards", "96", "--seconds", "15", "--scale", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| WebDataset split (fixed) |") == 6
+    assert "| WebDataset split (fixed) | node | 1 | 96 | 96 |" in out
+    assert "| ResumableDataset (reshuffled) | shared | 2 | 0 |" in out
+    for row in ("backoff per request", "shared throttle per process", "MAX_REQUEST_RATE="):
+        assert row in out, row

@@ -139,6 +139,9 @@ def test_every_setting_has_an_env_variable_and_parses_its_default() -> None:
         ("SHARDCACHE_MAX_BYTES", "-5", "500G"),
         ("SHARDCACHE_STORAGE_OPTIONS", "[1, 2]", "JSON object"),
         ("SHARDCACHE_VERIFY", "sha", "etag, size"),
+        ("SHARDCACHE_MAX_REQUEST_RATE", "fast", "requests per second"),
+        ("SHARDCACHE_MAX_REQUEST_RATE", "-1", "requests per second"),
+        ("SHARDCACHE_MAX_REQUEST_RATE", "1e7", "between 0.001 and 1e+06"),
         ("SHARDCACHE_DIR", "", "node-local"),
         ("SHARDCACHE_RANK", "x", "whole number"),
         ("RANK", "zero", "whole number"),
@@ -185,6 +188,15 @@ def test_prefetch_options_are_checked_by_the_settings_they_override() -> None:
             prefetch_overrides(**{option: "2"})
     with pytest.raises(ConfigError, match="unknown prefetch option"):
         prefetch_overrides(prefetch_depth=2)
+
+
+def test_max_request_rate_spellings() -> None:
+    for text in ("0", "none", "", "off"):
+        assert Settings.resolve(env={"SHARDCACHE_MAX_REQUEST_RATE": text}).max_request_rate is None
+    assert Settings.resolve(env={"SHARDCACHE_MAX_REQUEST_RATE": "2.5/s"}).max_request_rate == 2.5
+    assert Settings.resolve(env={}, max_request_rate=40).max_request_rate == 40.0
+    with pytest.raises(ConfigError, match="argument max_request_rate"):
+        Settings.resolve(env={}, max_request_rate=-3)
 
 
 def test_max_bytes_unlimited_spellings() -> None:

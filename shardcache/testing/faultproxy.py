@@ -88,6 +88,17 @@ class TokenBucket:
             self._tokens -= n
             return -self._tokens / self.rate if self._tokens < 0 else 0.0
 
+    def try_take(self, n: int = 1) -> bool:
+        """Take ``n`` tokens if the bucket holds them now; never blocks or goes negative."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            if self._tokens < n:
+                return False
+            self._tokens -= n
+            return True
+
     def take(self, n: int) -> None:
         """Block until ``n`` tokens are available."""
         wait = self.reserve(n)
@@ -158,6 +169,10 @@ class ProxyStats:
     forwarded: int
     faults: dict[str, int]
     injected: tuple[InjectedFault, ...]
+    rate_passed: int = 0
+    """Requests the request-rate limit (``max_request_rate``) let through."""
+    rate_refused: int = 0
+    """Requests it answered with 503 SlowDown."""
 
 
 class FaultRules:
@@ -377,6 +392,10 @@ class _Connection:
         target = unquote(rest.rpartition(" ")[0])
         self.awaiting_first_byte = True
         rule = self.proxy._take(method, target)
+        if rule is None and not self.proxy._rate_admits():
+            self.drain_request_body(req)
+            self.send(self.client, s3_error_response(503, "SlowDown", head_only=method == "HEAD"))
+            return not req.has_token("Connection", "close") and not req.start.endswith("HTTP/1.0")
         if rule is None:
             return self.forward(req, method)
         logger.debug("faultproxy: %s on %s %s", rule.label, method, target)
@@ -566,6 +585,12 @@ class FaultProxy(LoopbackService):
     ``host`` is the address it listens on: 127.0.0.1, or the host's address on a bridge
     to network namespaces the tests made (the SLURM nodes of ``scripts/slurm-local
     --nodes``), so that processes there reach the S3 server through it.
+
+    ``max_request_rate`` plays an S3 prefix at its request limit: a token bucket of that
+    many requests/s holding at most ``request_burst`` (default: one second's worth) lets
+    requests through while it has a token and answers the others at once with ``503
+    SlowDown`` and S3's XML error body, as S3 does; refused requests take no token. Fault
+    rules are applied first. :meth:`stats` counts what it passed and refused.
     """
 
     def __init__(
@@ -578,10 +603,19 @@ class FaultProxy(LoopbackService):
         latency: float = 0.0,
         conn_rate: float | None = None,
         total_rate: float | None = None,
+        max_request_rate: float | None = None,
+        request_burst: float | None = None,
         host: str = HOST,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self._host = host
+        self.request_bucket = (
+            TokenBucket(max_request_rate, request_burst or max(1.0, max_request_rate))
+            if max_request_rate
+            else None
+        )
+        self._rate_passed = 0
+        self._rate_refused = 0
         self.connect_timeout = connect_timeout
         if latency < 0 or (conn_rate is not None and conn_rate <= 0):
             raise ValueError("latency must be >= 0 and conn_rate positive")
@@ -710,6 +744,18 @@ class FaultProxy(LoopbackService):
                 self._lock.notify_all()
         return rule
 
+    def _rate_admits(self) -> bool:
+        """Whether the request-rate limit (if any) lets one more request through now."""
+        if self.request_bucket is None:
+            return True
+        admitted = self.request_bucket.try_take(1)
+        with self._lock:
+            if admitted:
+                self._rate_passed += 1
+            else:
+                self._rate_refused += 1
+        return admitted
+
     def _count_forwarded(self) -> None:
         with self._lock:
             self._forwarded += 1
@@ -762,6 +808,8 @@ class FaultProxy(LoopbackService):
                 forwarded=self._forwarded,
                 faults=dict(self._faults),
                 injected=tuple(self._injected),
+                rate_passed=self._rate_passed,
+                rate_refused=self._rate_refused,
             )
 
     def faults_injected(self, kind: str | None = None) -> int:

@@ -1,0 +1,195 @@
+"""One request-rate throttle per process, shared by every thread that talks to S3.
+
+Why (``bench/at_scale.py`` and the README's "At scale" section have the numbers): S3 serves
+at least 5,500 GET/HEAD requests per second per partitioned prefix and answers ``503
+SlowDown`` above what a prefix currently takes. A job of 1000 nodes x 8 ranks x 4 DataLoader
+workers starts about a million requests at once (4 prefetch threads x 8 ranged GETs per
+process). With a backoff of its own per request, every one of those requests has to be
+refused before its thread slows down, the retries of a million requests keep coming far
+above the limit, and requests run out of retries (``TransientFetchError``) while the prefix
+still refuses most of them.
+
+So a ``SlowDown`` (or any throttling answer: :func:`shardcache._retry.is_throttled`) slows
+the whole process, in the manner of TCP's congestion control (multiplicative decrease,
+then growth while requests succeed):
+
+* every request of the process first takes a slot from :meth:`Throttle.acquire`; until the
+  first throttling answer there is no limit and no wait;
+* a throttling answer to a request sent after the last cut halves the process's rate (the
+  first time: half of what it sent over the last second) and pushes the next slot a
+  jittered interval away, so that thousands of processes that were refused together do
+  not come back together. Answers to requests sent before that cut were caused by the same
+  excess: they do not cut again;
+* every answered request grows the rate by :data:`GROWTH` (5 %): a process grows as fast
+  as it hears back, so 32,000 processes at a fraction of a request per second each probe
+  the limit slowly together, while a lone process that was slowed down by a passing
+  overload is back at full speed after a few hundred requests (past :data:`RELEASE` it is
+  unlimited again);
+* ``SHARDCACHE_MAX_REQUEST_RATE`` caps the rate from the start (requests per second per
+  process): the only way to stay under a known limit without any ``SlowDown`` at all.
+
+Retries are unchanged (:class:`~shardcache._retry.RetryPolicy` still counts a refused
+request as an attempt): the throttle makes refusals rare, it does not forgive them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+from ._redact import get_logger
+from ._retry import is_throttled
+
+logger = get_logger(__name__)
+
+T = TypeVar("T")
+
+BETA = 0.5  # a cut keeps this fraction of the rate
+GROWTH = 0.05  # each answered request grows a throttled rate by this fraction
+MIN_RATE = 0.05  # requests/s a process is never slowed below (one request per 20 s)
+WINDOW = 1.0  # seconds over which the send rate before the first cut is measured
+FLOOR = 8.0  # requests/s a first cut starts from at least (a quiet process is not starved)
+RELEASE = 1e5  # requests/s: a rate grown past this is no limit any more
+
+
+class Throttle:
+    """A process's request slots: unlimited (or ``max_rate``) until throttled, then AIMD.
+
+    ``clock`` and ``sleep`` are injectable for tests; both default to the real ones.
+    """
+
+    def __init__(
+        self,
+        max_rate: float | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
+        self.max_rate = max_rate
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._rate: float | None = None  # the adaptive limit; None until the first cut
+        self._grown_at = 0.0  # when _rate was last brought up to date
+        self._cut_at = float("-inf")  # when the rate was last cut
+        self._next = float("-inf")  # the earliest time the next request may be sent
+        self._sent: deque[float] = deque()  # send times within WINDOW (before the first cut)
+        self.cuts = 0  # how many times the rate was cut (for diagnostics and tests)
+
+    @property
+    def rate(self) -> float | None:
+        """The limit in force now (requests/s), None when there is none."""
+        with self._lock:
+            return self._limit(self._clock())
+
+    def acquire(self) -> float:
+        """Wait for this request's slot; returns the time it is sent (pass it back)."""
+        while True:
+            due, at = self.poll()
+            if due:
+                return at
+            self._sleep(at)
+
+    def poll(self) -> tuple[bool, float]:
+        """``(True, now)``: the slot is taken, send now; ``(False, seconds)``: ask again
+        after that long. Nothing is reserved ahead: waiting threads compete for the next
+        slot at the rate in force when it comes, so a rate that grows serves them sooner
+        and no wait is longer than one slot (20 s at :data:`MIN_RATE`)."""
+        with self._lock:
+            now = self._clock()
+            limit = self._limit(now)
+            if limit is not None and self._next < now - 1.0 / limit:
+                # Idle for a slot or more: start at a random phase of a slot, so that
+                # processes that start (or come back) together do not send in lock step.
+                self._next = now + random.uniform(0.0, 1.0 / limit)
+            if now < self._next:
+                return False, self._next - now
+            if limit is not None:
+                self._next = now + 1.0 / limit
+            if self._rate is None:
+                self._sent.append(now)
+                while self._sent and self._sent[0] <= now - WINDOW:
+                    self._sent.popleft()
+            return True, now
+
+    def throttled(self, sent_at: float) -> None:
+        """The request sent at ``sent_at`` was refused with a throttling answer."""
+        with self._lock:
+            now = self._clock()
+            if sent_at <= self._cut_at:
+                return  # sent before the last cut: the same excess, already answered
+            before = self._limit(now)
+            if before is None:
+                before = max(len(self._sent) / WINDOW, FLOOR)
+                self._sent.clear()
+            rate = max(MIN_RATE, BETA * before)
+            if self.max_rate is not None:
+                rate = min(rate, self.max_rate)
+            self._rate, self._grown_at, self._cut_at = rate, now, now
+            # The next slot lies a jittered interval away: processes refused together
+            # come back spread over that interval, not in lock step.
+            self._next = max(self._next, now + random.uniform(0.5, 1.0) / rate)
+            self.cuts += 1
+        logger.info(
+            "the store asked to slow down (SlowDown): this process now sends at most %.3g "
+            "requests/s (cut %d)",
+            rate,
+            self.cuts,
+        )
+
+    def succeeded(self) -> None:
+        """A request was answered (not throttled): a throttled rate grows by
+        :data:`GROWTH`. Growth per answer, not per second: a process at a low rate hears
+        back rarely, and must not grow faster than it learns whether the store keeps up."""
+        with self._lock:
+            if self._rate is not None:
+                self._rate *= 1.0 + GROWTH
+                if self._rate > RELEASE:
+                    self._rate = None
+
+    def _limit(self, now: float) -> float | None:
+        """The rate in force (call with the lock held): the adaptive one, capped by
+        ``max_rate``."""
+        if self._rate is None:
+            return self.max_rate
+        return self._rate if self.max_rate is None else min(self._rate, self.max_rate)
+
+
+_registry_lock = threading.Lock()
+_registry: dict[tuple[int, float | None], Throttle] = {}
+
+
+def process_throttle(max_rate: float | None) -> Throttle:
+    """The throttle of this process for ``max_rate`` (one per value, made anew after a
+    fork: a child's requests are its own)."""
+    key = (os.getpid(), max_rate)
+    with _registry_lock:
+        throttle = _registry.get(key)
+        if throttle is None:
+            throttle = _registry[key] = Throttle(max_rate)
+        return throttle
+
+
+def reset_for_tests() -> None:
+    """Forget every process throttle (the next cache starts unthrottled); for test suites."""
+    with _registry_lock:
+        _registry.clear()
+
+
+def throttled_call(throttle: Throttle, request: Callable[[], T]) -> T:
+    """Send ``request()`` in its slot; a throttling answer slows the process down and is
+    raised on (the caller's retry policy decides about the request itself)."""
+    sent = throttle.acquire()
+    try:
+        result = request()
+    except Exception as exc:
+        if is_throttled(exc):
+            throttle.throttled(sent)
+        raise
+    throttle.succeeded()
+    return result
