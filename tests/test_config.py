@@ -140,6 +140,8 @@ def test_every_setting_has_an_env_variable_and_parses_its_default() -> None:
         ("SHARDCACHE_STORAGE_OPTIONS", "[1, 2]", "JSON object"),
         ("SHARDCACHE_VERIFY", "sha", "etag, size"),
         ("SHARDCACHE_DIR", "", "node-local"),
+        ("SHARDCACHE_NODE_LOCK_DIR", "locks", "absolute path"),
+        ("SHARDCACHE_NODE_LOCK_DIR", "", "or off"),
         ("SHARDCACHE_RANK", "x", "whole number"),
         ("RANK", "zero", "whole number"),
         ("SLURM_NTASKS", "-1", "between 1"),
@@ -185,6 +187,13 @@ def test_prefetch_options_are_checked_by_the_settings_they_override() -> None:
             prefetch_overrides(**{option: "2"})
     with pytest.raises(ConfigError, match="unknown prefetch option"):
         prefetch_overrides(prefetch_depth=2)
+
+
+def test_node_lock_dir(tmp_path: Path) -> None:
+    assert Settings.resolve(env={}).node_lock_dir is None  # the default: under the temp dir
+    env = {"SHARDCACHE_NODE_LOCK_DIR": str(tmp_path / "locks")}
+    assert Settings.resolve(env=env).node_lock_dir == tmp_path / "locks"
+    assert Settings.resolve(env={"SHARDCACHE_NODE_LOCK_DIR": " OFF "}).node_lock_dir == "off"
 
 
 def test_max_bytes_unlimited_spellings() -> None:
