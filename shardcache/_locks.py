@@ -135,6 +135,8 @@ class LockBackend(Protocol):
 class ShardLock:
     """One acquisition of the lock guarding one shard; use :meth:`hold`.
 
+    In lease mode with ``node_lock`` (a path on a node-local disk, in ``node_fs``), the
+    node-local flock is taken first and the lease only by its holder (see the module).
     Create a new instance per acquisition: instances are not shared between threads.
     """
 
