@@ -40,6 +40,7 @@ from ._fsinfo import mount_for
 from ._growing import Announce, GrowingFile
 from ._index import Index
 from ._layout import CacheLayout, ShardId, namespace
+from ._lock_node import node_lock_path, node_lock_root
 from ._locks import LockPolicy, ShardLock
 from ._metadata import write_meta
 from ._pins import open_pinned, pin, reopen_pinned
@@ -141,6 +142,7 @@ class ShardCache:
         self._stats = CacheStats()
         self._stats_lock = threading.Lock()
         self._policy: LockPolicy | None = None
+        self._node_fs: SafeFS | None = None  # lease mode: the node-local lock directory
         self._network_fs: bool | None = None
         self._index_: Index | None = None
         self._index_failed = False  # the index failed once: this process lists instead
@@ -384,13 +386,17 @@ class ShardCache:
                     bytes_total=record.get("bytes_total"),
                 )
 
+        policy = self._lock_policy()
+        node_fs = self._node_lock_fs() if policy.mode == "lease" else None
         lock = ShardLock(
             shard.lock_path,
             url=url,
-            policy=self._lock_policy(),
+            policy=policy,
             rank=self.settings.rank,
             on_wait=holder_progress,
             fs=self.layout.fs,
+            node_lock=None if node_fs is None else node_lock_path(node_fs.root, shard.lock_path),
+            node_fs=node_fs,
         )
         started = time.monotonic()
         with lock.hold(done=lambda: self._current_stat(shard) is not None) as held:
@@ -900,6 +906,16 @@ class ShardCache:
                 lease_time=s.lease_time,
             )
         return self._policy
+
+    def _node_lock_fs(self) -> SafeFS | None:
+        """Lease mode: the node-local directory of the node locks (None if turned off).
+        Private to the user whatever the cache's group: it is this node's alone."""
+        if self._node_fs is None:
+            root = node_lock_root(self.settings.node_lock_dir, self.settings.scope_dir)
+            if root is None:
+                return None
+            self._node_fs = SafeFS(root, Trust.private())
+        return self._node_fs
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:

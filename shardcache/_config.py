@@ -140,6 +140,20 @@ def _optional_rate(text: str, name: str) -> float | None:
     return value
 
 
+def _node_lock_dir(text: str, name: str) -> Path | str:
+    value = str(text).strip()
+    if value.lower() == "off":
+        return "off"
+    if "\x00" in value or not os.path.isabs(value):
+        raise ConfigError(
+            f"{name}={text!r} is not usable; expected an absolute path of a node-local "
+            "directory such as /tmp/shardcache-locks, or off.",
+            name=name,
+            value=text,
+        )
+    return Path(value)
+
+
 def _json_object(text: str, name: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -213,6 +227,12 @@ SPECS: dict[str, _Spec] = {
         _choice("auto", "flock", "lease"),
         "auto",
         "auto: flock on local disks, lease on network file systems",
+    ),
+    "node_lock_dir": _Spec(
+        "SHARDCACHE_NODE_LOCK_DIR",
+        _node_lock_dir,
+        None,
+        "lease locks: node-local directory of the lock taken before the lease (off: none)",
     ),
     "lock_timeout": _Spec(
         "SHARDCACHE_LOCK_TIMEOUT",
@@ -395,6 +415,7 @@ class Settings:
     scope: str = SPECS["scope"].default
     max_bytes: int | None = SPECS["max_bytes"].default
     lock_mode: str = SPECS["lock_mode"].default
+    node_lock_dir: Path | str | None = SPECS["node_lock_dir"].default
     lock_timeout: float = SPECS["lock_timeout"].default
     lock_stuck_after: float = SPECS["lock_stuck_after"].default
     lease_time: float = SPECS["lease_time"].default

@@ -33,6 +33,7 @@ NETWORK_FS_TYPES = frozenset(
         "ocfs2",
         "gfs2",
         "davfs",
+        "juicefs",  # FUSE: fuse.juicefs
     }
 )
 MOUNTINFO = Path("/proc/self/mountinfo")

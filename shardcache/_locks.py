@@ -15,6 +15,17 @@ holders at once (a broken lease that was in fact alive) cost bandwidth, never da
   different hosts are never compared). A live holder that makes no progress for
   ``stuck_after`` gives waiters a ``LockTimeout``, as in flock mode.
 
+In lease mode a **node-local flock comes first** (``node_lock``, a file on a node-local disk:
+:mod:`shardcache._lock_node`): only its holder contends for the lease on the shared file
+system; the other processes of the node wait on the local lock (a flock: a SIGKILLed local
+holder is freed by the kernel at once) and look for the published shard at the lease's
+gentler pace. While the local holder itself waits for another node's lease, it copies that
+holder's progress (phase, bytes) into its own local record, so its local waiters see the
+remote download's progress as progress and do not give up on it as stuck; a remote holder
+that is really stuck times out the local holder first (which releases the local lock), then
+each local waiter in turn. One hard deadline (``timeout``) covers both waits. The lease's
+own rules (dead holders, silent leases, breaking) are unchanged.
+
 The holder's record (:mod:`shardcache._lock_records`) is kept here: written on acquisition,
 on progress (rate-limited) and, for a lease, on each renewal.
 
@@ -27,6 +38,7 @@ at once with the path and errno: never a ``LockTimeout`` that blames an unknown 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import random
 import secrets
@@ -123,6 +135,8 @@ class LockBackend(Protocol):
 class ShardLock:
     """One acquisition of the lock guarding one shard; use :meth:`hold`.
 
+    In lease mode with ``node_lock`` (a path on a node-local disk, in ``node_fs``), the
+    node-local flock is taken first and the lease only by its holder (see the module).
     Create a new instance per acquisition: instances are not shared between threads.
     """
 
@@ -135,6 +149,8 @@ class ShardLock:
         rank: int = 0,
         on_wait: Callable[[dict[str, Any] | None], None] | None = None,
         fs: SafeFS | None = None,
+        node_lock: Path | None = None,
+        node_fs: SafeFS | None = None,
     ) -> None:
         self.path = Path(path)
         # Every file operation goes through the cache's directory descriptors; a lock used
@@ -159,6 +175,19 @@ class ShardLock:
         self._renewer: Renewer | None = None
         self.record_error: str | None = None  # why the owner record could not be written
         self.lost = False  # lease mode: True once another process broke our lease
+        self.fronts: Path | None = None  # a node lock: the lease it stands in front of
+        # Lease mode: the node-local flock taken before the lease (see the module).
+        self.node_lock: ShardLock | None = None
+        if node_lock is not None and policy.mode == "lease":
+            self.node_lock = ShardLock(
+                node_lock,
+                url=url,
+                policy=dataclasses.replace(policy, mode="flock"),
+                rank=rank,
+                on_wait=on_wait,
+                fs=node_fs,
+            )
+            self.node_lock.fronts = self.lease_path
 
     @property
     def owner_path(self) -> Path:
@@ -184,6 +213,51 @@ class ShardLock:
     def acquire(self, done: Callable[[], bool] | None = None) -> bool:
         """Wait for the lock (backoff with jitter). False if ``done()`` became true first."""
         start = time.monotonic()
+        node = self.node_lock
+        if node is None:
+            return self._wait(done, start, self.on_wait)
+        # Waiting on the node lock costs the shared file system only done()'s look at the
+        # published shard, taken at the lease's pace rather than the local lock's.
+        if not node._wait(_paced(done, *self.policy.backoff), start, node.on_wait):
+            return False
+        try:
+            if done is not None and done():  # published while we waited locally
+                node.release()
+                return False
+            acquired = self._wait(done, start, self._waiting_for_lease)
+        except BaseException:
+            node.release()
+            raise
+        if not acquired:
+            node.release()
+        return acquired
+
+    def _waiting_for_lease(self, record: dict[str, Any] | None) -> None:
+        """The node lock's holder waits for another holder's lease: its progress is copied
+        into the node lock's record, for the local waiters to see (see the module)."""
+        if self.on_wait is not None:
+            self.on_wait(record)
+        assert self.node_lock is not None
+        if record is None:
+            phase = "waiting for the lease (no holder record)"
+        else:
+            phase = (
+                f"waiting for the lease of pid {record.get('pid')} on {record.get('host')} "
+                f"({record.get('phase')})"
+            )
+        self.node_lock.heartbeat(
+            phase=phase,
+            bytes_done=int((record or {}).get("bytes_done") or 0),
+            bytes_total=(record or {}).get("bytes_total"),
+        )
+
+    def _wait(
+        self,
+        done: Callable[[], bool] | None,
+        start: float,
+        on_wait: Callable[[dict[str, Any] | None], None] | None,
+    ) -> bool:
+        """Wait for this lock alone; ``start`` is when the whole acquisition began."""
         delay, max_delay = self.policy.backoff
         watch = RecordWatch()
         attempts = 0
@@ -197,8 +271,8 @@ class ShardLock:
                 return False
             now = time.monotonic()
             raw = self._read_holder_raw()
-            if watch.observe(raw, now) and self.on_wait is not None:
-                self.on_wait(watch.record)
+            if watch.observe(raw, now) and on_wait is not None:
+                on_wait(watch.record)
             self._judge(watch, now, start, attempts)
             if now >= next_log:
                 logger.info(
@@ -307,6 +381,7 @@ class ShardLock:
         raise LockTimeout(
             f"timed out waiting for the lock of {self.url}: {cause}.\n"
             f"  lock file: {self.path} ({self.policy.mode} mode) on {mount.describe()}\n"
+            f"{self._fronts_line()}"
             f"  waiter: host {me.host} pid {me.pid} rank {self.rank} thread "
             f"{threading.current_thread().name}\n"
             f"  holder: {self._describe_holder(owner)}\n"
@@ -319,6 +394,14 @@ class ShardLock:
             verdict=verdict,
             elapsed=elapsed,
             attempts=attempts,
+        )
+
+    def _fronts_line(self) -> str:
+        if self.fronts is None:
+            return ""
+        return (
+            f"  (the node-local lock in front of the lease {self.fronts}: its holder is the "
+            "process of this node that contends for the lease)\n"
         )
 
     def _describe_holder(self, owner: dict[str, Any] | None) -> str:
@@ -370,6 +453,8 @@ class ShardLock:
                 self._record["bytes_total"] = bytes_total
             self._record["seq"] += 1
             self._write_record()
+        if self.node_lock is not None:  # local waiters judge progress from the node lock
+            self.node_lock.heartbeat(phase=phase, bytes_done=bytes_done, bytes_total=bytes_total)
 
     @property
     def _record_interval(self) -> float:
@@ -426,7 +511,31 @@ class ShardLock:
             renewer.stop()
         with self._write_lock:
             self._recording = False  # no record write may reach a released lock
-        self._backend.release()
+        try:
+            self._backend.release()
+        finally:
+            if self.node_lock is not None:
+                self.node_lock.release()
+
+
+def _paced(
+    check: Callable[[], bool] | None, first: float, most: float
+) -> Callable[[], bool] | None:
+    """``check`` called at most once per interval, the interval doubling from ``first`` to
+    ``most`` (in between, the last answer, which is False: a True ends the wait)."""
+    if check is None:
+        return None
+    interval, due = first, time.monotonic()
+
+    def paced() -> bool:
+        nonlocal interval, due
+        now = time.monotonic()
+        if now < due:
+            return False
+        due, interval = now + interval, min(most, interval * 2)
+        return check()
+
+    return paced
 
 
 def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) -> LockFileError:

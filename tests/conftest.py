@@ -11,6 +11,7 @@ import pytest
 import s3fs
 from accounts import Account, make_accounts, world_tmp
 from hypothesis import settings
+from juicefs import Node, nodes, require_fuse
 
 from shardcache import _throttle
 from shardcache.testing import FaultProxy, S3Server
@@ -80,3 +81,13 @@ def shared_tmp() -> Iterator[Path]:
     """A sticky, world-writable directory every account can reach, removed afterwards."""
     with world_tmp() as path:
         yield path
+
+
+@pytest.fixture
+def jfs_nodes(tmp_path: Path) -> Iterator[list[Node]]:
+    """Two "nodes": two JuiceFS mounts of one fresh volume (tests/juicefs.py), each with its
+    own node-local directory; skipped without FUSE (failed under SHARDCACHE_REQUIRE_SLURM=1).
+    Attribute and entry caches are off, so each node sees the other's changes at once."""
+    require_fuse()
+    with nodes(tmp_path / "jfs", 2, cache_seconds=0) as made:
+        yield made

@@ -133,3 +133,29 @@ def test_at_scale_simulation_runs_the_planning_code_at_tiny_size(capsys) -> None
     assert "| ResumableDataset (reshuffled) | shared | 2 | 0 |" in out
     for row in ("backoff per request", "shared throttle per process", "MAX_REQUEST_RATE="):
         assert row in out, row
+
+
+@pytest.mark.timeout(300)
+def test_b12_node_lock_tiny_counts_operations_with_and_without(tmp_path: Path) -> None:
+    """B12 (bench/b12_node_lock.py, its own script: it mounts JuiceFS) at tiny size."""
+    from juicefs import require_fuse
+
+    require_fuse()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    out = tmp_path / "b12.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.b12_node_lock", "--size", "tiny", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=290,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for run in ("with node lock", "without node lock"):
+        res = result[run]
+        assert res["gets_exactly_one_per_shard"] is True and res["misses"] == 3, (run, res)
+        assert res["fuse_ops_per_shard"] > 0 and res["meta_ops_per_shard"] > 0, (run, res)
+        assert res["by_kind"]["meta_ops:Link"] >= 1, (run, res)  # the lease was taken

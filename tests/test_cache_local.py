@@ -19,6 +19,7 @@ MOUNTINFO = """\
 90 27 0:50 / /shared rw,relatime - nfs4 filer:/export rw,vers=4.2,local_lock=none
 91 90 0:51 / /shared/scratch rw - lustre 10.0.0.1@tcp:/fs rw,flock
 92 27 0:52 / /mnt/with\\040space rw - tmpfs tmpfs rw
+93 27 0:39 / /jfs rw,nosuid,nodev,relatime - fuse.juicefs JuiceFS:vol rw,user_id=0,group_id=0
 """
 
 
@@ -28,6 +29,7 @@ def test_mountinfo_parsing_and_network_detection() -> None:
     assert "local_lock=none" in mounts["/shared"].options
     assert not mounts["/"].is_network
     assert "/mnt/with space" in mounts
+    assert mounts["/jfs"].fstype == "fuse.juicefs" and mounts["/jfs"].is_network
     assert mount_for(Path("/shared/scratch/x/y"), MOUNTINFO).fstype == "lustre"
     assert mount_for(Path("/shared/x"), MOUNTINFO).fstype == "nfs4"
     assert mount_for(Path("/sharedother"), MOUNTINFO).fstype == "ext4"

@@ -143,6 +143,8 @@ def test_every_setting_has_an_env_variable_and_parses_its_default() -> None:
         ("SHARDCACHE_MAX_REQUEST_RATE", "-1", "requests per second"),
         ("SHARDCACHE_MAX_REQUEST_RATE", "1e7", "between 0.001 and 1e+06"),
         ("SHARDCACHE_DIR", "", "node-local"),
+        ("SHARDCACHE_NODE_LOCK_DIR", "locks", "absolute path"),
+        ("SHARDCACHE_NODE_LOCK_DIR", "", "or off"),
         ("SHARDCACHE_RANK", "x", "whole number"),
         ("RANK", "zero", "whole number"),
         ("SLURM_NTASKS", "-1", "between 1"),
@@ -197,6 +199,13 @@ def test_max_request_rate_spellings() -> None:
     assert Settings.resolve(env={}, max_request_rate=40).max_request_rate == 40.0
     with pytest.raises(ConfigError, match="argument max_request_rate"):
         Settings.resolve(env={}, max_request_rate=-3)
+
+
+def test_node_lock_dir(tmp_path: Path) -> None:
+    assert Settings.resolve(env={}).node_lock_dir is None  # the default: under the temp dir
+    env = {"SHARDCACHE_NODE_LOCK_DIR": str(tmp_path / "locks")}
+    assert Settings.resolve(env=env).node_lock_dir == tmp_path / "locks"
+    assert Settings.resolve(env={"SHARDCACHE_NODE_LOCK_DIR": " OFF "}).node_lock_dir == "off"
 
 
 def test_max_bytes_unlimited_spellings() -> None:

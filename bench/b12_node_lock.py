@@ -1,0 +1,134 @@
+"""B12: network-file-system operations per shard with and without the node-local lock.
+
+Two "nodes" (two JuiceFS mounts of one volume: tests/juicefs.py; default attribute and
+entry caches, 1 s) each run N processes that fetch the same S shards from moto, in the same
+order (the most contention), into one node-scope cache on the volume, lease mode (chosen
+by ``lock_mode=auto``). Once with the node lock in front of the lease (each node its own
+node-lock directory), once with ``node_lock_dir=off``, each into a fresh cache directory.
+Counted by JuiceFS itself: the FUSE operations and the metadata-engine operations of both
+mounts (``<mountpoint>/.stats``, read before and after; the reads of ``.stats`` are
+included, a handful), per shard. Every shard must be downloaded once (server-side GETs).
+
+    python -m bench.b12_node_lock [--size tiny|full] [--out FILE.json]
+
+Needs root and /dev/fuse (FUSE mounts) and the juicefs binary of the test extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from juicefs import Node, fuse_unavailable, nodes
+from processes import run_together
+
+BUCKET = "b12-node-lock"
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"per_node": 2, "shards": 3, "size": 64 << 10},
+    "full": {"per_node": 4, "shards": 16, "size": 1 << 20},
+}
+PREFIXES = ("juicefs_fuse_ops_total_", "juicefs_meta_ops_total_")
+
+
+def _fetcher(cache_dir: str, node_lock_dir: str, urls: list[str], start: Any, out: Any) -> None:
+    from shardcache import ShardCache
+
+    cache = ShardCache(cache_dir, scope="node", node_lock_dir=node_lock_dir)
+    start.wait(120)
+    for url in urls:
+        cache.fetch(url)
+    out.put(cache.stats().as_dict())
+
+
+def _counters(made: list[Node]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for node in made:
+        for name, value in node.mount.stats().items():
+            if name.startswith(PREFIXES):
+                total[name] = total.get(name, 0.0) + value
+    return total
+
+
+def _run(made: list[Node], urls: list[str], per_node: int, with_node_lock: bool) -> dict:
+    tag = "with" if with_node_lock else "without"
+    args = []
+    for node in made:
+        lock_dir = str(node.node_lock_dir / tag) if with_node_lock else "off"
+        args += [(str(node.root / f"cache-{tag}"), lock_dir, urls)] * per_node
+    before = _counters(made)
+    t0 = time.monotonic()
+    stats = run_together(_fetcher, args, timeout=600)
+    seconds = time.monotonic() - t0
+    after = _counters(made)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    per_shard = {
+        k.split("_total_", 1)[0].removeprefix("juicefs_") + ":" + k.split("_total_", 1)[1]: round(
+            v / len(urls), 1
+        )
+        for k, v in sorted(delta.items())
+        if v
+    }
+    fuse = sum(v for k, v in delta.items() if k.startswith(PREFIXES[0])) / len(urls)
+    meta = sum(v for k, v in delta.items() if k.startswith(PREFIXES[1])) / len(urls)
+    return {
+        "fuse_ops_per_shard": round(fuse, 1),
+        "meta_ops_per_shard": round(meta, 1),
+        "by_kind": per_shard,
+        "misses": sum(s["misses"] for s in stats),
+        "seconds": round(seconds, 2),
+    }
+
+
+def b12_node_lock(size: str, work: Path) -> dict[str, Any]:
+    """Both runs on one pair of mounts; returns the figures (see the module)."""
+    from shardcache.testing import S3Server
+
+    cfg = SIZES[size]
+    with S3Server() as s3, nodes(work / "jfs", 2) as made:
+        import os
+
+        os.environ.update(s3.env())
+        blobs = {f"s-{i:04d}.tar": os.urandom(cfg["size"]) for i in range(cfg["shards"])}
+        s3.put_objects(BUCKET, blobs)
+        urls = [f"s3://{BUCKET}/{k}" for k in blobs]
+        result: dict[str, Any] = {
+            "what": f"2 nodes (JuiceFS mounts) x {cfg['per_node']} processes fetch the same "
+            f"{cfg['shards']} shards of {cfg['size'] >> 10} KiB, lease mode",
+        }
+        for with_node_lock in (True, False):
+            s3.reset()
+            s3.put_objects(BUCKET, blobs)
+            res = _run(made, urls, cfg["per_node"], with_node_lock)
+            gets = {k: s3.count("GET", BUCKET, k) for k in blobs}
+            res["gets_exactly_one_per_shard"] = set(gets.values()) == {1}
+            result["with node lock" if with_node_lock else "without node lock"] = res
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--out", default="", help="also write the figures here (JSON)")
+    args = parser.parse_args(argv)
+    reason = fuse_unavailable()
+    if reason:
+        print(f"B12 not run: {reason}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="shardcache-b12-") as work:
+        result = b12_node_lock(args.size, Path(work))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
