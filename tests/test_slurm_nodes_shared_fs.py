@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -73,11 +74,21 @@ def shared_fs(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @pytest.fixture
-def cache_name() -> str:
-    return f"cache-{uuid.uuid4().hex[:8]}"
+def cache_name(cluster: Cluster) -> Iterator[str]:  # noqa: F811
+    """A fresh cache name on the shared volume (and for the node locks on local disks)."""
+    name = f"cache-{uuid.uuid4().hex[:8]}"
+    yield name
+    for node in cluster.nodes:
+        shutil.rmtree(node.local / f"node-locks-{name}", ignore_errors=True)
 
 
-def shared_env(cluster: Cluster, s3: S3Server, proxy: FaultProxy, **extra: str) -> dict[str, str]:  # noqa: F811
+def shared_env(
+    cluster: Cluster,  # noqa: F811
+    s3: S3Server,
+    proxy: FaultProxy,
+    cache_name: str,
+    **extra: str,
+) -> dict[str, str]:
     """Scope "node" on the shared volume: one cache for the whole cluster; node locks on
     each node's local disk (the host's /tmp is shared by these nodes, a real node's not)."""
     return node_env(
@@ -85,7 +96,7 @@ def shared_env(cluster: Cluster, s3: S3Server, proxy: FaultProxy, **extra: str) 
         s3,
         proxy,
         SHARDCACHE_SCOPE="node",
-        SHARDCACHE_NODE_LOCK_DIR=str(cluster.local_disk / "node-locks"),
+        SHARDCACHE_NODE_LOCK_DIR=str(cluster.local_disk / f"node-locks-{cache_name}"),
         SHARDCACHE_LEASE_TIME=f"{LEASE_TIME:g}s",
         **extra,
     )
@@ -117,7 +128,7 @@ def test_each_shard_downloaded_once_cluster_wide(
         "     digests=digests, stats=cache.stats().as_dict())\n"
     )
     cache_dir = str(shared_fs.mountpoint / cache_name)
-    env = shared_env(cluster, s3, link)
+    env = shared_env(cluster, s3, link, cache_name)
     records = task_records(srun_nodes([*task(code), cache_dir, *urls], env, tmp_path), NTASKS)
 
     expected = {f"s3://{BUCKET}/{k}": hashlib.sha256(v).hexdigest() for k, v in objects.items()}
@@ -130,8 +141,9 @@ def test_each_shard_downloaded_once_cluster_wide(
     assert sum(r["stats"]["misses"] for r in records) == len(objects)
     leases = list((shared_fs.host.mountpoint / cache_name / "node" / ".locks").rglob("*.lease"))
     assert leases == [], f"leases left behind: {leases}"
-    locks = list((shared_fs.host.mountpoint / cache_name / "node" / ".locks").rglob("*.owner"))
-    assert locks, "no lease was ever taken on the shared file system"
+    for node in cluster.nodes:  # each node's processes met in node locks on its own disk
+        node_locks = list((node.local / f"node-locks-{cache_name}").rglob("*.lock"))
+        assert node_locks, f"no node lock on {node.name}'s local disk"
 
 
 # The downloader run inside a node: fetches one URL, prints its outcome as one JSON line.
@@ -229,7 +241,12 @@ def test_sigkilled_downloader_taken_over_by_other_node(
     site.mkdir()
     (site / "sitecustomize.py").write_text(SKEW)
     base = shared_env(
-        cluster, s3, link, SHARDCACHE_LOCK_STUCK_AFTER="10m", SHARDCACHE_LOCK_TIMEOUT="2m"
+        cluster,
+        s3,
+        link,
+        cache_name,
+        SHARDCACHE_LOCK_STUCK_AFTER="10m",
+        SHARDCACHE_LOCK_TIMEOUT="2m",
     )
     base["PYTHONPATH"] = str(site)
     holder_env = {**base, "SHARDCACHE_TEST_CLOCK_SKEW": str(skew if skewed == "holder" else 0)}
