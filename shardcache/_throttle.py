@@ -38,6 +38,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
@@ -73,6 +74,12 @@ class Throttle:
         self.max_rate = max_rate
         self._clock = clock
         self._sleep = sleep
+        self._start_afresh()
+        _live.add(self)
+
+    def _start_afresh(self) -> None:
+        """No limit but ``max_rate``, nothing sent: a new throttle, or a forked child's copy
+        of its parent's (whose lock another thread may have held at the fork)."""
         self._lock = threading.Lock()
         self._rate: float | None = None  # the adaptive limit; None until the first cut
         self._grown_at = 0.0  # when _rate was last brought up to date
@@ -162,6 +169,19 @@ class Throttle:
 
 _registry_lock = threading.Lock()
 _registry: dict[tuple[int, float | None], Throttle] = {}
+# Every throttle of this process: a fork's child starts each of them afresh, since a cache
+# built before the fork (a DataLoader worker's copy of the main process's) keeps its object.
+_live: weakref.WeakSet[Throttle] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _registry_lock  # noqa: PLW0603  (a lock a thread held at the fork stays held)
+    _registry_lock = threading.Lock()
+    for throttle in list(_live):
+        throttle._start_afresh()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def process_throttle(max_rate: float | None) -> Throttle:

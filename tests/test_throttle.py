@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import http.client
 import itertools
+import multiprocessing
 import os
 import re
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,31 @@ def test_throttling_answers_are_recognised() -> None:
 def test_one_throttle_per_process_and_rate() -> None:
     assert process_throttle(None) is process_throttle(None)
     assert process_throttle(5.0) is not process_throttle(None)
+
+
+def _child_view(throttle: Throttle, conn: Connection) -> None:
+    conn.send((throttle.rate, throttle.cuts, throttle._lock.acquire(timeout=5)))
+
+
+def test_a_forked_child_starts_its_copy_of_a_throttle_afresh() -> None:
+    """A DataLoader worker forked from a process that was slowed down (or whose thread held
+    the throttle's lock at the fork) sends its own requests unthrottled, never deadlocked."""
+    throttle = Throttle()
+    sent = throttle.acquire()
+    throttle.throttled(sent)
+    assert throttle.rate is not None and throttle.cuts == 1
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    with throttle._lock:  # held by "another thread" at the fork
+        proc = multiprocessing.get_context("fork").Process(
+            target=_child_view, args=(throttle, child)
+        )
+        proc.start()
+    try:
+        assert parent.poll(30), "the child did not answer"
+        assert parent.recv() == (None, 0, True)
+    finally:
+        proc.join(timeout=30)
+    assert throttle.cuts == 1  # the parent's own state is untouched
 
 
 # -------------------------------------------------------------- the fault proxy's rate mode
