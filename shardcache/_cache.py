@@ -132,7 +132,7 @@ class ShardCache:
                 max_parts_in_flight=s.parallel_parts,
                 # Every prefetch thread downloading parts at once, through one client.
                 max_connections=max(10, s.threads * s.parallel_parts),
-                throttle=process_throttle(s.max_request_rate),
+                throttle=process_throttle(s.max_request_rate, s.job_request_rate, s.world_size),
             )
         )
         self._freshness = Freshness(self.layout, self.remote, s.revalidate)

@@ -318,6 +318,14 @@ SPECS: dict[str, _Spec] = {
         "requests/s this process sends to S3 at most (HEADs, GETs, ranged parts, retries); "
         "0/none: no cap. Either way a SlowDown answer slows the whole process down",
     ),
+    "job_request_rate": _Spec(
+        "SHARDCACHE_JOB_REQUEST_RATE",
+        _optional_rate,
+        None,
+        "requests/s the whole job sends to S3 at most, shared evenly: each process takes "
+        "this / (world size x its rank's DataLoader workers), e.g. 5500 for one S3 prefix; "
+        "0/none: no cap",
+    ),
     "preallocate": _Spec(
         "SHARDCACHE_PREALLOCATE",
         _choice("auto", "off"),
@@ -427,6 +435,7 @@ class Settings:
     part_size: int = SPECS["part_size"].default
     parallel_parts: int = SPECS["parallel_parts"].default
     max_request_rate: float | None = SPECS["max_request_rate"].default
+    job_request_rate: float | None = SPECS["job_request_rate"].default
     preallocate: str = SPECS["preallocate"].default
     verify: str = SPECS["verify"].default
     read_while_downloading: str = SPECS["read_while_downloading"].default

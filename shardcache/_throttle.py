@@ -26,7 +26,9 @@ then growth while requests succeed):
   overload is back at full speed after a few hundred requests (past :data:`RELEASE` it is
   unlimited again);
 * ``SHARDCACHE_MAX_REQUEST_RATE`` caps the rate from the start (requests per second per
-  process): the only way to stay under a known limit without any ``SlowDown`` at all.
+  process), and ``SHARDCACHE_JOB_REQUEST_RATE`` does so for the whole job (each process
+  takes an even share: the rate / (world size x DataLoader workers)): the only ways to stay
+  under a known limit without any ``SlowDown`` at all.
 
 Retries are unchanged (:class:`~shardcache._retry.RetryPolicy` still counts a refused
 request as an attempt): the throttle makes refusals rare, it does not forgive them.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import time
 import weakref
@@ -68,10 +71,15 @@ class Throttle:
         self,
         max_rate: float | None = None,
         *,
+        job_rate: float | None = None,
+        world_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], object] = time.sleep,
     ) -> None:
-        self.max_rate = max_rate
+        self._configured = max_rate
+        self._job_rate = job_rate
+        self._world_size = max(1, world_size)
+        self.max_rate = max_rate  # the cap in force (with job_rate: once the process sends)
         self._clock = clock
         self._sleep = sleep
         self._start_afresh()
@@ -81,6 +89,9 @@ class Throttle:
         """No limit but ``max_rate``, nothing sent: a new throttle, or a forked child's copy
         of its parent's (whose lock another thread may have held at the fork)."""
         self._lock = threading.Lock()
+        # A job-wide rate is shared out by the process that sends (a DataLoader worker knows
+        # its worker count only once it runs): resolved at the first request.
+        self._cap_resolved = self._job_rate is None
         self._rate: float | None = None  # the adaptive limit; None until the first cut
         self._grown_at = 0.0  # when _rate was last brought up to date
         self._cut_at = float("-inf")  # when the rate was last cut
@@ -162,13 +173,18 @@ class Throttle:
     def _limit(self, now: float) -> float | None:
         """The rate in force (call with the lock held): the adaptive one, capped by
         ``max_rate``."""
+        if not self._cap_resolved:
+            assert self._job_rate is not None
+            share = self._job_rate / (self._world_size * dataloader_workers())
+            self.max_rate = share if self._configured is None else min(self._configured, share)
+            self._cap_resolved = True
         if self._rate is None:
             return self.max_rate
         return self._rate if self.max_rate is None else min(self._rate, self.max_rate)
 
 
 _registry_lock = threading.Lock()
-_registry: dict[tuple[int, float | None], Throttle] = {}
+_registry: dict[tuple[int, float | None, float | None, int], Throttle] = {}
 # Every throttle of this process: a fork's child starts each of them afresh, since a cache
 # built before the fork (a DataLoader worker's copy of the main process's) keeps its object.
 _live: weakref.WeakSet[Throttle] = weakref.WeakSet()
@@ -184,15 +200,27 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def process_throttle(max_rate: float | None) -> Throttle:
-    """The throttle of this process for ``max_rate`` (one per value, made anew after a
-    fork: a child's requests are its own)."""
-    key = (os.getpid(), max_rate)
+def process_throttle(
+    max_rate: float | None, job_rate: float | None = None, world_size: int = 1
+) -> Throttle:
+    """The throttle of this process for these caps (one per value, started afresh in a
+    forked child: a child's requests are its own). ``job_rate`` is shared evenly by the
+    job's processes: ``world_size`` ranks times the DataLoader workers of each."""
+    key = (os.getpid(), max_rate, job_rate, world_size)
     with _registry_lock:
         throttle = _registry.get(key)
         if throttle is None:
-            throttle = _registry[key] = Throttle(max_rate)
+            throttle = Throttle(max_rate, job_rate=job_rate, world_size=world_size)
+            _registry[key] = throttle
         return throttle
+
+
+def dataloader_workers() -> int:
+    """The DataLoader worker count of this rank when called in a worker process, else 1
+    (torch is not imported for this)."""
+    data = sys.modules.get("torch.utils.data")
+    info = data.get_worker_info() if data is not None else None
+    return int(info.num_workers) if info is not None else 1
 
 
 def reset_for_tests() -> None:

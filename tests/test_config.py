@@ -142,6 +142,7 @@ def test_every_setting_has_an_env_variable_and_parses_its_default() -> None:
         ("SHARDCACHE_MAX_REQUEST_RATE", "fast", "requests per second"),
         ("SHARDCACHE_MAX_REQUEST_RATE", "-1", "requests per second"),
         ("SHARDCACHE_MAX_REQUEST_RATE", "1e7", "between 0.001 and 1e+06"),
+        ("SHARDCACHE_JOB_REQUEST_RATE", "lots", "requests per second"),
         ("SHARDCACHE_DIR", "", "node-local"),
         ("SHARDCACHE_NODE_LOCK_DIR", "locks", "absolute path"),
         ("SHARDCACHE_NODE_LOCK_DIR", "", "or off"),
@@ -199,6 +200,7 @@ def test_max_request_rate_spellings() -> None:
     assert Settings.resolve(env={}, max_request_rate=40).max_request_rate == 40.0
     with pytest.raises(ConfigError, match="argument max_request_rate"):
         Settings.resolve(env={}, max_request_rate=-3)
+    assert Settings.resolve(env={"SHARDCACHE_JOB_REQUEST_RATE": "5500"}).job_request_rate == 5500
 
 
 def test_node_lock_dir(tmp_path: Path) -> None:

@@ -8,10 +8,12 @@ import itertools
 import multiprocessing
 import os
 import re
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
+import torch
 from botocore.exceptions import ClientError
 
 from shardcache import ShardCache
@@ -114,6 +116,31 @@ def test_throttling_answers_are_recognised() -> None:
 def test_one_throttle_per_process_and_rate() -> None:
     assert process_throttle(None) is process_throttle(None)
     assert process_throttle(5.0) is not process_throttle(None)
+
+
+def test_a_job_rate_is_shared_by_the_ranks() -> None:
+    throttle = Throttle(job_rate=80.0, world_size=8)
+    assert throttle.rate == 10.0  # outside a DataLoader worker: one process per rank
+    assert Throttle(4.0, job_rate=80.0, world_size=8).rate == 4.0  # the lower cap wins
+
+
+class _WorkerCaps(torch.utils.data.IterableDataset):
+    """Yields, in each DataLoader worker, the cap its cache's throttle resolves to."""
+
+    def __init__(self, cache: ShardCache) -> None:
+        self.cache = cache
+
+    def __iter__(self) -> Iterator[float | None]:
+        yield self.cache.remote.options.throttle.rate
+
+
+def test_a_job_rate_is_shared_by_the_dataloader_workers(tmp_path: Path) -> None:
+    """A cache made in the main process, copied into 2 DataLoader workers of rank 0 of 4:
+    each worker sends at most 100 / (4 x 2) requests/s."""
+    cache = ShardCache(tmp_path, job_request_rate=100, world_size=4, rank=0)
+    loader = torch.utils.data.DataLoader(_WorkerCaps(cache), num_workers=2, batch_size=None)
+    assert sorted(loader) == [12.5, 12.5]
+    assert cache.remote.options.throttle.rate == 25.0  # the main process: no workers
 
 
 def _child_view(throttle: Throttle, conn: Connection) -> None:
