@@ -10,9 +10,11 @@ import multiprocessing as mp
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import webdataset as wds
+from processes import run_together
 from torch.utils.data import DataLoader
 
 import shardcache
@@ -314,3 +316,64 @@ def test_the_stage_in_the_training_process_closes_its_epoch_itself(
     assert report["misses"] == SHARDS and report["samples"] == SHARDS * PER_SHARD
     assert report["requests"] == {"HEAD": SHARDS, "GET": SHARDS}
     assert caplog.text.count("shardcache rank 0 epoch 0:") == 1
+
+
+# -- the job's line on rank 0 ---------------------------------------------------------------
+
+
+def _rank_main(rank: int, store: str, start: Any, results: Any) -> None:
+    try:
+        start.wait(60)
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        lines: list[str] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                lines.append(record.getMessage())
+
+        logging.getLogger("shardcache").addHandler(Keep())
+        logging.getLogger("shardcache").setLevel(logging.INFO)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+        try:
+            made = metrics.collector()
+            made.add(shards=3 + rank, samples=(3 + rank) * 8, misses=3 + rank, hits=rank)
+            made.waited_for_data(0.001)
+            metrics.request("GET")
+            if rank == 1:
+                metrics.retried(ConnectionResetError())
+            report = shardcache.log_epoch_summary(0)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", (report, lines)))
+    except BaseException:
+        import traceback
+
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def test_rank_zero_logs_the_jobs_line_over_a_gloo_group(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    got = {}
+    for rank, status, detail in run_together(_rank_main, [(0, store), (1, store)], timeout=90):
+        assert status == "ok", detail
+        got[rank] = detail
+    (job, lines0), (own, lines1) = got[0], got[1]
+    assert (job["shards"], job["samples"], job["misses"], job["hits"]) == (7, 56, 7, 1)
+    assert job["requests"] == {"GET": 2} and job["retries"]["reset"] == 1
+    assert job["ranks"] == 2 and job["processes"] == 2 and job["epoch"] == 0
+    assert [r["rank"] for r in job["worst_ranks"]] in ([0, 1], [1, 0])
+    assert own["rank"] == 1 and own["shards"] == 4  # other ranks get their own report
+    job_lines = [line for line in lines0 if line.startswith("shardcache job")]
+    assert len(job_lines) == 1 and not [ln for ln in lines1 if ln.startswith("shardcache job")]
+    assert job_lines[0].startswith(
+        "shardcache job epoch 0, 2 ranks: 56 samples, 7 shards (1 hits, 7 misses, 0 shared)"
+    )
+    assert [ln for ln in lines0 if ln.startswith("shardcache rank 0 epoch 0: 24 samples")]
+    assert [ln for ln in lines1 if ln.startswith("shardcache rank 1 epoch 0: 32 samples")]
+    print(job_lines[0])
