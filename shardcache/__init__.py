@@ -35,8 +35,10 @@ from ._errors import (
     UrlError,
     WaitTimeout,
 )
+from ._metrics import add_metrics_sink
 from ._prefetch import PrefetchedShard, Prefetcher
 from ._redact import RedactingFilter
+from ._report import log_epoch_summary
 from ._resume_state import job_state
 from ._urls import expand_urls
 
@@ -88,8 +90,10 @@ __all__ = [
     "TransientFetchError",
     "UrlError",
     "WaitTimeout",
+    "add_metrics_sink",
     "expand_urls",
     "job_state",
+    "log_epoch_summary",
     "split_by_node",
     "stage",
     "tarfile_samples",

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+from . import _metrics as metrics
 from ._config import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from ._errors import CacheDirError, CacheFullError, ConfigError, FetchError, ShardCacheError
 from ._eviction import (
@@ -59,6 +60,9 @@ _T = TypeVar("_T")
 VANISHED_RETRIES = 8  # a miss is made again at most this often when its files vanish
 IDENTITY_MEMO = 65_536  # URLs whose identity a cache remembers (oldest dropped first)
 _VANISHED_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
+# CacheStats counters that are also loader metrics (shardcache._metrics); lock waits are
+# counted by the lock itself, which knows whom it waited for.
+_METRICS_COUNTS = frozenset({"hits", "misses", "shared", "bytes_downloaded", "bytes_served"})
 
 
 class _DiskFull(Exception):
@@ -417,6 +421,7 @@ class ShardCache:
             info = self.remote.info(url)
             t0 = time.monotonic()
             info = self._download_and_publish(info, shard, report, announce)
+            metrics.collector().shard_downloaded(url, time.monotonic() - t0, info.size)
             self._count(
                 misses=1,
                 bytes_downloaded=info.size,
@@ -921,6 +926,9 @@ class ShardCache:
         with self._stats_lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
+        shown = {k: v for k, v in deltas.items() if k in _METRICS_COUNTS}
+        if shown:
+            metrics.count(**shown)
 
 
 def _tell_failed(growing: GrowingFile | None, exc: BaseException) -> None:

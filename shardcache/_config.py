@@ -154,6 +154,34 @@ def _node_lock_dir(text: str, name: str) -> Path | str:
     return Path(value)
 
 
+def _metrics_target(text: str, name: str) -> str | None:
+    """Where metrics records go: a directory, a file name pattern with ``{pid}``, or off."""
+    value = str(text).strip()
+    if value.lower() in ("", "off", "0", "false", "no"):
+        return None
+    problem = None
+    if "\x00" in value:
+        problem = "it contains a NUL byte"
+    elif "{" in value:
+        fields = {"job": "j", "rank": 0, "worker": "main", "host": "h", "pid": 1}
+        try:
+            shown = value.format(**fields)
+        except (KeyError, IndexError, ValueError) as exc:
+            problem = f"its pattern does not format ({type(exc).__name__}: {exc})"
+        else:
+            if value.format(**(fields | {"pid": 2})) == shown:
+                problem = "its pattern lacks {pid}: processes would append to one file"
+    if problem is not None:
+        raise ConfigError(
+            f"{name}={text!r} is not usable ({problem}); expected a directory (one "
+            "<job>-r<rank>-w<worker>-<host>-<pid>.jsonl per process), a file name pattern "
+            "with fields {job} {rank} {worker} {host} and {pid}, or off.",
+            name=name,
+            value=text,
+        )
+    return os.path.expanduser(value)
+
+
 def _json_object(text: str, name: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -392,6 +420,21 @@ SPECS: dict[str, _Spec] = {
         "pipe: URLs (shell commands) listed in a manifest file: refuse (UrlError naming the "
         "manifest and line) or allow; pipe: URLs in your own code and arguments always run",
     ),
+    "metrics": _Spec(
+        "SHARDCACHE_METRICS",
+        _metrics_target,
+        None,
+        "append metrics records (JSON lines) to a file per process in this directory "
+        "(or a file name pattern with {pid}); off (the default): no files",
+    ),
+    "metrics_interval": _Spec(
+        "SHARDCACHE_METRICS_INTERVAL",
+        parse_duration,
+        30.0,
+        "seconds between interval metrics records while data flows",
+        0.001,
+        86400,
+    ),
     "storage_options": _Spec(
         "SHARDCACHE_STORAGE_OPTIONS",
         _json_object,
@@ -445,6 +488,8 @@ class Settings:
     revalidate: float = SPECS["revalidate"].default
     shared_group: str | None = SPECS["shared_group"].default
     manifest_pipes: str = SPECS["manifest_pipes"].default
+    metrics: str | None = SPECS["metrics"].default
+    metrics_interval: float = SPECS["metrics_interval"].default
     storage_options: dict[str, Any] = field(default_factory=dict)
     rank: int = SPECS["rank"].default
     local_rank: int = SPECS["local_rank"].default

@@ -213,7 +213,9 @@ def s3_body(
         if info.etag:
             kw["IfMatch"] = f'"{info.etag}"'
     response = throttled_call(
-        throttle, lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw)
+        throttle,
+        "GET",
+        lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw),
     )
     body = response["Body"]
     # The first pieces are handed over small, then twice as big each time up to

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from . import _metrics as metrics
 from ._checksums import hash_fd
 from ._download import (
     LocalWriteError,
@@ -92,6 +93,7 @@ class ParallelDownload(Strategy):
 
         def on_retry(exc: Exception, n: int) -> None:
             nonlocal info
+            metrics.retried(exc)
             info = self.start_over(info.url, out)
 
         done = self.options.retry.run(
@@ -207,9 +209,7 @@ class ParallelDownload(Strategy):
                 and is_transient(exc)
             ),
             give_up=give_up,
-            on_retry=lambda exc, n: logger.info(
-                "retrying a part of %s after %s (attempt %d)", info.url, describe(exc), n
-            ),
+            on_retry=lambda exc, n: _part_retry(info.url, exc, n),
             wait=wait,
         )
 
@@ -218,6 +218,11 @@ class ParallelDownload(Strategy):
         fs, path = self.source.filesystem(info.url)
         piece = min(self.options.chunk_size, _PART_PIECE)
         return s3_body(fs, path, info, piece, self.options.throttle, start=start, end=end)
+
+
+def _part_retry(url: str, exc: Exception, n: int) -> None:
+    metrics.retried(exc)
+    logger.info("retrying a part of %s after %s (attempt %d)", url, describe(exc), n)
 
 
 # Failures that are not the store's answer for this part: passed on as they are.

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import BinaryIO
 
+from . import _metrics as metrics
 from ._download import ObjectInfo, Progress, Strategy, local_io, restart
 from ._errors import PipeCommandError
 from ._pipes import CommandFailed, command_of, run_command
@@ -54,6 +55,7 @@ class PipeDownload(Strategy):
         def on_retry(exc: Exception, n: int) -> None:
             assert isinstance(exc, CommandFailed)
             what = exc.describe(self.options.io_timeout)
+            metrics.retried(exc)
             logger.info("retrying pipe command %r (attempt %d): it %s", command, n, what)
 
         return self.options.retry.run(

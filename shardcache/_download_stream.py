@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from . import _metrics as metrics
 from ._checksums import Hasher
 from ._download import (
     LocalWriteError,
@@ -53,6 +54,7 @@ class StreamDownload(Strategy):
             return self.verify(state.info, state.done, digest, n)
 
         def on_retry(exc: Exception, n: int) -> None:
+            metrics.retried(exc)
             if verification_failed(exc):
                 state.restart(self.start_over(state.info.url, out))
             else:

@@ -38,9 +38,11 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from . import _metrics as metrics
 from ._errors import FetchError, IntegrityError, ShardCacheError
 from ._pins import pin_again
 
@@ -265,7 +267,7 @@ class GrowingFile:
                     return _reader_error(self.url, self._error)
                 if self._size is not None:
                     return None
-                self._cond.wait(timeout)
+                _wait_for_data(self._cond, timeout)
 
     def _available(self, pos: int, want: int, timeout: float) -> int:
         """Bytes readable at ``pos`` (at most ``want``), waiting at most ``timeout``
@@ -285,7 +287,7 @@ class GrowingFile:
                 if self._size is not None:
                     return 0
                 if not waited:
-                    self._cond.wait(timeout)
+                    _wait_for_data(self._cond, timeout)
             return -1
 
     def _take_resumed(self) -> int:
@@ -437,6 +439,14 @@ class GrowingReader(io.RawIOBase):
 _SWITCH = -2
 """From :meth:`GrowingFile._available`: go on in the published file."""
 _COMPARE_BLOCK = 1 << 20
+
+
+def _wait_for_data(cond: threading.Condition, timeout: float) -> None:
+    """The reader waits for bytes still downloading: counted as the consumer's wait for
+    data in the loader metrics."""
+    start = time.monotonic()
+    cond.wait(timeout)
+    metrics.collector().waited_for_data(time.monotonic() - start)
 
 
 def _common_prefix(a: int, b: int, limit: int) -> int:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import _metrics as metrics
 from ._config import SPECS
 from ._dirs import NOT_YET_ERRNOS
 from ._errors import CacheDirError, LockFileError, LockTimeout
@@ -176,6 +177,8 @@ class ShardLock:
         self.record_error: str | None = None  # why the owner record could not be written
         self.lost = False  # lease mode: True once another process broke our lease
         self.fronts: Path | None = None  # a node lock: the lease it stands in front of
+        # Holder records of the waits of the acquisition in progress (for the metrics).
+        self._waited_for: list[dict[str, Any] | None] = []
         # Lease mode: the node-local flock taken before the lease (see the module).
         self.node_lock: ShardLock | None = None
         if node_lock is not None and policy.mode == "lease":
@@ -211,8 +214,24 @@ class ShardLock:
     # -- acquisition -------------------------------------------------------------------
 
     def acquire(self, done: Callable[[], bool] | None = None) -> bool:
-        """Wait for the lock (backoff with jitter). False if ``done()`` became true first."""
+        """Wait for the lock (backoff with jitter). False if ``done()`` became true first.
+        A wait (the lock was not free at once) is counted in the loader metrics with the
+        holder it waited for."""
         start = time.monotonic()
+        self._waited_for = []
+        if self.node_lock is not None:
+            self.node_lock._waited_for = []
+        try:
+            return self._acquire(done, start)
+        finally:
+            waited = self._waited_for
+            if self.node_lock is not None:
+                waited = self.node_lock._waited_for + waited
+            if waited:
+                holder = next((r for r in reversed(waited) if r), None)
+                metrics.collector().lock_wait(time.monotonic() - start, _holder_name(holder))
+
+    def _acquire(self, done: Callable[[], bool] | None, start: float) -> bool:
         node = self.node_lock
         if node is None:
             return self._wait(done, start, self.on_wait)
@@ -266,8 +285,10 @@ class ShardLock:
             attempts += 1
             if self._try_acquire():
                 self._start_record(attempts, time.monotonic() - start)
+                self._note_wait(attempts, watch)
                 return True
             if done is not None and done():
+                self._note_wait(attempts + 1, watch)
                 return False
             now = time.monotonic()
             raw = self._read_holder_raw()
@@ -285,6 +306,10 @@ class ShardLock:
             remaining = start + self.policy.timeout - now
             time.sleep(max(0.0, min(remaining, delay * random.uniform(0.5, 1.5))))
             delay = min(max_delay, delay * 2)
+
+    def _note_wait(self, attempts: int, watch: RecordWatch) -> None:
+        if attempts > 1:
+            self._waited_for.append(watch.record)
 
     def _try_acquire(self) -> bool:
         """One attempt at the lock. Transient creation errors are retried with backoff
@@ -579,3 +604,10 @@ def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) ->
         attempts=attempts,
         cause=f"{name}: {exc.strerror or exc}",
     )
+
+
+def _holder_name(record: dict[str, Any] | None) -> str | None:
+    """``"pid 77 on scnode2"`` for a lock holder's record (None: not known)."""
+    if not record:
+        return None
+    return f"pid {record.get('pid')} on {record.get('host')}"

@@ -64,6 +64,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn, Protocol
 
+from . import _metrics as metrics
 from ._config import prefetch_overrides
 from ._errors import FetchError, ShardCacheError, StallError
 from ._prefetch_diagnostics import STARVATION_SHARE, RateMeter, StarvationMonitor, stall_error
@@ -420,11 +421,13 @@ class Prefetcher:
             self._raise_failure(head, error)
         assert claimed or head.path is not None  # a done task without error has a path
         now = self._clock()
+        metrics.collector().waited_for_data(now - entered)
         if self._last_return is not None:  # the first wait is the cold start: not judged
             warning = self._starvation.record(
                 self._last_return, now, now - entered, shared.meter.total
             )
             if warning is not None:
+                metrics.count(stall_warnings=1)
                 logger.warning(warning)
         self._last_return = now
         with shared.cond:
@@ -520,6 +523,7 @@ class Prefetcher:
         return _MAX_WAIT
 
     def _stall_shutdown(self, stall: StallError) -> None:
+        metrics.count(stall_errors=1)
         self._stall = stall
         self._shutdown(STALL_CLOSE_TIMEOUT, stuck_expected=True)
         self._window.clear()

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.asyn import sync
 
+from . import _metrics as metrics
 from ._checksums import from_s3_head
 from ._download import LocalWriteError, ObjectInfo, Progress, RemoteOptions, Strategy, no_progress
 from ._download_parallel import ParallelDownload
@@ -137,7 +138,7 @@ class Remote:
             give_up=lambda exc, n: (
                 exc if isinstance(exc, _DECIDED) else fetch_error(url, n, exc, "stat")
             ),
-            on_retry=lambda exc, n: logger.info("retrying stat of %s after %s", url, describe(exc)),
+            on_retry=lambda exc, n: _stat_retry(url, exc),
         )
 
     def _info_once(self, url: str) -> ObjectInfo:
@@ -148,6 +149,7 @@ class Remote:
             kw = {"VersionId": version} if version else {}
             head = throttled_call(
                 self.options.throttle,
+                "HEAD",
                 lambda: sync(
                     fs.loop,
                     fs._call_s3,
@@ -222,6 +224,11 @@ class Remote:
             return strategy.download(info, out, progress)
         except LocalWriteError as exc:
             raise exc.__cause__ from None  # type: ignore[misc]
+
+
+def _stat_retry(url: str, exc: Exception) -> None:
+    metrics.retried(exc)
+    logger.info("retrying stat of %s after %s", url, describe(exc))
 
 
 def _fresh(options: dict[str, Any]) -> dict[str, Any]:

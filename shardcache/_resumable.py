@@ -34,6 +34,7 @@ from typing import Any
 import torch.utils.data
 import webdataset as wds
 
+from . import _metrics as metrics
 from ._cache import ShardCache
 from ._errors import ConfigError, ResumeError, ShardFormatError
 from ._redact import get_logger
@@ -296,7 +297,9 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             draws=progress.draws,
         )
         shuffler = _ShuffleBuffer(progress, draws)
-        for opened in self._stage(self._visits(progress)):
+        metrics.set_epoch(progress.epoch)
+        delivered = progress.delivered
+        for opened in self._stage.opened(self._visits(progress)):
             kind, detail = opened["visit"]
             if kind == "buffer":
                 shuffler.restore(opened, detail)
@@ -321,11 +324,15 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     return
             if progress.item == item:  # an empty piece, or one the handler gave up on
                 _advance(progress, item + 1)
+            metrics.count(samples=progress.delivered - delivered)  # once a piece, not a sample
+            delivered = progress.delivered
         shuffler.drop_unrestored()
         _advance(progress, len(progress.plan))
         while (out := shuffler.drain_one()) is not None:
             progress.delivered += 1
             yield out
+        metrics.count(samples=progress.delivered - delivered)
+        metrics.end_epoch(progress.epoch)
 
     def _visits(self, progress: Progress) -> Iterator[dict[str, Any]]:
         """Shards to open, in order: those of buffered samples (once each), then those of

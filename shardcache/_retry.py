@@ -21,13 +21,21 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from aiohttp import ClientError as AiohttpClientError
+from aiohttp import ClientPayloadError, ServerDisconnectedError
 from aiohttp import ClientResponseError as AiohttpResponseError
+from botocore.exceptions import (
+    ConnectionClosedError,
+    HTTPClientError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
 from botocore.exceptions import ConnectionError as BotoConnectionError
-from botocore.exceptions import HTTPClientError, IncompleteReadError, ReadTimeoutError
 
 from ._config import SPECS
 from ._errors import (
     FetchError,
+    IntegrityError,
     PermanentFetchError,
     RemoteIsADirectoryError,
     RemoteNotFoundError,
@@ -252,6 +260,39 @@ def is_throttled(exc: BaseException) -> bool:
         if status in (429, 503) or code in _THROTTLING_CODES:
             return True
     return False
+
+
+_TRUNCATED_TYPES = (TruncatedBody, IncompleteReadError, ClientPayloadError, ResponseStreamingError)
+_RESET_TYPES = (
+    ConnectionResetError,
+    BrokenPipeError,
+    ConnectionClosedError,
+    ServerDisconnectedError,
+)
+
+
+def retry_cause(exc: BaseException) -> str:
+    """Why a failed attempt is tried again, for the metrics: "integrity" (a failed
+    verification: downloaded again), "slowdown" (:func:`is_throttled`), "5xx" (another
+    server error), "truncated" (a body cut short), "reset" (the connection was reset or
+    closed under the request), else "other" (timeouts, refused connections, ...)."""
+    chain = _chain(exc)
+    if any(isinstance(item, IntegrityError) for item in chain):
+        return "integrity"
+    if is_throttled(exc):
+        return "slowdown"
+    for item in chain:
+        status, _code = _http_status_and_code(item)
+        if status is not None and status >= 500:
+            return "5xx"
+    if any(isinstance(item, _TRUNCATED_TYPES) for item in chain):
+        return "truncated"
+    for item in chain:
+        if isinstance(item, _RESET_TYPES):
+            return "reset"
+        if isinstance(item, OSError) and item.errno in (errno.ECONNRESET, errno.EPIPE):
+            return "reset"
+    return "other"
 
 
 def is_transient(exc: BaseException) -> bool:

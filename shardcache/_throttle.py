@@ -46,6 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
+from . import _metrics as metrics
 from ._redact import get_logger
 from ._retry import is_throttled
 
@@ -229,10 +230,12 @@ def reset_for_tests() -> None:
         _registry.clear()
 
 
-def throttled_call(throttle: Throttle, request: Callable[[], T]) -> T:
-    """Send ``request()`` in its slot; a throttling answer slows the process down and is
-    raised on (the caller's retry policy decides about the request itself)."""
+def throttled_call(throttle: Throttle, method: str, request: Callable[[], T]) -> T:
+    """Send ``request()`` (an HTTP ``method`` request, counted in the metrics) in its
+    slot; a throttling answer slows the process down and is raised on (the caller's retry
+    policy decides about the request itself)."""
     sent = throttle.acquire()
+    metrics.request(method)
     try:
         result = request()
     except Exception as exc:

@@ -39,10 +39,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import webdataset as wds
 
+from . import _metrics as metrics
 from ._cache import ShardCache
 from ._config import prefetch_overrides
 from ._errors import ShardCacheError, StallError
@@ -98,12 +100,20 @@ class CacheStage:
         self._live = weakref.WeakSet()
 
     def __call__(self, src: Iterable[Sample]) -> Iterator[Sample]:
+        return _epoch(self._opened_shards(src), count_samples=False)
+
+    def opened(self, src: Iterable[Sample]) -> Iterator[Sample]:
+        """The stage's shards without the end of the epoch at their end: for a caller
+        that delivers more after them (``ResumableDataset`` drains its shuffle buffer)."""
         return self._opened_shards(src)
 
     def close(self) -> None:
-        """Stop every prefetcher this stage started (cancels downloads, joins threads)."""
+        """Stop every prefetcher this stage started (cancels downloads, joins threads),
+        and emit the loader metrics left since the last record (a ``close`` record and,
+        in the training process, its log line)."""
         for prefetcher in list(self._live):
             prefetcher.close()
+        metrics.collector().close()
 
     def _opened_shards(self, src: Iterable[Sample]) -> Iterator[Sample]:
         cache = self.cache if self.cache is not None else ShardCache.from_env()
@@ -134,13 +144,9 @@ class CacheStage:
                 for shard, growing, until_stall in prefetcher.iter_early():
                     sample = pending.popleft()
                     path = str(shard.path)
-                    if growing is not None:  # still downloading: read as it lands
-                        assert isinstance(growing, GrowingFile)
-                        opened = growing.open(until_stall)
-                    else:
-                        opened = cache.open_prefetched(shard.path)  # pinned, survives rm
-                    with opened as stream:
+                    with _open(cache, shard.path, growing, until_stall) as stream:
                         yield {**sample, "stream": stream, "local_path": path}
+                    metrics.shard_delivered()
                     if growing is not None and (error := growing.verdict(until_stall)):
                         # Read (perhaps not to its end) before its verdict: a failure not yet
                         # raised by the stream goes to the handler here, once.
@@ -196,7 +202,39 @@ class TarfileToSamples(CacheStage):
             select_files=self.select_files,
             rename_files=self.rename_files,
         )
-        return wds.tariterators.group_by_keys(files, handler=self.handler)
+        return _epoch(wds.tariterators.group_by_keys(files, handler=self.handler))
+
+
+def _open(
+    cache: ShardCache, path: Path, growing: object, until_stall: Callable[[], float]
+) -> BinaryIO:
+    """The stream of a prefetched shard: read as it lands while it still downloads, else
+    the published file through its pin (which survives its removal)."""
+    if growing is not None:
+        assert isinstance(growing, GrowingFile)
+        return growing.open(until_stall)
+    return cache.open_prefetched(path)
+
+
+SAMPLE_BATCH = 256  # samples are counted in the metrics this many at a time (no lock each)
+
+
+def _epoch(items: Iterator[Sample], *, count_samples: bool = True) -> Iterator[Sample]:
+    """``items``, counted in the loader metrics; exhausting them ends this process's epoch
+    there (an early stop or an error does not)."""
+    uncounted = 0
+    try:
+        for item in items:
+            if count_samples:
+                uncounted += 1
+                if uncounted == SAMPLE_BATCH:
+                    metrics.count(samples=uncounted)
+                    uncounted = 0
+            yield item
+    finally:
+        if uncounted:
+            metrics.count(samples=uncounted)
+    metrics.end_epoch()
 
 
 def stage(

@@ -13,7 +13,7 @@ from accounts import Account, make_accounts, world_tmp
 from hypothesis import settings
 from juicefs import Node, nodes, require_fuse
 
-from shardcache import _throttle
+from shardcache import _metrics, _throttle
 from shardcache.testing import FaultProxy, S3Server
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -41,6 +41,14 @@ def _fresh_throttles() -> Iterator[None]:
     _throttle.reset_for_tests()
     yield
     _throttle.reset_for_tests()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_metrics() -> Iterator[None]:
+    """Every test starts with no loader metrics counted and no sinks (process-wide too)."""
+    _metrics.reset_for_tests()
+    yield
+    _metrics.reset_for_tests()
 
 
 @pytest.fixture(scope="session")
