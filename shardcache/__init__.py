@@ -38,7 +38,7 @@ from ._errors import (
 from ._metrics import add_metrics_sink
 from ._prefetch import PrefetchedShard, Prefetcher
 from ._redact import RedactingFilter
-from ._report import log_epoch_summary
+from ._loader_report import log_epoch_summary
 from ._resume_state import job_state
 from ._urls import expand_urls
 

@@ -21,7 +21,7 @@ import shardcache
 from shardcache import ConfigError, Settings, ShardCache
 from shardcache import _metrics as metrics
 from shardcache._demo import make_shard
-from shardcache._report import format_job_line, format_line, merge
+from shardcache._loader_report import format_job_line, format_line, merge
 from shardcache._retry import retry_cause
 
 BUCKET = "metrics"
