@@ -38,8 +38,10 @@ from ._errors import (
     WaitTimeout,
 )
 from ._prefetch import PrefetchedShard, Prefetcher
+from ._prometheus import PrometheusSink  # imports prometheus_client only when made
 from ._redact import RedactingFilter
 from ._resume_state import job_state
+from ._tensorboard import TensorBoardSink  # imports nothing of TensorBoard
 from ._urls import expand_urls
 
 __version__ = "0.1.0"
@@ -78,6 +80,7 @@ __all__ = [
     "PipeCommandError",
     "PrefetchedShard",
     "Prefetcher",
+    "PrometheusSink",
     "RedactingFilter",
     "RemoteIsADirectoryError",
     "RemoteNotFoundError",
@@ -89,6 +92,7 @@ __all__ = [
     "ShardCacheError",
     "ShardFormatError",
     "StallError",
+    "TensorBoardSink",
     "TransientFetchError",
     "UrlError",
     "WaitTimeout",
