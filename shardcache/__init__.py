@@ -22,6 +22,8 @@ from ._errors import (
     IntegrityError,
     LockFileError,
     LockTimeout,
+    MetricsError,
+    MissingExtraError,
     PermanentFetchError,
     PipeCommandError,
     RemoteIsADirectoryError,
@@ -35,11 +37,13 @@ from ._errors import (
     UrlError,
     WaitTimeout,
 )
+from ._loader_report import log_epoch_summary
 from ._metrics import add_metrics_sink
 from ._prefetch import PrefetchedShard, Prefetcher
+from ._prometheus import PrometheusSink  # imports prometheus_client only when made
 from ._redact import RedactingFilter
-from ._loader_report import log_epoch_summary
 from ._resume_state import job_state
+from ._tensorboard import TensorBoardSink  # imports nothing of TensorBoard
 from ._urls import expand_urls
 
 __version__ = "0.1.0"
@@ -72,10 +76,13 @@ __all__ = [
     "IntegrityError",
     "LockFileError",
     "LockTimeout",
+    "MetricsError",
+    "MissingExtraError",
     "PermanentFetchError",
     "PipeCommandError",
     "PrefetchedShard",
     "Prefetcher",
+    "PrometheusSink",
     "RedactingFilter",
     "RemoteIsADirectoryError",
     "RemoteNotFoundError",
@@ -87,6 +94,7 @@ __all__ = [
     "ShardCacheError",
     "ShardFormatError",
     "StallError",
+    "TensorBoardSink",
     "TransientFetchError",
     "UrlError",
     "WaitTimeout",

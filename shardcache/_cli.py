@@ -98,6 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "  shardcache evict --max-bytes 500G\n"
         "  shardcache verify\n"
         "  shardcache config --json\n"
+        "  shardcache report /shared/metrics/job-1234 --plot wait.png\n"
         "  shardcache demo\n"
         "\nexit codes: 0 ok, 1 failed (or some shards failed), 2 usage error",
     )
@@ -137,6 +138,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     _add_warm(commands)
     _add_maintenance(commands)
+    _add_report(commands)
     return parser
 
 
@@ -273,6 +275,68 @@ def _add_maintenance(commands: Any) -> None:
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     _cache_options(verify)
     verify.set_defaults(func=_cmd_verify)
+
+
+def _add_report(commands: Any) -> None:
+    report = _command(
+        commands,
+        "report",
+        "one table of a job's ranks from their metrics files (SHARDCACHE_METRICS)",
+        "Read every *.jsonl file under DIR (recursively): the shardcache.metrics records "
+        "the ranks of a job wrote with SHARDCACHE_METRICS=DIR. Prints per rank, worst "
+        "first (highest data-wait share, then most stalls and retries), then a totals row: "
+        "data-wait share, samples and samples/s, shards, cache hits, misses, shared, bytes "
+        "downloaded and served, GETs, retries, integrity re-downloads, lock waits, stall "
+        "warnings/errors; then the worst ranks' retries by cause, lock waits and stalls, and "
+        "the slowest shards. Several jobs in DIR: one table each (--job picks one). Lines "
+        "that are not records are skipped and counted. Exit code 1 when DIR holds no "
+        "records or a record of a newer schema version. --plot draws data-wait share and "
+        "samples/s per rank over time into a PNG (needs the plot extra: matplotlib).",
+        [
+            "shardcache report /shared/metrics/job-1234",
+            "shardcache report metrics/ --epoch 2 --top 20",
+            "shardcache report metrics/ --plot wait.png",
+            "shardcache report metrics/ --json",
+        ],
+    )
+    report.add_argument("dir", type=Path, metavar="DIR", help="directory of *.jsonl files")
+    report.add_argument("--json", action="store_true", help="machine-readable output (every rank)")
+    report.add_argument(
+        "--plot", type=Path, metavar="OUT.png", help="draw wait share and samples/s over time"
+    )
+    report.add_argument("--epoch", type=_non_negative_int, help="only this epoch's records")
+    report.add_argument("--job", metavar="ID", help="only this job id's records")
+    report.add_argument(
+        "--top",
+        type=_non_negative_int,
+        default=10,
+        metavar="K",
+        help="rows for the K worst ranks and the K slowest shards (default 10; 0: all)",
+    )
+    report.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from ._report import build_report
+
+    if not args.dir.is_dir():
+        raise UsageError(f"{args.dir} is not a directory (give the SHARDCACHE_METRICS directory)")
+    if args.plot is not None and not args.plot.parent.is_dir():
+        raise UsageError(f"--plot {args.plot}: directory {args.plot.parent} does not exist")
+    report = build_report(args.dir, epoch=args.epoch, job=args.job)
+    if args.plot is not None:
+        from ._report_plot import plot
+
+        plot(report.jobs[0], args.plot)  # before any output: a missing extra fails cleanly
+    if args.json:
+        sys.stdout.write(json.dumps(report.as_json(args.top), indent=2) + "\n")
+    else:
+        sys.stdout.write(report.format(args.top) + "\n")
+    if args.plot is not None:
+        sys.stdout.flush()
+        several = " (the latest of several jobs; --job picks one)" if len(report.jobs) > 1 else ""
+        sys.stderr.write(f"report: plotted job {report.jobs[0].job_id}{several} to {args.plot}\n")
+    return EXIT_OK
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

@@ -20,6 +20,8 @@
     │   └── LockFileError(OSError)        a lock file cannot be created (path, errno)
     ├── ShardFormatError(ValueError)      a shard is not a readable tar (where, what was seen)
     ├── ResumeError(ValueError)           a resume state does not fit this dataset (what differs)
+    ├── MetricsError(ValueError)          metrics files cannot be reported (newer version, none)
+    ├── MissingExtraError(ImportError)    an optional extra is missing (says what to pip install)
     ├── StallError(TimeoutError)          a prefetch worker made no progress
     └── WaitTimeout(TimeoutError)         a cross-rank wait (directory, file) timed out
 
@@ -152,6 +154,16 @@ class ResumeError(ShardCacheError, ValueError):
     seed or job layout; names what differs, both values and what to do."""
 
 
+class MetricsError(ShardCacheError, ValueError):
+    """Metrics records cannot be reported: a file of a newer schema version (names the file,
+    line and version: upgrade shardcache), or no records at all where some were expected."""
+
+
+class MissingExtraError(ShardCacheError, ImportError):
+    """An optional dependency is not installed; ``extra`` names the shardcache extra and the
+    message gives the ``pip install 'shardcache[...]'`` command."""
+
+
 class StallError(ShardCacheError, TimeoutError):
     """A prefetch worker made no progress for the stall timeout."""
 
@@ -173,6 +185,8 @@ __all__ = [
     "IntegrityError",
     "LockFileError",
     "LockTimeout",
+    "MetricsError",
+    "MissingExtraError",
     "PermanentFetchError",
     "PipeCommandError",
     "RemoteIsADirectoryError",

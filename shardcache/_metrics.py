@@ -56,8 +56,8 @@ from typing import Any
 
 from ._config import env_setting
 from ._errors import ShardCacheError
-from ._redact import get_logger, redact_url
 from ._loader_report import format_line, merge
+from ._redact import get_logger, redact_url
 
 logger = get_logger(__name__)
 

@@ -19,7 +19,7 @@ from shardcache._cli import main
 from shardcache.warm import WarmPlan, plan_warm
 
 BUCKET = "warm"
-COMMANDS = ["warm", "status", "clean", "evict", "verify", "config", "demo"]
+COMMANDS = ["warm", "status", "clean", "evict", "verify", "config", "demo", "report"]
 
 
 def _run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -192,6 +192,11 @@ BAD_ARGS = [
     ["verify", "--threads", "many"],
     ["config", "--yaml"],
     ["demo", "--shards", "x"],
+    ["report"],
+    ["report", "/nonexistent/metrics"],
+    ["report", "/", "--top", "-1"],
+    ["report", "/", "--epoch", "first"],
+    ["report", "/", "--plot", "/nonexistent/dir/wait.png"],
     ["frobnicate"],
 ]
 
