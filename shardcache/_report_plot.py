@@ -35,9 +35,18 @@ class Timeline:
     def bins(self) -> int:
         return len(next(iter(self.rate.values()), []))
 
+    @property
+    def unit(self) -> tuple[float, str]:
+        """(seconds per unit, name) of the time axis: seconds for a job of up to 3 minutes."""
+        return (1.0, "seconds") if self.width * self.bins <= 180 else (60.0, "minutes")
+
+    def at(self, when: float) -> float:
+        """``when`` (unix time) on the time axis."""
+        return (when - self.start) / self.unit[0]
+
     def edges(self) -> list[float]:
-        """Bin edges, minutes since ``start`` (one more than the bins)."""
-        return [i * self.width / 60 for i in range(self.bins + 1)]
+        """Bin edges on the time axis (one more than the bins)."""
+        return [i * self.width / self.unit[0] for i in range(self.bins + 1)]
 
 
 def timeline(job: JobReport) -> Timeline:
@@ -118,10 +127,10 @@ def plot(job: JobReport, out: Path) -> Timeline:
         for epoch, begin in line.epoch_starts.items():
             if begin > line.start:
                 for ax in (ax_wait, ax_rate):
-                    ax.axvline((begin - line.start) / 60, color="0.5", linestyle=":")
+                    ax.axvline(line.at(begin), color="0.5", linestyle=":")
                 ax_wait.annotate(
                     f" epoch {epoch}",
-                    ((begin - line.start) / 60, 1.0),
+                    (line.at(begin), 1.0),
                     xycoords=("data", "axes fraction"),
                     va="top",
                     fontsize="small",
@@ -150,7 +159,7 @@ def plot(job: JobReport, out: Path) -> Timeline:
         ax_wait.set_ylim(0, 100)
         ax_rate.set_ylabel("samples/s")
         ax_rate.set_ylim(bottom=0)
-        ax_rate.set_xlabel(f"minutes since {_when(line.start)} (bins of {line.width:.0f} s)")
+        ax_rate.set_xlabel(f"{line.unit[1]} since {_when(line.start)} (bins of {line.width:.3g} s)")
         for ax in (ax_wait, ax_rate):
             ax.grid(True, color="0.9")
         handles, labels = ax_wait.get_legend_handles_labels()

@@ -62,7 +62,7 @@ def _job_lines(job: JobReport, top: int) -> list[str]:
         epochs = f"; epoch {first}" if first == last else f"; epochs {first}-{last}"
     world = f" of world size {job.world_size}" if job.world_size else ""
     lines = [
-        f"{_job_name(job)}: {len(job.ranks)} ranks{world} on {len(total.hosts)} hosts, "
+        f"{_job_name(job)}: {len(job.ranks)} ranks{world} on {_hosts(len(total.hosts))}, "
         f"{total.records} records, {_when(total.first)} to {_when(total.last)} "
         f"({_duration(total.span_s)}){epochs}"
     ]
@@ -100,7 +100,7 @@ def _row(rank: RankSummary, label: str | None = None) -> tuple[str, ...]:
     share, rate, hits = rank.data_wait_share, rank.samples_per_s, rank.hit_rate
     return (
         label or _rank(rank.rank),
-        ",".join(sorted(rank.hosts)) if label is None else f"{len(rank.hosts)} hosts",
+        ",".join(sorted(rank.hosts)) if label is None else _hosts(len(rank.hosts)),
         "-" if share is None else f"{share:.1%}",
         f"{rank.samples:.0f}",
         "-" if rate is None else f"{rate:.1f}",
@@ -118,21 +118,25 @@ def _row(rank: RankSummary, label: str | None = None) -> tuple[str, ...]:
     )
 
 
+def _hosts(count: int) -> str:
+    return f"{count} host" if count == 1 else f"{count} hosts"
+
+
 def _wait_note(job: JobReport) -> list[str]:
     by_source: dict[str | None, list[int | None]] = {}
     for rank in job.ranks:
         by_source.setdefault(rank.data_wait_source, []).append(rank.rank)
     lines = [
-        "wait: share of the time the training loop waited for data (each rank's main-process "
-        "records;",
-        "  its DataLoader workers' records count toward samples and I/O); hits: shards served "
+        "wait: share of the time the data path waited for shards, measured where the stage "
+        "runs (a rank's",
+        "  DataLoader workers, or its training process without workers); hits: shards served "
         "from the cache;",
         "  lock waits: count/seconds; stalls: warnings/errors",
     ]
-    if "workers" in by_source:
+    if "main" in by_source:
         lines.append(
-            f"  ranks {_ranges(by_source['workers'])}: wait from their DataLoader workers' "
-            "records (their main process recorded no data wait): the workers' mean share"
+            f"  ranks {_ranges(by_source['main'])}: wait from the training process's records "
+            "(no DataLoader worker recorded any)"
         )
     if None in by_source:
         lines.append(f"  ranks {_ranges(by_source[None])}: no record carries data_wait_s")

@@ -216,20 +216,25 @@ def _open(
     return cache.open_prefetched(path)
 
 
-SAMPLE_BATCH = 256  # samples are counted in the metrics this many at a time (no lock each)
+SAMPLE_BATCH = 256  # samples are counted in the metrics at most this many at a time
 
 
 def _epoch(items: Iterator[Sample], *, count_samples: bool = True) -> Iterator[Sample]:
     """``items``, counted in the loader metrics; exhausting them ends this process's epoch
-    there (an early stop or an error does not)."""
+    there (an early stop or an error does not). Samples are counted a shard (or
+    ``SAMPLE_BATCH``) at a time, not one by one, so that records and plots follow the
+    samples within a shard's time."""
     uncounted = 0
+    shard = None
     try:
         for item in items:
             if count_samples:
-                uncounted += 1
-                if uncounted == SAMPLE_BATCH:
+                url = item.get("__url__")
+                if uncounted and (uncounted == SAMPLE_BATCH or url != shard):
                     metrics.count(samples=uncounted)
                     uncounted = 0
+                uncounted += 1
+                shard = url
             yield item
     finally:
         if uncounted:

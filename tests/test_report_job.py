@@ -1,14 +1,12 @@
-"""``shardcache report`` and ``--plot`` on the files a real job wrote: 2 ranks of
-tests/stall_training_job.py (the WebDataset stage in 2 DataLoader workers each) read 8
-shards from moto with ``SHARDCACHE_METRICS=DIR``.
+"""Observability on a real job: ``torchrun`` with 2 ranks x 2 DataLoader workers
+(tests/metrics_job.py) reads 24 shards from the S3 server through a shaped link that
+answers one GET with ``503 SlowDown``, for 3 epochs, with ``SHARDCACHE_METRICS=DIR``.
 
-The records come from the producer side of issue 17 (``shardcache._metrics``, built on
-another branch): until it is in, the job runs and this test skips at the report step,
-saying so."""
+What the ranks logged, what their files say (summed by ``shardcache report``) and what the
+server and the proxy counted must agree; ``--plot`` draws the job's files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,60 +17,90 @@ import pytest
 
 from shardcache._cli import main
 from shardcache._demo import make_shard
+from shardcache.testing import FaultProxy, S3Server
 
-JOB = Path(__file__).with_name("stall_training_job.py")
-BUCKET, SHARDS, PER_SHARD, RANKS = "metricsjob", 8, 4, 2
+JOB = Path(__file__).with_name("metrics_job.py")
+BUCKET, SHARDS, PER_SHARD, RANKS, WORKERS, EPOCHS = "metricsjob", 24, 10, 2, 2, 3
+SPEC = f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"
+RUN_TIMEOUT = 300
 
 
-def test_report_and_plot_on_the_files_of_a_real_job(s3, tmp_path, capsys) -> None:
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_a_torchrun_jobs_logs_files_and_report_agree_with_the_server(
+    s3: S3Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     s3.put_objects(BUCKET, {f"train-{i:06d}.tar": make_shard(i, PER_SHARD) for i in range(SHARDS)})
-    spec = f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"
+    s3.clear_requests()
     metrics = tmp_path / "metrics"
-    procs = []
-    for rank in range(RANKS):
+    with FaultProxy("127.0.0.1", s3.port, latency=0.03, conn_rate=1e6) as link:
+        link.add_fault("status:503", times=1, method="GET", path_contains="train-000003")
         env = {
-            **os.environ,
-            **s3.env(),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(RANKS),
-            "LOCAL_WORLD_SIZE": str(RANKS),
+            **{k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")},
+            **s3.env(link.endpoint_url),
+            "OMP_NUM_THREADS": "1",
             "SHARDCACHE_METRICS": str(metrics),
-            "SHARDCACHE_METRICS_INTERVAL": "1",
+            "SHARDCACHE_METRICS_INTERVAL": "1s",
         }
-        args = [str(JOB), spec, str(tmp_path / "cache"), s3.endpoint_url, "60", "60"]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={RANKS}",
+            str(JOB),
+            f"--spec={SPEC}",
+            f"--cache={tmp_path / 'cache'}",
+            f"--epochs={EPOCHS}",
+            f"--workers={WORKERS}",
+        ]
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False
         )
-    samples = 0
-    for proc in procs:
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err
-        assert "epoch finished" in out
-        samples += out.count("sample ")
-    assert samples == SHARDS * PER_SHARD
+        injected = link.stats().faults
+    (tmp_path / "job.err").write_text(done.stderr)  # kept with the files, for reading
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert injected == {"status:503": 1}
 
-    files = sorted(metrics.rglob("*.jsonl")) if metrics.exists() else []
-    if not files and importlib.util.find_spec("shardcache._metrics") is None:
-        pytest.skip("the metrics producer (shardcache._metrics, SHARDCACHE_METRICS) is not here")
-    assert files, "the job wrote no *.jsonl under SHARDCACHE_METRICS"
+    # The ranks' own lines: one per rank and epoch, and rank 0's line for the job.
+    for rank in range(RANKS):
+        for epoch in range(EPOCHS):
+            assert f"shardcache rank {rank} epoch {epoch}: " in done.stderr, done.stderr[-3000:]
+    for epoch in range(EPOCHS):
+        assert f"shardcache job epoch {epoch}, {RANKS} ranks: " in done.stderr
+    lines = [json.loads(ln[7:]) for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert len(lines) == RANKS * EPOCHS
+    per_shard = SHARDS // RANKS * PER_SHARD
+    assert {(ln["rank"], ln["epoch"], ln["samples"]) for ln in lines} == {
+        (r, e, per_shard) for r in range(RANKS) for e in range(EPOCHS)
+    }
+    # The rank lines as dicts (rank 0 returns the job's report from the collective).
+    job_lines = [ln["report"] for ln in lines if ln["rank"] == 0]
+    assert [r["samples"] for r in job_lines] == [SHARDS * PER_SHARD] * EPOCHS
+    assert job_lines[0]["misses"] == SHARDS and job_lines[1]["hits"] == SHARDS
 
+    # The files of all processes (ranks and workers), summed by `shardcache report`.
+    files = sorted(metrics.rglob("*.jsonl"))
+    # One per process: each rank's training process, and its workers, new every epoch.
+    assert len(files) == RANKS * (1 + WORKERS * EPOCHS), files
     assert main(["report", str(metrics), "--json"]) == 0
     (job,) = json.loads(capsys.readouterr().out)["jobs"]
+    total = job["total"]
     assert sorted(r["rank"] for r in job["ranks"]) == list(range(RANKS))
-    assert job["total"]["samples"] == SHARDS * PER_SHARD
-    fetched = job["total"]["hits"] + job["total"]["misses"] + job["total"]["shared"]
-    assert fetched == SHARDS and job["total"]["misses"] >= 1
+    assert total["samples"] == SHARDS * PER_SHARD * EPOCHS
+    assert (total["misses"], total["hits"], total["shared"]) == (SHARDS, SHARDS * 2, 0)
+    # Every request a process counted reached the server, but the one the link answered.
+    assert total["requests"]["GET"] == s3.count("GET", BUCKET) + injected["status:503"]
+    assert total["requests"]["HEAD"] == s3.count("HEAD", BUCKET)
+    assert total["retries"]["slowdown"] == 1
+    assert sum(total["retries"].values()) == 1
     for rank in job["ranks"]:
-        assert rank["data_wait_share"] is None or 0 <= rank["data_wait_share"] <= 1
+        assert rank["data_wait_source"] == "workers"
+        assert 0 < rank["data_wait_share"] <= 1
 
-    png = tmp_path / "wait.png"
+    assert main(["report", str(metrics)]) == 0
+    table = capsys.readouterr().out
+    (tmp_path / "report.txt").write_text(table)
+    assert "total" in table
+    png = tmp_path / "report.png"
     assert main(["report", str(metrics), "--plot", str(png)]) == 0
-    assert "total" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
