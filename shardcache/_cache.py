@@ -139,6 +139,8 @@ class ShardCache:
                 throttle=process_throttle(s.max_request_rate, s.job_request_rate, s.world_size),
             )
         )
+        if s.metrics is not None:  # metrics files asked for in code or the environment
+            metrics.configure(s.metrics, s.metrics_interval)
         self._freshness = Freshness(self.layout, self.remote, s.revalidate)
         self._namespaces: dict[str, str] = {}  # protocol -> its store, resolved once
         self._identities: dict[str, ShardId] = {}  # url -> its identity (IDENTITY_MEMO)

@@ -270,6 +270,9 @@ class Collector:
         return self._interval
 
     def _configure(self) -> None:
+        if _explicit:  # a cache's own settings (configure()) win over the environment
+            self._target, self._interval = _explicit["target"], _explicit["interval"]
+            return
         try:
             self._target = env_setting("metrics")
             self._interval = env_setting("metrics_interval")
@@ -398,6 +401,21 @@ def _unspool() -> list[dict[str, Any]]:
 _state: dict[str, Any] = {"made": None, "lock": threading.Lock()}
 
 
+# Set by configure() from a cache's settings; inherited by forked children (a DataLoader
+# worker's collector is made anew, with what the training process configured).
+_explicit: dict[str, Any] = {}
+
+
+def configure(target: str | None, interval: float) -> None:
+    """Write this process's records to ``target`` (``SHARDCACHE_METRICS``'s forms), every
+    ``interval`` seconds: ``ShardCache(metrics=..., metrics_interval=...)`` calls it, so a
+    value given in code counts like the environment's (the last cache made wins)."""
+    _explicit.update(target=target, interval=interval)
+    made = _state["made"]
+    if made is not None and made.pid == os.getpid():
+        made._target, made._interval = target, interval
+
+
 def collector() -> Collector:
     """This process's collector (made on first use, and anew in a forked child)."""
     made = _state["made"]
@@ -436,6 +454,7 @@ def reset_for_tests() -> None:
     """Forget this process's counts, sinks and spooled worker totals (the next count
     starts a new collector)."""
     _unspool()
+    _explicit.clear()
     with _state["lock"]:
         _state["made"] = None
     with _sinks_lock:

@@ -9,6 +9,10 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -377,3 +381,94 @@ def test_rank_zero_logs_the_jobs_line_over_a_gloo_group(tmp_path: Path) -> None:
     assert [ln for ln in lines0 if ln.startswith("shardcache rank 0 epoch 0: 24 samples")]
     assert [ln for ln in lines1 if ln.startswith("shardcache rank 1 epoch 0: 32 samples")]
     print(job_lines[0])
+
+
+# -- facts beyond requests: settings in code, lock waits, integrity -------------------------
+
+
+def test_metrics_asked_for_in_code_reach_forked_workers(s3, dataset, tmp_path: Path) -> None:
+    """``ShardCache(metrics=DIR)`` without the environment variable: the training process
+    and its forked DataLoader workers write their files there."""
+    cache = ShardCache(
+        tmp_path / "cache",
+        storage_options={"endpoint_url": s3.endpoint_url},
+        metrics=str(tmp_path / "metrics"),
+    )
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"),
+        wds.split_by_worker,
+        shardcache.tarfile_to_samples(cache=cache),
+    )
+    loader = DataLoader(
+        pipeline, batch_size=None, num_workers=2, multiprocessing_context=mp.get_context("fork")
+    )
+    assert len(list(loader)) == SHARDS * PER_SHARD
+    shardcache.log_epoch_summary(0)
+    records = _records(tmp_path / "metrics")
+    assert {r["worker"] for r in records} == {0, 1, None}
+    assert sum(r["samples"] for r in records) == SHARDS * PER_SHARD
+
+
+_HOLDER = """
+import sys
+from shardcache import ShardCache
+ShardCache(sys.argv[1], storage_options={"endpoint_url": sys.argv[2]}).fetch(sys.argv[3])
+"""
+
+
+def test_a_lock_wait_is_counted_with_its_holder(s3, fault_proxy, dataset, tmp_path: Path) -> None:
+    """Another process downloads a shard (its body held back by the link) while this one
+    wants it: one lock wait, naming that process; the shard counts as shared."""
+    url = f"s3://{BUCKET}/train-000001.tar"
+    held = fault_proxy.add_fault("hold", times=1, method="GET", path_contains="train-000001")
+    cache_dir = tmp_path / "cache"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(cache_dir), fault_proxy.endpoint_url, url],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while fault_proxy.stats().faults.get("hold", 0) < 1:  # the holder's GET is held
+            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr
+            time.sleep(0.01)  # polling a condition, bounded by the deadline
+        waiting = threading.Event()
+
+        def progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+            if phase.startswith("waiting for pid"):
+                waiting.set()
+
+        cache = ShardCache(cache_dir, storage_options={"endpoint_url": fault_proxy.endpoint_url})
+        fetched: list[Path] = []
+        waiter = threading.Thread(target=lambda: fetched.append(cache.fetch(url, progress)))
+        waiter.start()
+        assert waiting.wait(60), "the fetch never waited for the holder"
+        held.release()
+        waiter.join(60)
+        assert holder.wait(60) == 0, holder.stderr
+    finally:
+        held.release()
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(30)
+    assert fetched and fetched[0].read_bytes() == dataset["train-000001.tar"]
+    report = shardcache.log_epoch_summary(0)
+    assert (report["shared"], report["misses"]) == (1, 0)
+    assert report["lock_waits"]["count"] == 1 and report["lock_waits"]["seconds"] > 0
+    assert report["lock_waits"]["worst_holder"] == f"pid {holder.pid} on {socket.gethostname()}"
+    assert report["requests"] == {}  # the waiter sent nothing: the holder downloaded it
+
+
+def test_an_integrity_redownload_is_counted(s3, fault_proxy, dataset, tmp_path: Path) -> None:
+    """The link flips a byte of one GET's body: the download fails verification and is made
+    again, and the report says so (one re-download, two GETs, both seen by the server)."""
+    fault_proxy.add_fault("corrupt", times=1, method="GET", path_contains="train-000002")
+    cache = ShardCache(
+        tmp_path / "cache", storage_options={"endpoint_url": fault_proxy.endpoint_url}
+    )
+    url = f"s3://{BUCKET}/train-000002.tar"
+    assert cache.fetch(url).read_bytes() == dataset["train-000002.tar"]
+    report = shardcache.log_epoch_summary(0)
+    assert report["integrity_redownloads"] == 1
+    assert report["requests"]["GET"] == 2 == s3.count("GET", BUCKET, "train-000002.tar")
+    assert sum(report["retries"].values()) == 0  # a re-download, not a retry
