@@ -31,6 +31,7 @@ from shardcache import (
     ShardCache,
     StallError,
     UrlError,
+    log_epoch_summary,
 )
 from shardcache._layout import is_temp_name
 from shardcache._prefetch import THREAD_NAME_PREFIX, PrefetchedShard, Prefetcher
@@ -513,3 +514,4 @@ def test_hung_download_raises_stall_error_with_diagnostics(s3, fault_proxy, tmp_
         next(shards)
     _assert_no_prefetch_threads(io_timeout + 20)  # the hung read ends at its io_timeout
     assert not _temp_files(tmp_path)
+    assert log_epoch_summary(0)["stall_errors"] == 1  # and the loader report counts it

@@ -372,3 +372,20 @@ def test_without_a_handler_a_bad_shard_raises_where_it_is(tmp_path: Path) -> Non
     )
     with pytest.raises(shardcache.ShardFormatError, match=r"local-0\.tar at byte 0"):
         list(dataset)
+
+
+def test_the_loader_report_counts_each_epoch_of_the_resumable_dataset(
+    dataset_s3, tmp_path: Path
+) -> None:
+    """Two epochs through 2 workers: each epoch's report (the workers' totals, handed to
+    the training process) has every sample and shard once, downloads first, hits after."""
+    dataset = _dataset(tmp_path / "cache")
+    loader = _loader(dataset)
+    reports = []
+    for epoch in range(2):
+        dataset.set_epoch(epoch)
+        assert sum(len(keys) for keys in loader) == SHARDS * PER_SHARD
+        reports.append(shardcache.log_epoch_summary(epoch))
+    assert [r["samples"] for r in reports] == [SHARDS * PER_SHARD] * 2
+    assert [r["epoch"] for r in reports] == [0, 1]
+    assert [(r["misses"], r["hits"]) for r in reports] == [(SHARDS, 0), (0, SHARDS)]

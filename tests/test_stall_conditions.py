@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from processes import CTX
 
-from shardcache import ShardCache, StallError
+from shardcache import ShardCache, StallError, log_epoch_summary
 from shardcache import _prefetch_diagnostics as prefetch_diagnostics
 from shardcache._demo import make_shard
 from shardcache._prefetch import Prefetcher
@@ -110,6 +110,8 @@ def test_a_slow_but_moving_link_is_not_a_stall_and_warns_of_starvation_once(
     warnings = [r.getMessage() for r in caplog.records if "waited for data" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "MB/s" in warnings[0] and "SHARDCACHE_THREADS" in warnings[0]
+    report = log_epoch_summary(0)  # the loader report counts the warning, and no error
+    assert (report["stall_warnings"], report["stall_errors"]) == (1, 0)
 
 
 # -- a shard downloaded by another process ---------------------------------------------
