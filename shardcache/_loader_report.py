@@ -14,23 +14,12 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from ._metrics_records import COUNTS, RETRY_CAUSES
 from ._redact import get_logger
 
 logger = get_logger(__name__)
 
-_SUMMED = (
-    "samples",
-    "shards",
-    "hits",
-    "misses",
-    "shared",
-    "bytes_downloaded",
-    "bytes_served",
-    "integrity_redownloads",
-    "stall_warnings",
-    "stall_errors",
-    "data_wait_s",
-)
+_SUMMED = (*COUNTS, "data_wait_s")
 WORST_RANKS = 3  # ranks named in the job's line
 
 
@@ -114,7 +103,7 @@ def _body(r: dict[str, Any]) -> str:
         f"{_size(r['bytes_downloaded'])} downloaded",
         f"{requests.get('GET', 0)} GETs, {requests.get('HEAD', 0)} HEADs",
         "retries reset {} / 5xx {} / SlowDown {} / truncated {} / other {}".format(
-            *(retries.get(c, 0) for c in ("reset", "5xx", "slowdown", "truncated", "other"))
+            *(retries.get(c, 0) for c in RETRY_CAUSES)
         ),
     ]
     if r["integrity_redownloads"]:

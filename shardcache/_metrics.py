@@ -57,26 +57,12 @@ from typing import Any
 from ._config import env_setting
 from ._errors import ShardCacheError
 from ._loader_report import format_line, merge
+from ._metrics_records import COUNTS, RETRY_CAUSES, SCHEMA, VERSION
 from ._redact import get_logger, redact_url
 
 logger = get_logger(__name__)
 
-SCHEMA = "shardcache.metrics"
-VERSION = 1
-RETRY_CAUSES = ("reset", "5xx", "slowdown", "truncated", "other")
 SLOWEST = 5  # slowest shards kept per record
-_COUNTS = (
-    "samples",
-    "shards",
-    "hits",
-    "misses",
-    "shared",
-    "bytes_downloaded",
-    "bytes_served",
-    "integrity_redownloads",
-    "stall_warnings",
-    "stall_errors",
-)
 
 Sink = Callable[[dict[str, Any]], object]
 _sinks: list[Sink] = []
@@ -106,7 +92,7 @@ class _Period:
 
     def __init__(self, wall: float, mono: float) -> None:
         self.wall, self.mono = wall, mono
-        self.counts = dict.fromkeys(_COUNTS, 0)
+        self.counts = dict.fromkeys(COUNTS, 0)
         self.requests: dict[str, int] = {}
         self.retries = dict.fromkeys(RETRY_CAUSES, 0)
         self.lock_count, self.lock_seconds, self.lock_worst = 0, 0.0, 0.0

@@ -17,6 +17,22 @@ from typing import Any
 
 SCHEMA = "shardcache.metrics"
 VERSION = 1
+# The plain counts of a record (deltas of its period), besides its mappings (requests,
+# retries, lock_waits), data_wait_s and slowest_shards: the producer makes them, every
+# consumer sums them.
+COUNTS = (
+    "samples",
+    "shards",
+    "hits",
+    "misses",
+    "shared",
+    "bytes_downloaded",
+    "bytes_served",
+    "integrity_redownloads",
+    "stall_warnings",
+    "stall_errors",
+)
+RETRY_CAUSES = ("reset", "5xx", "slowdown", "truncated", "other")
 
 # What classify() says about one parsed JSON value.
 OK, NOT_A_RECORD, NEWER = "ok", "not a shardcache.metrics record", "newer version"
@@ -114,9 +130,11 @@ class OwnerProcess:
 
 
 __all__ = [
+    "COUNTS",
     "NEWER",
     "NOT_A_RECORD",
     "OK",
+    "RETRY_CAUSES",
     "SCHEMA",
     "VERSION",
     "OwnerProcess",

@@ -14,7 +14,6 @@ and ``worker`` (``main`` or the DataLoader worker id), plus ``result`` / ``metho
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import tempfile
 from collections.abc import Mapping
@@ -23,12 +22,13 @@ from typing import Any
 
 from . import _metrics_records as mr
 from ._errors import MissingExtraError
+from ._redact import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 LABELS = ("job_id", "host", "rank", "worker")
 METHODS = frozenset({"GET", "HEAD", "LIST", "PUT", "POST", "DELETE"})
-CAUSES = frozenset({"reset", "5xx", "slowdown", "truncated", "other"})
+CAUSES = frozenset(mr.RETRY_CAUSES)
 
 # counter name (without _total) -> (record field, help)
 _COUNTERS = {

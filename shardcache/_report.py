@@ -417,20 +417,7 @@ def _merge(total: RankSummary, rank: RankSummary) -> None:
     total.processes |= {(rank.rank, *p) for p in rank.processes}  # type: ignore[arg-type]
     total.records += rank.records
     total.first, total.last = min(total.first, rank.first), max(total.last, rank.last)
-    for name in (
-        "samples",
-        "shards",
-        "hits",
-        "misses",
-        "shared",
-        "bytes_downloaded",
-        "bytes_served",
-        "integrity_redownloads",
-        "lock_waits",
-        "lock_wait_s",
-        "stall_warnings",
-        "stall_errors",
-    ):
+    for name in (*mr.COUNTS, "lock_waits", "lock_wait_s"):
         setattr(total, name, getattr(total, name) + getattr(rank, name))
     total.requests.update(rank.requests)
     total.retries.update(rank.retries)
