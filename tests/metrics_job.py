@@ -4,7 +4,7 @@ processes, for a few epochs, with a fixed compute time per sample standing in fo
 model, and ends each epoch with ``shardcache.log_epoch_summary`` (a collective on the gloo
 group: rank 0 also logs the job's line). Logs go to stderr at INFO.
 
-    torchrun --standalone --nproc_per_node=2 metrics_job.py --spec SPEC --cache DIR
+    torchrun --standalone --nproc_per_node=2 metrics_job.py --spec SPEC --cache DIR --out DIR
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--compute", type=float, default=0.01, help="seconds per sample")
+    parser.add_argument("--out", required=True, help="directory for each rank's report lines")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     dist.init_process_group("gloo")
@@ -48,7 +49,9 @@ def main() -> None:
             time.sleep(args.compute)  # the model's step, not a synchronisation
         report = shardcache.log_epoch_summary(epoch)
         line = {"rank": dist.get_rank(), "epoch": epoch, "samples": samples, "report": report}
-        print("REPORT " + json.dumps(line), flush=True)
+        # A file per rank: two ranks printing long lines to one pipe can interleave them.
+        with open(f"{args.out}/report-rank{dist.get_rank()}.jsonl", "a") as out:
+            out.write(json.dumps(line) + "\n")
     dist.destroy_process_group()
 
 

@@ -52,6 +52,7 @@ def test_a_torchrun_jobs_logs_files_and_report_agree_with_the_server(
             f"--cache={tmp_path / 'cache'}",
             f"--epochs={EPOCHS}",
             f"--workers={WORKERS}",
+            f"--out={tmp_path}",
         ]
         done = subprocess.run(
             command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False
@@ -67,7 +68,11 @@ def test_a_torchrun_jobs_logs_files_and_report_agree_with_the_server(
             assert f"shardcache rank {rank} epoch {epoch}: " in done.stderr, done.stderr[-3000:]
     for epoch in range(EPOCHS):
         assert f"shardcache job epoch {epoch}, {RANKS} ranks: " in done.stderr
-    lines = [json.loads(ln[7:]) for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
+    lines = [
+        json.loads(ln)
+        for out in sorted(tmp_path.glob("report-rank*.jsonl"))
+        for ln in out.read_text().splitlines()
+    ]
     assert len(lines) == RANKS * EPOCHS
     per_shard = SHARDS // RANKS * PER_SHARD
     assert {(ln["rank"], ln["epoch"], ln["samples"]) for ln in lines} == {
