@@ -27,7 +27,8 @@ epochs with :func:`log_epoch_summary`).
 DataLoader workers are separate processes: each emits its own records (``worker`` = its
 id) to the sinks and to its own file. For the rank's single log line, a worker also hands
 its epoch total to the rank's main process through a private spool directory (one small
-JSON file per worker and epoch, ``<tmp>/shardcache-<uid>/metrics-spool/<main pid>/``);
+JSON file per worker and epoch, ``<tmp>/shardcache-<euid>/metrics-spool/<main pid>/``,
+``_metrics_spool``);
 the main process merges them with its own counts when it closes the epoch
 (:func:`log_epoch_summary`, or the stage's exhaustion when it iterates itself) and logs
 one line. Workers log no line. A worker's spool file is written before its iterator
@@ -47,7 +48,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -58,6 +58,7 @@ from ._config import env_setting
 from ._errors import ShardCacheError
 from ._loader_report import format_line, merge
 from ._metrics_records import COUNTS, RETRY_CAUSES, SCHEMA, VERSION
+from ._metrics_spool import spool, unspool
 from ._redact import get_logger, redact_url
 
 logger = get_logger(__name__)
@@ -191,9 +192,9 @@ class Collector:
             self._epoch_start = record["time"]
             self.epoch = record["epoch"] + 1
         if self.identity()["worker"] is not None:
-            _spool(total)
+            spool(total)
             return total
-        total = merge([total, *_unspool()])
+        total = merge([total, *unspool()])
         self.last_rank_report = total
         logger.info(format_line(total))
         return total
@@ -202,7 +203,7 @@ class Collector:
         """Emit a ``close`` record for what is left, if anything; in the training process
         also log its line (with what DataLoader workers handed over since the last one)."""
         main = self.identity()["worker"] is None
-        spooled = _unspool() if main else []
+        spooled = unspool() if main else []
         with self._lock:
             empty = self._period.empty()
         record = None if empty else self._take("close")
@@ -342,44 +343,6 @@ def _worker_id() -> int | None:
     return None
 
 
-# -- the worker -> main process spool --------------------------------------------------
-
-
-def _spool_dir(pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"shardcache-{os.getuid()}" / "metrics-spool" / str(pid)
-
-
-def _spool(total: dict[str, Any]) -> None:
-    directory = _spool_dir(os.getppid())  # a DataLoader worker's parent (torch assumes it too)
-    name = f"{os.getpid()}-e{total['epoch']}-{time.monotonic_ns()}.json"
-    try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = directory / f".{name}.tmp"
-        tmp.write_text(json.dumps(total))
-        os.replace(tmp, directory / name)  # the main process reads only complete files
-    except OSError as exc:
-        logger.warning("cannot hand this worker's metrics to its main process: %s", exc)
-
-
-def _unspool() -> list[dict[str, Any]]:
-    """The epoch totals this process's DataLoader workers spooled since the last call."""
-    directory = _spool_dir(os.getpid())
-    found: list[dict[str, Any]] = []
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
-    except OSError:
-        return found
-    for name in names:
-        path = directory / name
-        with contextlib.suppress(OSError, ValueError):
-            found.append(json.loads(path.read_text()))
-        with contextlib.suppress(OSError):
-            path.unlink()
-    with contextlib.suppress(OSError):
-        directory.rmdir()  # made again by the next worker that spools
-    return found
-
-
 # -- the process's collector -----------------------------------------------------------
 
 # This process's collector ("made") and the lock that makes it ("lock"); both replaced in a
@@ -439,7 +402,7 @@ atexit.register(_at_exit)
 def reset_for_tests() -> None:
     """Forget this process's counts, sinks and spooled worker totals (the next count
     starts a new collector)."""
-    _unspool()
+    unspool()
     _explicit.clear()
     with _state["lock"]:
         _state["made"] = None
