@@ -32,11 +32,12 @@ def _numbers(value: object) -> list[float]:
     return []
 
 
-@pytest.mark.timeout(300)
-def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
+def run_bench_module(module: str, out: Path) -> None:
+    """``python -m <module> --size tiny --out <out>`` from the project root, without the
+    caller's AWS_* variables; it must exit 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--size", "tiny", "--out", str(tmp_path)],
+        [sys.executable, "-m", module, "--size", "tiny", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -45,6 +46,11 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
+    run_bench_module("bench.run", tmp_path)
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["size"] == "tiny"
     assert report["machine"]["cores"] >= 1 and report["machine"]["versions"]["python"]
@@ -141,18 +147,8 @@ def test_b12_node_lock_tiny_counts_operations_with_and_without(tmp_path: Path) -
     from juicefs import require_fuse
 
     require_fuse()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     out = tmp_path / "b12.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.b12_node_lock", "--size", "tiny", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=290,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_bench_module("bench.b12_node_lock", out)
     result = json.loads(out.read_text())
     for run in ("with node lock", "without node lock"):
         res = result[run]

@@ -420,47 +420,58 @@ def test_sbatch_example_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(SBATCH_EXAMPLE)], check=True, timeout=30)
 
 
-def test_sbatch_example_warms_then_trains_from_cache(
-    slurm: str, tmp_path: Path, s3: S3Server, data: dict[str, bytes]
-) -> None:
-    """The example job, submitted with ``sbatch`` on the one-node cluster, to its end.
+def submit_template(
+    tmp_path: Path, env: Mapping[str, str], nodes: int, per_node: int
+) -> tuple[str, list[dict]]:
+    """The documented sbatch template, submitted to its end with ``nodes`` x ``per_node``
+    tasks of 1 CPU: its log and the training tasks' records (it must have completed).
 
-    Overridden for this machine: 1 node, ``min(nproc, 4)`` tasks, 1 CPU per task, and no
-    GPU line (the local cluster has no GPUs). The training command is replaced by a
-    script that reads its ``split_by_node`` share through the cache: every read must be
-    a hit, i.e. the warm step fetched exactly what the training ranks read, once each.
+    Overridden for this machine: no GPU line (the local clusters have no GPUs), and the
+    training command replaced by ``TRAIN_CHECK``.
     """
-    ntasks = min(os.cpu_count() or 1, 4)
     script = tmp_path / "job.sh"
     lines = SBATCH_EXAMPLE.read_text().splitlines(keepends=True)
     script.write_text("".join(ln for ln in lines if not ln.startswith("#SBATCH --gpus")))
     train = tmp_path / "train_check.py"
     train.write_text(TRAIN_CHECK)
     out = tmp_path / "job.out"
-    env = task_env(s3, SHARDS=SPEC, SLURM_TMPDIR=str(tmp_path), TRAIN_CMD=f"{PYTHON} {train}")
     args = [
-        "--nodes=1",
-        f"--ntasks-per-node={ntasks}",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={per_node}",
         "--cpus-per-task=1",
         "--time=2",
         f"--output={out}",
         str(script),
     ]
-    state, exit_code = sbatch_and_wait(args, env, tmp_path)
-
+    state, exit_code = sbatch_and_wait(args, {**env, "TRAIN_CMD": f"{PYTHON} {train}"}, tmp_path)
     log = out.read_text() if out.exists() else "(no output file)"
     assert (state, exit_code) == ("COMPLETED", "0:0"), log
-    records = task_records(log, expected=ntasks)
-    user = os.environ.get("USER") or pwd.getpwuid(os.getuid()).pw_name
-    scope_dir = tmp_path / f"shardcache-{user}" / "node"
-    expected = {url: sha256(body) for url, body in data.items()}
-    assert [r["rank"] for r in records] == list(range(ntasks))
-    assert {r["master"] for r in records} == {slurm}
+    return log, task_records(log, expected=nodes * per_node)
+
+
+def check_all_hits(records: list[dict], scope_dir: str, data: dict[str, bytes], log: str) -> None:
+    """``TRAIN_CHECK`` records: every read was a hit of the right bytes in ``scope_dir``,
+    and the tasks' shares cover the data exactly once."""
     read: list[str] = []
     for r in records:
-        assert r["scope_dir"] == str(scope_dir)
+        assert r["scope_dir"] == scope_dir
         assert r["cached_before"] == dict.fromkeys(r["digests"], True), log
-        assert all(expected[u] == d for u, d in r["digests"].items())
+        assert all(sha256(data[u]) == d for u, d in r["digests"].items())
         read += r["digests"]
     assert sorted(read) == sorted(data), "the ranks' shares do not cover the data exactly once"
+
+
+def test_sbatch_example_warms_then_trains_from_cache(
+    slurm: str, tmp_path: Path, s3: S3Server, data: dict[str, bytes]
+) -> None:
+    """The example job, submitted with ``sbatch`` on the one-node cluster (``min(nproc,
+    4)`` tasks), to its end: the warm step fetched exactly what the training ranks read,
+    once each, so every read is a hit."""
+    ntasks = min(os.cpu_count() or 1, 4)
+    env = task_env(s3, SHARDS=SPEC, SLURM_TMPDIR=str(tmp_path))
+    log, records = submit_template(tmp_path, env, nodes=1, per_node=ntasks)
+    user = os.environ.get("USER") or pwd.getpwuid(os.getuid()).pw_name
+    assert [r["rank"] for r in records] == list(range(ntasks))
+    assert {r["master"] for r in records} == {slurm}
+    check_all_hits(records, str(tmp_path / f"shardcache-{user}" / "node"), data, log)
     assert gets_per_shard(s3) == dict.fromkeys(gets_per_shard(s3), 1)

@@ -23,17 +23,17 @@ import pytest
 from test_slurm import (
     EMIT,
     PYTHON,
-    SBATCH_EXAMPLE,
     SETUP_TIMEOUT,
     SLURM_LOCAL,
     SPEC,
     TRAIN_CHECK,
     VENV_BIN,
+    check_all_hits,
     data,  # noqa: F401  (a fixture)
     gets_per_shard,
     run_job,
-    sbatch_and_wait,
     sha256,
+    submit_template,
     task_env,
     task_records,
 )
@@ -309,13 +309,7 @@ def test_warm_split_auto_per_node_then_train_all_hits(
     records = task_records(
         srun_nodes([PYTHON, str(train)], {**env, "SHARDS": SPEC}, tmp_path), NTASKS
     )
-    read: list[str] = []
-    for r in records:
-        assert r["scope_dir"] == f"{local_cache}/node"
-        assert r["cached_before"] == dict.fromkeys(r["digests"], True)
-        assert all(sha256(data[u]) == d for u, d in r["digests"].items())
-        read += r["digests"]
-    assert sorted(read) == sorted(data)
+    check_all_hits(records, f"{local_cache}/node", data, log="")
     assert s3.requests() == [], "the training step sent requests to S3"
 
 
@@ -329,37 +323,11 @@ def test_sbatch_template_on_two_nodes(
 ) -> None:
     """The documented sbatch template, submitted with ``-N 2``: the warm step fills each
     node's local cache with its ranks' shares, the training step reads only hits."""
-    script = tmp_path / "job.sh"
-    lines = SBATCH_EXAMPLE.read_text().splitlines(keepends=True)
-    script.write_text("".join(ln for ln in lines if not ln.startswith("#SBATCH --gpus")))
-    train = tmp_path / "train_check.py"
-    train.write_text(TRAIN_CHECK)
-    out = tmp_path / "job.out"
-    env = node_env(
-        cluster, s3, link, SHARDS=SPEC, SHARDCACHE_DIR=local_cache, TRAIN_CMD=f"{PYTHON} {train}"
-    )
-    args = [
-        f"--nodes={NODES}",
-        f"--ntasks-per-node={PER_NODE}",
-        "--cpus-per-task=1",
-        "--time=2",
-        f"--output={out}",
-        str(script),
-    ]
-    state, exit_code = sbatch_and_wait(args, env, tmp_path)
-
-    log = out.read_text() if out.exists() else "(no output file)"
-    assert (state, exit_code) == ("COMPLETED", "0:0"), log
+    env = node_env(cluster, s3, link, SHARDS=SPEC, SHARDCACHE_DIR=local_cache)
+    log, records = submit_template(tmp_path, env, nodes=NODES, per_node=PER_NODE)
     assert f"{NODES} node(s), {NTASKS} tasks" in log
-    records = task_records(log, expected=NTASKS)
     assert {r["master"] for r in records} == {"scnode1"}
-    read: list[str] = []
-    for r in records:
-        assert r["scope_dir"] == f"{local_cache}/node"
-        assert r["cached_before"] == dict.fromkeys(r["digests"], True), log
-        assert all(sha256(data[u]) == d for u, d in r["digests"].items())
-        read += r["digests"]
-    assert sorted(read) == sorted(data)
+    check_all_hits(records, f"{local_cache}/node", data, log)
     assert gets_per_shard(s3) == dict.fromkeys(gets_per_shard(s3), 1)
 
 
