@@ -66,7 +66,9 @@ def not_a_dir(target: Path, blocker: Path) -> CacheDirError:
     try:
         what = kind_of(blocker.stat())
     except OSError:
-        what = "a dangling symbolic link" if blocker.is_symlink() else "a non-directory"
+        what = "a non-directory"
+        if blocker.is_symlink():
+            what = f"a dangling symbolic link (to {os.readlink(blocker)}, which does not exist)"
     seen = f"{what} exists at {blocker}"
     return CacheDirError(
         f"Cannot create cache directory {target}: expected a writable directory, but "

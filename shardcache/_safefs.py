@@ -252,7 +252,10 @@ class SafeFS:
         if stat.S_ISLNK(link.st_mode):
             if link.st_uid not in (self.trust.uid, 0):
                 self.trust.check_dir(root, link, root)  # its owner could repoint it any time
-            st = os.stat(root)
+            try:
+                st = os.stat(root)
+            except FileNotFoundError:  # dangling: an error now, not ENOENT retried for 30 s
+                raise not_a_dir(root, root) from None
         if not stat.S_ISDIR(st.st_mode):
             raise not_a_dir(root, root)
         self.trust.check_dir(root, st, root)  # before opening: says whose it is, not EACCES

@@ -229,8 +229,10 @@ def test_cache_dir_problems_are_clear_errors(tmp_path: Path, source, figures) ->
     # A dangling symlink as the root.
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
-    with pytest.raises(CacheDirError):
+    with pytest.raises(CacheDirError) as info:
         ShardCache(dangling).fetch(url)
+    assert f"a dangling symbolic link (to {tmp_path / 'nowhere'}" in str(info.value)
+    assert not (tmp_path / "nowhere").exists()
     outcomes.append("dangling symlink: CacheDirError")
     # Another user's directory: refused before anything is written in it.
     foreign = tmp_path / "foreign"
