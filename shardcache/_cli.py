@@ -218,9 +218,16 @@ def _add_maintenance(commands: Any) -> None:
         "Remove exactly what 'status' reports as stale or orphan, checking each item again "
         "right before removing it. Never removes a .lock file, a lock of a live holder, or "
         "a download of a living process. Safe to run while jobs use the cache.",
-        ["shardcache clean", "shardcache clean --json --cache-dir /local/ssd/cache"],
+        [
+            "shardcache clean",
+            "shardcache clean --json --cache-dir /local/ssd/cache",
+            "shardcache clean --all",
+        ],
     )
     clean.add_argument("--json", action="store_true", help="machine-readable output")
+    clean.add_argument(
+        "--all", action="store_true", help="every rank-N and node directory under the cache root"
+    )
     _cache_options(clean)
     clean.set_defaults(func=_cmd_clean)
 
@@ -424,22 +431,26 @@ def _emit(report: Any, as_json: bool) -> None:
         sys.stdout.write(report.format() + "\n")
 
 
+def _all_scopes(args: argparse.Namespace) -> bool:
+    """Whether ``--all`` was given (never with ``--scope`` or ``--rank``)."""
+    if args.all and (args.scope is not None or args.rank is not None):
+        raise UsageError(
+            f"--all covers every scope: give {args.command} --all without --scope or --rank"
+        )
+    return bool(args.all)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from ._maintenance import status, status_all
 
-    if args.all:
-        if args.scope is not None or args.rank is not None:
-            raise UsageError("--all shows every scope: give it without --scope or --rank")
-        _emit(status_all(_settings(args)), args.json)
-    else:
-        _emit(status(_cache(args)), args.json)
+    _emit(status_all(_settings(args)) if _all_scopes(args) else status(_cache(args)), args.json)
     return EXIT_OK
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
-    from ._maintenance import clean
+    from ._maintenance import clean, clean_all
 
-    report = clean(_cache(args))
+    report = clean_all(_settings(args)) if _all_scopes(args) else clean(_cache(args))
     _emit(report, args.json)
     return EXIT_FAILED if report.failed else EXIT_OK
 

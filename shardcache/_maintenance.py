@@ -221,6 +221,32 @@ class CleanReport:
         return "\n".join(lines)
 
 
+@dataclass
+class CleanSummary:
+    """``clean --all``: what was cleaned in every scope directory under a cache root."""
+
+    root: Path
+    reports: list[CleanReport] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return any(r.failed for r in self.reports)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"root": str(self.root), "scopes": [r.as_json() for r in self.reports]}
+
+    def format(self) -> str:
+        if not self.reports:
+            return f"cache root  {self.root}\nno scope directories (rank-N, node) under it"
+        removed = [item for r in self.reports for item in r.removed]
+        freed = format_bytes(sum(item.size for item in removed))
+        lines = [
+            f"cache root  {self.root}: {len(self.reports)} scope directories, removed "
+            f"{len(removed)} ({freed})"
+        ]
+        return "\n".join(lines + [r.format() for r in self.reports])
+
+
 # ------------------------------------------------------------------------------ status
 
 
@@ -264,15 +290,15 @@ class StatusSummary:
         dirty = [r.scope_dir.name for r in self.reports if r.stale_locks or r.orphans]
         if dirty:
             lines.append(
-                f"run 'shardcache clean --rank N' (or --scope node) for {', '.join(dirty)} "
-                "to remove their stale locks and orphans"
+                f"run 'shardcache clean --all' to remove the stale locks and orphans of "
+                f"{', '.join(dirty)}"
             )
         return "\n".join(lines)
 
 
-def status_all(settings: Settings) -> StatusSummary:
-    """:func:`status` of every scope directory under ``settings.cache_dir``: ``node``
-    first, then ``rank-N`` by rank. Symbolic links are not followed."""
+def scope_caches(settings: Settings) -> list[ShardCache]:
+    """A cache for every scope directory under ``settings.cache_dir``: ``node`` first, then
+    ``rank-N`` by rank. Symbolic links are not followed."""
     root = settings.cache_dir
     try:
         names = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
@@ -287,11 +313,12 @@ def status_all(settings: Settings) -> StatusSummary:
         (parsed for name in names if (parsed := parse_scope_dir(name)) is not None),
         key=lambda scope_rank: (scope_rank[0] != "node", scope_rank[1]),
     )
-    summary = StatusSummary(root)
-    for scope, rank in scopes:
-        cache = ShardCache(settings=settings.replace(scope=scope, rank=rank))
-        summary.reports.append(status(cache))
-    return summary
+    return [ShardCache(settings=settings.replace(scope=scope, rank=rank)) for scope, rank in scopes]
+
+
+def status_all(settings: Settings) -> StatusSummary:
+    """:func:`status` of every scope directory under ``settings.cache_dir``."""
+    return StatusSummary(settings.cache_dir, [status(c) for c in scope_caches(settings)])
 
 
 def status(cache: ShardCache) -> StatusReport:
@@ -392,6 +419,11 @@ def clean(cache: ShardCache) -> CleanReport:
         else:
             report.kept.append((again, "changed or gone when removing it"))
     return report
+
+
+def clean_all(settings: Settings) -> CleanSummary:
+    """:func:`clean` of every scope directory under ``settings.cache_dir``."""
+    return CleanSummary(settings.cache_dir, [clean(c) for c in scope_caches(settings)])
 
 
 def _rejudge(layout: CacheLayout, item: Leftover) -> Leftover | None:

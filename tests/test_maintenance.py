@@ -233,7 +233,7 @@ def test_status_and_clean_from_the_command_line(tmp_path: Path) -> None:
         assert json.loads(run("status", "--json").stdout)["orphans"] == []
 
 
-def test_status_all_shows_every_scope_directory_of_the_root(tmp_path: Path) -> None:
+def test_status_and_clean_all_cover_every_scope_directory_of_the_root(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     sources = tmp_path / "src"
     sources.mkdir()
@@ -251,9 +251,9 @@ def test_status_all_shows_every_scope_directory_of_the_root(tmp_path: Path) -> N
     (root / "rank-7").symlink_to(tmp_path)  # a link is never followed
     env = {**os.environ, "SHARDCACHE_DIR": str(root)}
 
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
+    def run(*args: str, command: str = "status") -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "shardcache", "status", *args],
+            [sys.executable, "-m", "shardcache", command, *args],
             env=env,
             capture_output=True,
             text=True,
@@ -281,7 +281,9 @@ def test_status_all_shows_every_scope_directory_of_the_root(tmp_path: Path) -> N
     assert lines[4].split()[:2] == ["rank-12", "2"] and lines[4].split()[-1] == "1"
     assert "rank-12: orphan download: " in shown.stdout
     assert f"pid {dead_pid} no longer exists" in shown.stdout
-    assert "'shardcache clean --rank N' (or --scope node) for rank-12" in shown.stdout
+    assert "run 'shardcache clean --all' to remove the stale locks and orphans of rank-12" in (
+        shown.stdout
+    )
     scopes = json.loads(run("--all", "--json").stdout)["scopes"]
     assert [(Path(s["scope_dir"]).name, s["entries"], s["bytes"]) for s in scopes] == [
         ("node", 1, 3000),
@@ -290,6 +292,25 @@ def test_status_all_shows_every_scope_directory_of_the_root(tmp_path: Path) -> N
     ]
     refused = run("--all", "--rank", "3")
     assert refused.returncode == 2 and "without --scope or --rank" in refused.stderr
+    refused = run("--all", "--scope", "node", command="clean")
+    assert refused.returncode == 2 and "give clean --all without --scope" in refused.stderr
+    assert crashed.parent.exists() and any(crashed.parent.iterdir())
+
+    cleaned = run("--all", "--json", command="clean")
+    assert cleaned.returncode == 0, cleaned.stderr
+    removed = {
+        Path(s["scope_dir"]).name: [Path(r["path"]).parent for r in s["removed"]]
+        for s in json.loads(cleaned.stdout)["scopes"]
+    }
+    assert removed == {"node": [], "rank-0": [], "rank-12": [crashed.parent]}
+    after = json.loads(run("--all", "--json").stdout)["scopes"]
+    assert [(s["entries"], s["orphans"], s["stale_locks"]) for s in after] == [(1, [], [])] * 2 + [
+        (2, [], [])
+    ]
+    again = run("--all", command="clean")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith(f"cache root  {root}: 3 scope directories, removed 0 (0 B)\n")
+    assert f"clean {root / 'rank-12'}: removed 0" in again.stdout
     missing = subprocess.run(
         [
             sys.executable,
