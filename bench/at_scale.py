@@ -198,19 +198,27 @@ def job_start(job: Job, processes: int, threads: int) -> dict[str, float]:
 
 
 def replay(  # noqa: PLR0915 (one event loop, read top to bottom)
-    job: Job, start: dict[str, float], *, mode: str, seconds: float, scale: int, seed: int
+    job: Job,
+    start: dict[str, float],
+    *,
+    mode: str,
+    slowdown_time: float,
+    seconds: float,
+    scale: int,
+    seed: int,
 ) -> dict[str, float]:
     """The job start against a prefix of ``S3_GET_LIMIT / scale`` requests/s.
 
     ``mode``: "per-request" (each request backs off on its own: ``RetryPolicy.delay``),
     "throttle" (the same, plus the process's shared ``Throttle``), or "cap" (the throttle
-    with ``max_request_rate`` = the limit shared by the processes)."""
+    with ``max_request_rate`` = the limit shared by the processes). ``slowdown_time``: the
+    policy's ``SHARDCACHE_SLOWDOWN_RETRY_TIME`` (0: every refusal counts as an attempt)."""
     random.seed(seed)
     procs = max(1, round(start["processes"] / scale))
     slots = int(start["slots"])
     limit = S3_GET_LIMIT * procs / start["processes"]
     now = [0.0]
-    policy = RetryPolicy()
+    policy = RetryPolicy(slowdown_time=slowdown_time)
     cap = limit / procs if mode == "cap" else None
     throttles = [
         Throttle(cap, clock=lambda: now[0], sleep=lambda s: None) if mode != "per-request" else None
@@ -220,7 +228,10 @@ def replay(  # noqa: PLR0915 (one event loop, read top to bottom)
     sent = refused = failed = 0
     admitted_late = sent_late = refused_late = 0  # after the first 10 s (the steady state)
     events: list[tuple[float, int, int, str, float]] = []
-    attempt = [0] * (procs * slots)
+    attempt = [0] * (procs * slots)  # failures that count against the retries
+    tries = [0] * (procs * slots)  # every refused attempt (the backoff grows with them)
+    first_refusal: list[float | None] = [None] * (procs * slots)
+    longest_refused = 0.0  # the longest a request was refused in a row (s)
     seq = 0
 
     def push(t: float, slot: int, kind: str, at: float = 0.0) -> None:
@@ -251,7 +262,7 @@ def replay(  # noqa: PLR0915 (one event loop, read top to bottom)
                 tokens -= 1
                 admitted_late += t >= 10
                 sent_late += t >= 10
-                attempt[slot] = 0
+                attempt[slot], tries[slot], first_refusal[slot] = 0, 0, None
                 push(t + start["request_s"], slot, "answered")
             else:
                 refused += 1
@@ -261,13 +272,18 @@ def replay(  # noqa: PLR0915 (one event loop, read top to bottom)
         else:  # refused: the answer arrives
             if throttle:
                 throttle.throttled(at)
-            attempt[slot] += 1
+            first = first_refusal[slot]
+            if first is None:
+                first = first_refusal[slot] = t
+            longest_refused = max(longest_refused, t - first)
+            attempt[slot] += policy.counts(True, t - first)
+            tries[slot] += 1
             if not policy.allows(attempt[slot]):
                 failed += 1  # TransientFetchError: the shard fails, the thread moves on
-                attempt[slot] = 0
+                attempt[slot], tries[slot], first_refusal[slot] = 0, 0, None
                 push(t, slot, "ready")
             else:
-                push(t + policy.delay(attempt[slot]), slot, "ready")
+                push(t + policy.delay(tries[slot]), slot, "ready")
     return {
         "sent": sent * scale,
         "refused": refused * scale,
@@ -275,6 +291,7 @@ def replay(  # noqa: PLR0915 (one event loop, read top to bottom)
         "failed": failed * scale,
         "refused_pct_after_10s": 100 * refused_late / max(sent_late, 1),
         "admitted_per_s_after_10s": admitted_late * scale / max(seconds - 10, 1e-9),
+        "longest_refused_s": longest_refused,
     }
 
 
@@ -362,20 +379,30 @@ def report(job: Job, seconds: float, scale: int, seed: int) -> str:
         "doubling):",
         "",
         "| client | requests sent | refused (503) | refused % | after 10 s: refused % |"
-        " admitted/s | downloads failed (retries exhausted) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        " admitted/s | longest refused in a row | downloads failed (retries exhausted) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     fair = S3_GET_LIMIT / start["processes"]
-    for mode, label in (
-        ("per-request", "backoff per request (shardcache before this change)"),
-        ("throttle", "shared throttle per process (now)"),
-        ("cap", f"shared throttle + SHARDCACHE_MAX_REQUEST_RATE={fair:.3g}"),
+    patience = SPECS["slowdown_retry_time"].default
+    for mode, slowdown_time, label in (
+        ("per-request", 0.0, "backoff per request, every refusal an attempt (before the throttle)"),
+        ("throttle", 0.0, "shared throttle per process, every refusal an attempt (RETRY_TIME=0)"),
+        ("throttle", patience, f"shared throttle, refusals retried for {patience:g} s (defaults)"),
+        ("cap", patience, f"shared throttle + SHARDCACHE_MAX_REQUEST_RATE={fair:.3g}"),
     ):
-        r = replay(job, start, mode=mode, seconds=seconds, scale=scale, seed=seed)
+        r = replay(
+            job,
+            start,
+            mode=mode,
+            slowdown_time=slowdown_time,
+            seconds=seconds,
+            scale=scale,
+            seed=seed,
+        )
         lines.append(
             f"| {label} | {_n(r['sent'])} | {_n(r['refused'])} | {r['refused_pct']:.1f} % | "
             f"{r['refused_pct_after_10s']:.1f} % | {_n(r['admitted_per_s_after_10s'])} | "
-            f"{_n(r['failed'])} |"
+            f"{r['longest_refused_s']:.1f} s | {_n(r['failed'])} |"
         )
     return "\n".join(lines)
 

@@ -127,7 +127,7 @@ class ShardCache:
         self.remote = Remote(
             RemoteOptions(
                 storage_options=s.storage_options,
-                retry=RetryPolicy(s.retries, s.retry_backoff),
+                retry=RetryPolicy(s.retries, s.retry_backoff, slowdown_time=s.slowdown_retry_time),
                 io_timeout=s.io_timeout,
                 chunk_size=s.chunk_size,
                 verify=s.verify,

@@ -299,6 +299,16 @@ SPECS: dict[str, _Spec] = {
         0,
         3600,
     ),
+    "slowdown_retry_time": _Spec(
+        "SHARDCACHE_SLOWDOWN_RETRY_TIME",
+        parse_duration,
+        120.0,
+        "how long a request the store keeps refusing for its rate (SlowDown, 429, 503) is "
+        "retried before those refusals count against SHARDCACHE_RETRIES; 0: every refusal "
+        "counts",
+        0,
+        86400,
+    ),
     "io_timeout": _Spec(
         "SHARDCACHE_IO_TIMEOUT",
         parse_duration,
@@ -472,6 +482,7 @@ class Settings:
     lease_time: float = SPECS["lease_time"].default
     retries: int = SPECS["retries"].default
     retry_backoff: float = SPECS["retry_backoff"].default
+    slowdown_retry_time: float = SPECS["slowdown_retry_time"].default
     io_timeout: float = SPECS["io_timeout"].default
     chunk_size: int = SPECS["chunk_size"].default
     parallel_threshold: int = SPECS["parallel_threshold"].default

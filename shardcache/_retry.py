@@ -96,12 +96,18 @@ UNTRUSTED = "certificate rejected"
 class RetryPolicy:
     """Retries of transient errors with exponential backoff and full jitter.
 
-    ``retries`` is the number of *re*-tries: a request is attempted ``retries + 1`` times.
+    ``retries`` is the number of *re*-tries: a request is attempted ``retries + 1`` times,
+    not counting the store's refusals for its request rate (:func:`is_throttled`) during
+    ``slowdown_time`` from the first of them. A job start far above the store's limit is
+    refused for a while however well its processes throttle themselves (README "At
+    scale"); a shard must not fail for that, while a store that keeps refusing for longer
+    still ends in an error.
     """
 
     retries: int = SPECS["retries"].default  # SHARDCACHE_RETRIES
     backoff: float = SPECS["retry_backoff"].default  # SHARDCACHE_RETRY_BACKOFF
     max_backoff: float = MAX_BACKOFF
+    slowdown_time: float = SPECS["slowdown_retry_time"].default  # SHARDCACHE_SLOWDOWN_RETRY_TIME
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
@@ -109,8 +115,13 @@ class RetryPolicy:
         return random.uniform(cap / 2, cap)
 
     def allows(self, attempt: int) -> bool:
-        """May attempt number ``attempt + 1`` be made?"""
+        """May another attempt be made after ``attempt`` failures that count?"""
         return attempt <= self.retries
+
+    def counts(self, throttled: bool, refused_for: float) -> bool:
+        """Whether a failure counts against ``retries``: any failure but a refusal for the
+        store's rate within ``slowdown_time`` of the first refusal (``refused_for`` ago)."""
+        return not throttled or refused_for >= self.slowdown_time
 
     def run(
         self,
@@ -120,23 +131,31 @@ class RetryPolicy:
         give_up: Callable[[Exception, int], BaseException],
         on_retry: Callable[[Exception, int], object],
         wait: Callable[[float], object] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> T:
         """Call ``attempt(1)``, ``attempt(2)``, ... until one returns; return its result.
 
         A failure (an ``Exception``: a ``BaseException`` such as a cancellation passes at
-        once) is tried again when ``retry_if(exc)`` and the policy allows another attempt:
-        then ``on_retry(exc, n)`` runs (it logs, and resets what the next attempt starts
-        from) and ``wait(delay(n))`` (a ``wait`` may raise to stop early). Otherwise
-        ``give_up(exc, n)`` names the error that ends the run: the failure itself is
-        re-raised unchanged, any other error is raised from it.
+        once) is tried again when ``retry_if(exc)`` and the policy allows another attempt
+        (:meth:`counts` says which failures use one up): then ``on_retry(exc, n)`` runs (it
+        logs, and resets what the next attempt starts from) and ``wait(delay(n))`` (a
+        ``wait`` may raise to stop early). Otherwise ``give_up(exc, n)`` names the error
+        that ends the run: the failure itself is re-raised unchanged, any other error is
+        raised from it. ``n`` counts every attempt.
         """
-        n = 0
+        n = counted = 0
+        first_refusal: float | None = None
         while True:
             n += 1
             try:
                 return attempt(n)
             except Exception as exc:
-                if not (retry_if(exc) and self.allows(n)):
+                throttled = is_throttled(exc)
+                if throttled and first_refusal is None:
+                    first_refusal = clock()
+                refused_for = 0.0 if first_refusal is None else clock() - first_refusal
+                counted += self.counts(throttled, refused_for)
+                if not (retry_if(exc) and self.allows(counted)):
                     error = give_up(exc, n)
                     if error is exc:
                         raise
@@ -308,6 +327,17 @@ def fetch_error(url: str, attempts: int, exc: BaseException, what: str = "downlo
         return RemoteNotFoundError(
             f"{url} does not exist ({cause}); failed at once, without retries. Check the "
             "bucket and key (and the endpoint: AWS_ENDPOINT_URL / storage_options).",
+            url=url,
+            attempts=attempts,
+            cause=cause,
+        )
+    if kind == TRANSIENT and is_throttled(exc):
+        return TransientFetchError(
+            f"could not {what} {url}: {attempts} attempts failed, the store refusing them for "
+            f"its request rate; last: {cause}. It kept refusing past "
+            "SHARDCACHE_SLOWDOWN_RETRY_TIME and SHARDCACHE_RETRIES more: share its limit out "
+            "ahead with SHARDCACHE_JOB_REQUEST_RATE (or SHARDCACHE_MAX_REQUEST_RATE), or "
+            "raise SHARDCACHE_SLOWDOWN_RETRY_TIME.",
             url=url,
             attempts=attempts,
             cause=cause,

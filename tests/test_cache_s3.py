@@ -228,14 +228,42 @@ def test_transient_faults_are_retried_to_success(s3, fault_proxy, shards, tmp_pa
 
 def test_exhausted_retries_name_url_attempts_and_cause(s3, fault_proxy, shards, tmp_path) -> None:
     url = next(iter(shards))
-    fault_proxy.add_fault("status:503", times=50, method="GET", path_contains="train-000000")
+    fault_proxy.add_fault("status:500", times=50, method="GET", path_contains="train-000000")
     cache = _cache(tmp_path, storage_options={"endpoint_url": fault_proxy.endpoint_url}, retries=2)
     with pytest.raises(TransientFetchError) as info:
         cache.fetch(url)
     exc = info.value
     assert exc.url == url and exc.attempts == 3
-    assert url in str(exc) and "3 attempts" in str(exc) and "503" in str(exc)
+    assert url in str(exc) and "3 attempts" in str(exc) and "500" in str(exc)
+    assert "SHARDCACHE_RETRIES" in str(exc)
     assert not _files(cache.settings.scope_dir), "a failed download leaves nothing behind"
+
+
+def test_slowdown_refusals_are_retried_without_using_up_the_retries(
+    s3, fault_proxy, shards, tmp_path
+) -> None:
+    """With no retries at all, three SlowDowns in a row are waited out (the process's
+    throttle slows it down meanwhile); with SHARDCACHE_SLOWDOWN_RETRY_TIME=0 the first
+    one is the one attempt."""
+    url, data = next(iter(shards.items()))
+    options = {"endpoint_url": fault_proxy.endpoint_url}
+    fault_proxy.add_fault("status:503", times=3, method="GET", path_contains="train-000000")
+    patient = _cache(tmp_path / "patient", storage_options=options, retries=0)
+    assert patient.fetch(url).read_bytes() == data
+    assert fault_proxy.faults_injected("status:503") == 3
+
+    fault_proxy.add_fault("status:503", times=None, method="GET", path_contains="train-000000")
+    counted = _cache(
+        tmp_path / "counted", storage_options=options, retries=1, slowdown_retry_time=0
+    )
+    with pytest.raises(TransientFetchError) as info:
+        counted.fetch(url)
+    assert info.value.attempts == 2 and fault_proxy.faults_injected("status:503") == 5
+    message = str(info.value)
+    assert "refusing them for its request rate" in message and "SlowDown" in message
+    for hint in ("SHARDCACHE_SLOWDOWN_RETRY_TIME", "SHARDCACHE_JOB_REQUEST_RATE"):
+        assert hint in message
+    assert not _files(counted.settings.scope_dir), "a failed download leaves nothing behind"
 
 
 def test_missing_key_fails_fast_without_retries(s3, shards, tmp_path: Path) -> None:

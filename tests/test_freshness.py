@@ -288,6 +288,7 @@ def test_an_unreachable_store_serves_the_copy_with_a_warning(
         tmp_path,
         revalidate=60,
         retries=1,
+        slowdown_retry_time=0,  # every refusal an attempt: 2 attempts
         storage_options={"endpoint_url": fault_proxy.endpoint_url},
     )
     cache.fetch(url)

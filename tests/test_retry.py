@@ -99,3 +99,61 @@ def test_a_base_exception_and_a_raising_wait_end_the_run_at_once() -> None:
             wait=stop,
         )
     assert calls == [1]
+
+
+def _slowdown() -> Exception:
+    from botocore.exceptions import ClientError
+
+    body = {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
+    return ClientError(body, "GetObject")
+
+
+def test_slowdown_refusals_do_not_use_up_retries_for_the_slowdown_time() -> None:
+    """Refusals for the store's rate are retried without counting for ``slowdown_time``
+    from the first one (on the run's clock); then each counts, and ordinary failures
+    always do. ``n`` still counts every attempt (the backoff grows with it)."""
+    now = [0.0]
+    failures = iter([_slowdown()] * 6 + [Flaky("reset")] + [_slowdown()] * 10)
+    calls: list[int] = []
+    waits: list[float] = []
+
+    def attempt(n: int) -> str:
+        calls.append(n)
+        now[0] += 10.0  # each refused attempt takes 10 s on the run's clock
+        raise next(failures)
+
+    def give_up(exc: Exception, n: int) -> BaseException:
+        return Final(f"after {n}: {type(exc).__name__}")
+
+    with pytest.raises(Final) as info:
+        RetryPolicy(retries=2, backoff=0.5, slowdown_time=45.0).run(
+            attempt,
+            retry_if=lambda exc: True,
+            give_up=give_up,
+            on_retry=lambda exc, n: None,
+            wait=waits.append,
+            clock=lambda: now[0],
+        )
+    # Refusals at 10..50 s after the first (at 10 s): 10, 20, 30, 40 s in are free, the
+    # one 50 s in (attempt 6) counts, the reset (7) counts, and the next refusal (8) is
+    # the third that counts with retries=2: the run ends there.
+    assert calls == list(range(1, 9)) and str(info.value) == "after 8: ClientError"
+    assert max(waits) <= 30.0 and waits[-1] > waits[0]
+
+
+def test_without_a_slowdown_time_every_refusal_counts() -> None:
+    calls: list[int] = []
+
+    def attempt(n: int) -> str:
+        calls.append(n)
+        raise _slowdown()
+
+    with pytest.raises(Final):
+        RetryPolicy(retries=1, slowdown_time=0.0).run(
+            attempt,
+            retry_if=lambda exc: True,
+            give_up=lambda exc, n: Final(),
+            on_retry=lambda exc, n: None,
+            wait=lambda seconds: None,
+        )
+    assert calls == [1, 2]

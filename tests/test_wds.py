@@ -117,7 +117,7 @@ def test_corrupt_shard_is_skipped_by_warn_and_continue(s3, dataset: str, tmp_pat
 def test_handler_is_called_once_per_failed_shard_after_retries(
     s3, fault_proxy, dataset: str, tmp_path: Path
 ) -> None:
-    fault_proxy.add_fault("status:503", times=None, method="GET", path_contains="train-000003")
+    fault_proxy.add_fault("status:500", times=None, method="GET", path_contains="train-000003")
     cache = ShardCache(
         tmp_path / "cache",
         storage_options={"endpoint_url": fault_proxy.endpoint_url},
