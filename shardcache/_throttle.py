@@ -30,8 +30,10 @@ then growth while requests succeed):
   takes an even share: the rate / (world size x DataLoader workers)): the only ways to stay
   under a known limit without any ``SlowDown`` at all.
 
-Retries are unchanged (:class:`~shardcache._retry.RetryPolicy` still counts a refused
-request as an attempt): the throttle makes refusals rare, it does not forgive them.
+The throttle makes refusals rare; :class:`~shardcache._retry.RetryPolicy` decides what a
+refusal costs: nothing for ``SHARDCACHE_SLOWDOWN_RETRY_TIME`` from a request's first
+refusal, then an attempt, so a request is retried through a job start's storm of refusals
+but not forever.
 """
 
 from __future__ import annotations
