@@ -38,6 +38,7 @@ from shardcache.testing import FaultProxy, S3Server
 
 BUCKET = "diskfull"
 PAGE = 4096
+CHUNK = 16 * 1024  # the downloads' chunk size: written to disk a chunk at a time
 PART = 128 * 1024
 PARTS = 3
 SIZE = PARTS * PART  # 384 KiB: 3 parts when ranged
@@ -187,7 +188,7 @@ class OnFirstBytes:
 def _cache(root: Path, proxy: FaultProxy | None, s3: S3Server, ranged: bool) -> ShardCache:
     kw: dict = {
         "retry_backoff": 0.01,
-        "chunk_size": 16 * 1024,
+        "chunk_size": CHUNK,
         "preallocate": "off",  # as on a network file system: nothing reserved
     }
     if ranged:
@@ -286,26 +287,33 @@ def test_one_eviction_pass_and_one_retry_fill_the_shard(
 
 @needs_root
 def test_a_reader_following_a_download_that_filled_the_disk_goes_on_after_the_retry(
-    s3: S3Server, slow_proxy: FaultProxy, tmpfs: Path
+    s3: S3Server, fault_proxy: FaultProxy, tmpfs: Path
 ) -> None:
     """Reading while downloading: the disk fills up under the download a reader follows;
     one eviction pass makes room, the retry is published, and the reader goes on in the
-    published file (its bytes compared with what it had read): the source's bytes."""
+    published file (its bytes compared with what it had read): the source's bytes.
+
+    The proxy holds the body back after its first chunk, so the disk is filled while the
+    download writes nothing (had it met the full disk during the fill, the eviction pass
+    could have made room that the filler then took)."""
     old, new = _blob(SIZE + 3 * PAGE, 4), _blob(SIZE, 5)
     s3.put_objects(BUCKET, {"old.tar": old, "new.tar": new})
     s3.clear_requests()
     direct = _cache(tmpfs, None, s3, ranged=False)
     old_path = direct.fetch(f"s3://{BUCKET}/old.tar")
-    cache = _cache(tmpfs, slow_proxy, s3, ranged=False)
+    cache = _cache(tmpfs, fault_proxy, s3, ranged=False)
     assert cache.settings.read_while_downloading == "on"  # the default
+    held = fault_proxy.add_fault(
+        "hold", times=1, method="GET", path_contains="new.tar", truncate_bytes=CHUNK
+    )
     filler = Filler(tmpfs / "filler")
     url = f"s3://{BUCKET}/new.tar"
     try:
         with cache.open(url) as stream:
-            head = stream.read(PAGE)  # from the in-flight file: the download goes on slowly
+            head = stream.read(PAGE)  # of the chunk the proxy let through: the in-flight file
             assert not cache.contains(url)
-            filler.fill()  # the download's next write meets a full disk
-            slow_proxy.conn_rate = None
+            filler.fill()
+            held.release()  # the download's next write meets the full disk
             rest = stream.read()
         assert filler.filled and _sha(head + rest) == _sha(new)
         assert not old_path.exists()  # evicted to make room
@@ -313,6 +321,7 @@ def test_a_reader_following_a_download_that_filled_the_disk_goes_on_after_the_re
         assert _sha(cache.path_for(url).read_bytes()) == _sha(new)
         assert not _temp_files(cache)
     finally:
+        held.release()
         filler.close()
 
 
@@ -328,7 +337,7 @@ def test_no_room_after_the_eviction_pass_gives_up_after_one_attempt(
     cache = ShardCache(
         tmpfs / "cache",
         retry_backoff=0.01,
-        chunk_size=16 * 1024,
+        chunk_size=CHUNK,
         preallocate="off",
         parallel_threshold=1 << 40,
         max_bytes=900 * 1024,
@@ -390,7 +399,7 @@ def test_preallocate_auto_reserves_the_space_before_the_filler_can_take_it(
     data, url = _one_object(s3, seed=7)
     cache = ShardCache(
         tmpfs / "cache",
-        chunk_size=16 * 1024,
+        chunk_size=CHUNK,
         parallel_threshold=1 << 40,
         storage_options=s3.storage_options(slow_proxy.endpoint_url),
     )
