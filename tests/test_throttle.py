@@ -219,9 +219,7 @@ def _fetch_all(tmp_path: Path, s3: S3Server, **settings: object) -> tuple[int, i
 @pytest.mark.timeout(120)
 def test_many_threads_back_off_together_under_slowdown(s3: S3Server, tmp_path: Path) -> None:
     """12 prefetch threads against a store that takes 20 requests/s: every shard arrives
-    intact, and the refusals stay few because one SlowDown slows all threads. With a
-    backoff per request (the throttle disabled), the same run is refused several times
-    for each request that passes and requests run out of retries."""
+    intact, and the refusals stay few because one SlowDown slows all threads."""
     passed, refused = _fetch_all(tmp_path, s3)
     assert passed >= 2 * SHARDS  # a HEAD and a GET per shard
     # The first refusals hit the requests already in flight (one per thread); after that
