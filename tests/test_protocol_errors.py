@@ -65,7 +65,8 @@ def test_http_persistent_503_gives_up_after_every_attempt(
 ) -> None:
     url = server.add("/a.tar", BODY, failures=[503] * 100)
     with pytest.raises(TransientFetchError, match="HTTP 503") as caught:
-        _cache(tmp_path).fetch(url)
+        # Every refusal an attempt (by default a 503 is waited out for 120 s first).
+        _cache(tmp_path, slowdown_retry_time=0).fetch(url)
     assert caught.value.attempts == RETRIES + 1
     # fsspec looks an object up with HEAD, then GET: two requests per attempt.
     assert server.seen("/a.tar") == [503] * 2 * (RETRIES + 1)
