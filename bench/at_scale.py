@@ -4,8 +4,9 @@
 
 Nothing is downloaded. The planning is shardcache's own code, run for every rank and
 worker of the job: ``shardcache.split_by_node`` then ``webdataset.split_by_worker`` (a
-WebDataset pipeline: the same shares every epoch) and ``ResumableDataset``'s epoch order and
-split (``_resume_plan``: reshuffled every epoch), the scope directories
+WebDataset pipeline: the same shares every epoch) and ``ResumableDataset``'s sample-level
+split (``_epoch_split``: each rank's shards the same every epoch, in another order), the
+scope directories
 (``Settings.scope_dir``), ``warm.plan_warm --split auto``, the prefetch and ranged-GET
 defaults (``_config.SPECS``) and the choice of a ranged download
 (``ParallelDownload.suits``). The SlowDown part replays the job start with a stand-in for
@@ -43,8 +44,8 @@ import webdataset as wds
 from shardcache import Settings, split_by_node
 from shardcache._config import SPECS
 from shardcache._download import ObjectInfo
+from shardcache._epoch_split import EpochSplit
 from shardcache._remote import Remote
-from shardcache._resume_plan import epoch_order, fresh_plan
 from shardcache._retry import RetryPolicy
 from shardcache._throttle import Throttle
 from shardcache.warm import plan_warm
@@ -98,15 +99,19 @@ def wds_reads(job: Job, epoch: int) -> Iterator[tuple[int, int, list[int]]]:
                 yield rank // job.ranks, rank, list(wds.split_by_worker(share))
 
 
+SAMPLES_PER_SHARD = 8  # the split's cost grows with samples; which shards are read does not
+
+
 def resumable_reads(job: Job, epoch: int) -> Iterator[tuple[int, int, list[int]]]:
-    """The same for ``ResumableDataset``: one seeded order per epoch, consumer
-    ``rank * workers + worker`` of ``world * workers`` takes every consumers-th shard."""
-    order = epoch_order(job.shards, 0, epoch)
+    """The same for ``ResumableDataset``: its sample-level split (rank-scope caches: each
+    rank's shards stay its own, read in another order each epoch)."""
+    starts = [list(range(0, 512 * SAMPLES_PER_SHARD, 512))] * job.shards
+    split = EpochSplit(starts, seed=0, shuffle=True, remainder="pad")
     consumers = job.world * job.workers
     for rank in range(job.world):
         for worker in range(job.workers):
-            pieces = fresh_plan(order, consumers, rank * job.workers + worker)
-            yield rank // job.ranks, rank, [p.shard for p in pieces]
+            share = split.fresh(epoch, consumers, job.workers, rank * job.workers + worker)
+            yield rank // job.ranks, rank, [p.shard for p in share.pieces]
 
 
 def cache_key(scope: str, node: int, rank: int, root: Path) -> tuple[Any, ...]:
@@ -326,7 +331,10 @@ def report(job: Job, seconds: float, scale: int, seed: int) -> str:
         " | network FS reads, busiest node |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    patterns = (("wds", "WebDataset split (fixed)"), ("resumable", "ResumableDataset (reshuffled)"))
+    patterns = (
+        ("wds", "WebDataset split (fixed)"),
+        ("resumable", "ResumableDataset (stable split)"),
+    )
     for pattern, label in patterns:
         plan = plan_reads(job, pattern)
         for scope in ("rank", "node", "shared"):

@@ -142,10 +142,12 @@ def _loader(dataset: Any, cfg: dict[str, Any]) -> Any:
     )
 
 
-def _dataset(urls: list[str], cache: Any, cfg: dict[str, Any]) -> Any:
+def _dataset(urls: list[str], cache: Any, cfg: dict[str, Any], index: str | None = None) -> Any:
     import shardcache
 
-    return shardcache.ResumableDataset(urls, seed=SEED, shuffle_buffer=cfg["buffer"], cache=cache)
+    return shardcache.ResumableDataset(
+        urls, seed=SEED, shuffle_buffer=cfg["buffer"], cache=cache, index=index
+    )
 
 
 def _uninterrupted(urls: list[str], cache: Any, cfg: dict[str, Any], at: int) -> dict[str, Any]:
@@ -176,10 +178,12 @@ def _uninterrupted(urls: list[str], cache: Any, cfg: dict[str, Any], at: int) ->
     }
 
 
-def _resume(urls: list[str], cache: Any, cfg: dict[str, Any], state: str) -> dict[str, Any]:
+def _resume(
+    urls: list[str], cache: Any, cfg: dict[str, Any], state: str, index: str
+) -> dict[str, Any]:
     """From the checkpoint's text to the first batch and to the end of the epoch."""
     t0 = time.monotonic()
-    loader = _loader(_dataset(urls, cache, cfg), cfg)
+    loader = _loader(_dataset(urls, cache, cfg, index), cfg)
     loader.load_state_dict(json.loads(state))
     first = None
     keys: list[list[str]] = []
@@ -195,8 +199,8 @@ class _NaiveResume(torch.utils.data.IterableDataset):
     """WebDataset's pipeline resumed by reading and discarding: each DataLoader worker
     skips (``islice``) the samples its consumer had delivered, then yields the rest."""
 
-    def __init__(self, paths: list[str], skip: list[int], buffer: int) -> None:
-        self.paths, self.skip, self.buffer = paths, skip, buffer
+    def __init__(self, paths: list[list[str]], skip: list[int], buffer: int) -> None:
+        self.paths, self.skip, self.buffer = paths, skip, buffer  # paths: each worker's
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         import webdataset as wds
@@ -204,14 +208,18 @@ class _NaiveResume(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker = info.id if info is not None else 0
         ds = wds.WebDataset(
-            self.paths, shardshuffle=False, nodesplitter=None, empty_check=False
-        ).shuffle(self.buffer, seed=SEED)  # split_by_worker: every workers-th shard
+            self.paths[worker],
+            shardshuffle=False,
+            nodesplitter=None,
+            workersplitter=None,
+            empty_check=False,
+        ).shuffle(self.buffer, seed=SEED)
         it = iter(ds)
         next(itertools.islice(it, self.skip[worker], self.skip[worker]), None)  # discard
         return it
 
 
-def _naive(paths: list[str], skip: list[int], cfg: dict[str, Any]) -> dict[str, Any]:
+def _naive(paths: list[list[str]], skip: list[int], cfg: dict[str, Any]) -> dict[str, Any]:
     children = len(multiprocessing.active_children())
     t0 = time.monotonic()
     loader = _loader(_NaiveResume(paths, skip, cfg["buffer"]), cfg)
@@ -255,11 +263,21 @@ def _measure(b: Bench, cfg: dict[str, Any], urls: list[str], at: int) -> dict[st
     warm = new_cache(b.fresh_dir("b10"), b.direct)
     for url in urls:  # the warm cache, before any clock
         warm.fetch(url)
-    # The naive resume reads the same files in the epoch's shard order (split by worker).
-    from shardcache._resume_plan import epoch_order
+    # A restarted job carries the sample index (made once, beside the shards): without it
+    # the dataset would learn it by fetching every shard first.
+    from shardcache._sample_index import index_document, learn, write_index
 
-    paths = [str(warm.path_for(u)) for u in urls]
-    ordered = [paths[i] for i in epoch_order(len(urls), SEED, 0)]
+    index = str(b.fresh_dir("b10i") / "index.json")
+    write_index(index, index_document(learn(urls, warm, threads=4), urls))
+    # The naive resume reads, in each worker, the shards of that worker's plan in order.
+    plan_for = _dataset(urls, warm, cfg, index)._plan_for(0)
+    workers = cfg["workers"]
+    ordered = [
+        list(
+            dict.fromkeys(str(warm.path_for(urls[p.shard])) for p in plan_for(workers, workers, w))
+        )
+        for w in range(workers)
+    ]
     total = cfg["shards"] * cfg["samples"]
     pids = {"server": b.server_pid}
     _uninterrupted(urls, warm, cfg, at)  # untimed: the page cache, the workers' imports
@@ -283,12 +301,12 @@ def _measure(b: Bench, cfg: dict[str, Any], urls: list[str], at: int) -> dict[st
 
             def cold(state: str = state) -> dict[str, Any]:
                 b.s3.clear_requests()
-                r = _resume(urls, new_cache(b.fresh_dir("b10c"), so), cfg, state)
+                r = _resume(urls, new_cache(b.fresh_dir("b10c"), so), cfg, state, index)
                 gets.append(b.gets("b10-"))
                 return r
 
             rows: dict[str, tuple[Callable[[], dict[str, Any]], dict[str, int]]] = {
-                "resume warm": (lambda state=state: _resume(urls, warm, cfg, state), pids),
+                "resume warm": (lambda state=state: _resume(urls, warm, cfg, state, index), pids),
                 "resume cold": (cold, link_pids),
                 "naive": (lambda skip=skip: _naive(ordered, skip, cfg), pids),
             }

@@ -93,6 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
         "  shardcache warm 's3://bucket/train-{000000..000127}.tar' --threads 16\n"
+        "  shardcache index 's3://bucket/train-{000000..000127}.tar' -o train.index.json\n"
         "  shardcache status\n"
         "  shardcache clean\n"
         "  shardcache evict --max-bytes 500G\n"
@@ -137,6 +138,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     _add_warm(commands)
+    _add_index(commands)
     _add_maintenance(commands)
     _add_report(commands)
     return parser
@@ -158,32 +160,105 @@ def _add_warm(commands: Any) -> None:
         "works, warming the shares of all the node's ranks (ranks are assumed contiguous per "
         "node; if the ranks per node are unknown, everything), and the other local ranks "
         "print 'nothing to do'. --split none: every task warms every shard. Outside a "
-        "launcher the two are the same.",
+        "launcher the two are the same.\n\n"
+        "--split dataset: warm what shardcache.ResumableDataset(SPEC, seed=, "
+        "shuffle_shards=, remainder=, index=) reads through this task's cache in every "
+        "epoch (its cache_urls()): with rank scope this rank's shards, with node scope "
+        "(local rank 0 only, as above) the node's. Give the training's --seed, "
+        "--no-shuffle-shards and --remainder. It needs --index FILE, the shard list's "
+        "sample index made by 'shardcache index': the split is by samples, and without an "
+        "index every shard would have to be downloaded to count them, which is what "
+        "warming only this task's shards avoids.",
         [
             "shardcache warm 's3://bucket/train-{000000..000127}.tar'",
             "shardcache warm --from-file shards.txt --threads 16 --cache-dir /local/ssd/cache",
             "srun --ntasks-per-node=8 shardcache warm 's3://b/train-{0000..1023}.tar' --scope node",
+            "torchrun --nproc-per-node 8 -m shardcache warm 's3://b/train-{0000..1023}.tar' "
+            "--split dataset --index s3://b/train.index.json --seed 7",
         ],
     )
-    warm.add_argument("specs", nargs="*", metavar="SPEC", help="URL or brace pattern")
+    _spec_arguments(warm)
     warm.add_argument(
+        "--threads", type=_positive_int, help="parallel downloads (default: SHARDCACHE_THREADS)"
+    )
+    warm.add_argument(
+        "--split",
+        choices=("auto", "none", "dataset"),
+        default="auto",
+        help="auto: this task's share under torchrun/SLURM (default); none: every shard; "
+        "dataset: what ResumableDataset reads through this task's cache (needs --index)",
+    )
+    dataset = warm.add_argument_group(
+        "--split dataset (the ResumableDataset arguments of the training)"
+    )
+    dataset.add_argument(
+        "--index",
+        metavar="FILE",
+        help="sample index of the shard list (path or URL), made by 'shardcache index'; "
+        "required with --split dataset",
+    )
+    dataset.add_argument(
+        "--seed", type=_non_negative_int, metavar="N", help="the dataset's seed (default 0)"
+    )
+    dataset.add_argument(
+        "--no-shuffle-shards",
+        dest="shuffle_shards",
+        action="store_false",
+        help="the dataset was made with shuffle_shards=False",
+    )
+    dataset.add_argument(
+        "--remainder", choices=("pad", "drop"), help="the dataset's remainder (default pad)"
+    )
+    _cache_options(warm, rank=False)
+    warm.set_defaults(func=_cmd_warm)
+
+
+def _spec_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("specs", nargs="*", metavar="SPEC", help="URL or brace pattern")
+    parser.add_argument(
         "--from-file",
         action="append",
         default=[],
         metavar="F",
         help="manifest: one URL or pattern per line (# comments), or a JSON list (repeatable)",
     )
-    warm.add_argument(
+
+
+def _add_index(commands: Any) -> None:
+    index = _command(
+        commands,
+        "index",
+        "write the sample index of a shard list (for ResumableDataset, warm --split dataset)",
+        "Fetch every shard of the specs through the cache, several at a time, read where "
+        "each sample starts, and write the sample index of the shard list to FILE (a local "
+        "path, written atomically, or an fsspec URL such as s3://bucket/train.index.json). "
+        "shardcache.ResumableDataset(SPEC, index=FILE) then splits epochs by samples "
+        "without fetching every shard first, and 'shardcache warm --split dataset --index "
+        "FILE' warms exactly each task's shards. Run it once for a shard list (not on every "
+        "rank), and again when the shards change. The shards stay cached, so a later warm "
+        "or training on this machine finds them. Progress on stderr as 'warm' shows it, a "
+        "summary on stdout (--json: as JSON). The first shard that cannot be fetched or "
+        "read stops the run: exit code 1 and nothing written. Shards that hold no sample "
+        "are reported as a warning.",
+        [
+            "shardcache index 's3://bucket/train-{000000..000127}.tar' -o train.index.json",
+            "shardcache index --from-file shards.txt -o s3://bucket/train.index.json --json",
+        ],
+    )
+    _spec_arguments(index)
+    index.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="where to write the index: a local path or an fsspec URL",
+    )
+    index.add_argument(
         "--threads", type=_positive_int, help="parallel downloads (default: SHARDCACHE_THREADS)"
     )
-    warm.add_argument(
-        "--split",
-        choices=("auto", "none"),
-        default="auto",
-        help="auto: this task's share under torchrun/SLURM (default); none: every shard",
-    )
-    _cache_options(warm, rank=False)
-    warm.set_defaults(func=_cmd_warm)
+    index.add_argument("--json", action="store_true", help="machine-readable summary")
+    _cache_options(index, rank=False)
+    index.set_defaults(func=_cmd_index)
 
 
 def _add_maintenance(commands: Any) -> None:
@@ -389,27 +464,48 @@ def _cache(args: argparse.Namespace) -> Any:
     return ShardCache(settings=_settings(args))
 
 
-def _cmd_warm(args: argparse.Namespace) -> int:
-    from ._urls import expand_urls
-    from .distributed import rank_info
-    from .warm import plan_warm, warm
-
+def _specs(args: argparse.Namespace) -> list[str]:
+    """The SPEC arguments and ``--from-file`` manifests, as expand_urls takes them."""
     specs = list(args.specs) + [f"@{path}" for path in args.from_file]
     if not specs:
         raise UsageError("give at least one SPEC or --from-file F")
+    return specs
+
+
+_DATASET_OPTIONS = ("--index", "--seed", "--no-shuffle-shards", "--remainder")
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    from ._urls import expand_urls
+    from .distributed import rank_info
+    from .warm import plan_dataset_warm, plan_warm, warm
+
+    specs = _specs(args)
+    values = (args.index, args.seed, None if args.shuffle_shards else True, args.remainder)
+    given = [flag for flag, v in zip(_DATASET_OPTIONS, values, strict=True) if v is not None]
+    if args.split != "dataset" and given:
+        raise UsageError(f"{', '.join(given)}: only with --split dataset")
+    if args.split == "dataset" and args.index is None:
+        raise UsageError(
+            "--split dataset needs --index FILE: make the shard list's sample index first "
+            "with 'shardcache index SPEC -o FILE' (without it every shard would be "
+            "downloaded to split the epoch by samples)"
+        )
     urls = expand_urls(specs)
     cache = _cache(args)
     settings = cache.settings
     info = rank_info()
-    plan = plan_warm(
-        urls,
-        split=args.split,
-        scope=settings.scope,
-        rank=info.rank,
-        world_size=info.world_size,
-        local_rank=info.local_rank,
-        local_world_size=info.local_world_size,
-    )
+    where = {
+        "scope": settings.scope,
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "local_rank": info.local_rank,
+        "local_world_size": info.local_world_size,
+    }
+    if args.split == "dataset":
+        plan = plan_dataset_warm(_dataset(args, specs, cache), **where)
+    else:
+        plan = plan_warm(urls, split=args.split, **where)
     if not plan.active or not plan.urls:
         sys.stdout.write(f"warm: nothing to do ({plan.reason})\n")
         return EXIT_OK
@@ -422,6 +518,84 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     result = warm(cache, plan.urls, threads=threads, stream=sys.stderr)
     sys.stdout.write(result.summary() + "\n")
     return EXIT_FAILED if result.failed else EXIT_OK
+
+
+def _dataset(args: argparse.Namespace, specs: list[str], cache: Any) -> Any:
+    """The training's ResumableDataset as the --split dataset arguments describe it (its
+    rank and world size detected, as in training)."""
+    from ._errors import MissingExtraError
+
+    try:
+        from ._resumable import ResumableDataset
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"shardcache warm --split dataset needs torch ({exc}): pip install 'shardcache[torch]'",
+            extra="torch",
+        ) from None
+    return ResumableDataset(
+        specs,
+        seed=0 if args.seed is None else args.seed,
+        shuffle_shards=args.shuffle_shards,
+        remainder=args.remainder or "pad",
+        index=args.index,
+        cache=cache,
+    )
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    from ._sample_index import index_document
+    from ._urls import expand_urls
+    from .warm import build_index
+
+    urls = expand_urls(_specs(args))
+    target = args.output
+    _check_output(target)
+    cache = _cache(args)
+    threads = args.threads or cache.settings.threads
+    sys.stderr.write(
+        f"index: {len(urls)} shards through {cache.settings.scope_dir} with {threads} threads\n"
+    )
+    sys.stderr.flush()
+    result = build_index(cache, urls, threads=threads, stream=sys.stderr)
+    _write_index(target, index_document(result.index, urls))
+    if args.json:
+        sys.stdout.write(json.dumps(result.as_json(target), indent=2) + "\n")
+    else:
+        sys.stdout.write(result.summary(target) + "\n")
+    return EXIT_OK
+
+
+def _check_output(target: str) -> None:
+    """``-o`` must be a file in an existing local directory, or a URL of a known fsspec
+    protocol (checked before anything is fetched)."""
+    if "://" in target and not target.startswith("file://"):
+        import fsspec
+
+        protocol = target.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as exc:
+            raise UsageError(f"-o {target}: {_one_line(exc)}") from None
+        return
+    path = Path(target.removeprefix("file://"))
+    if path.is_dir():
+        raise UsageError(f"-o {target} is a directory: give the index file's path")
+    if not path.parent.is_dir():
+        raise UsageError(f"-o {target}: directory {path.parent} does not exist")
+
+
+def _write_index(target: str, document: dict[str, Any]) -> None:
+    from ._errors import SampleIndexError
+    from ._sample_index import write_index
+
+    try:
+        write_index(target, document)
+    except OSError as exc:  # fsspec targets (local ones raise SampleIndexError)
+        raise SampleIndexError(
+            f"cannot write the sample index {target}: {type(exc).__name__}: "
+            f"{_one_line(exc)}; check the bucket and the credentials, or choose another -o",
+            path=target,
+        ) from None
 
 
 def _emit(report: Any, as_json: bool) -> None:

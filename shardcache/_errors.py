@@ -20,6 +20,7 @@
     │   └── LockFileError(OSError)        a lock file cannot be created (path, errno)
     ├── ShardFormatError(ValueError)      a shard is not a readable tar (where, what was seen)
     ├── ResumeError(ValueError)           a resume state does not fit this dataset (what differs)
+    ├── SampleIndexError(ValueError)      an index of sample offsets unusable (missing, stale)
     ├── MetricsError(ValueError)          metrics files cannot be reported (newer version, none)
     ├── MissingExtraError(ImportError)    an optional extra is missing (says what to pip install)
     ├── StallError(TimeoutError)          a prefetch worker made no progress
@@ -154,6 +155,12 @@ class ResumeError(ShardCacheError, ValueError):
     seed or job layout; names what differs, both values and what to do."""
 
 
+class SampleIndexError(ShardCacheError, ValueError):
+    """A sample index cannot be used: missing, damaged, of another format version or shard
+    list, or stale (the shard changed since it was indexed); names the index or shard,
+    what was expected, what was seen and what to do."""
+
+
 class MetricsError(ShardCacheError, ValueError):
     """Metrics records cannot be reported: a file of a newer schema version (names the file,
     line and version: upgrade shardcache), or no records at all where some were expected."""
@@ -193,6 +200,7 @@ __all__ = [
     "RemoteNotFoundError",
     "RemotePermissionError",
     "ResumeError",
+    "SampleIndexError",
     "ShardCacheError",
     "ShardFormatError",
     "StallError",

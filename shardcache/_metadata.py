@@ -19,17 +19,21 @@ from ._layout import CacheLayout, meta_temp_path
 
 def write_meta(layout: CacheLayout, final: Path, record: dict[str, Any]) -> None:
     """Write ``final``'s metadata record atomically (before ``final`` is published)."""
-    meta = layout.meta_path(final)
+    write_record(layout, layout.meta_path(final), record)
+
+
+def write_record(layout: CacheLayout, path: Path, record: dict[str, Any]) -> None:
+    """Write the JSON record ``path`` inside the cache atomically (a temp file renamed)."""
     data = json.dumps(record, sort_keys=True)
     for attempt in range(1, 4):
-        layout.make_dir(meta.parent)
-        tmp = meta_temp_path(meta)
+        layout.make_dir(path.parent)
+        tmp = meta_temp_path(path)
         try:
             fd = layout.fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as out:
                 layout.trust.adopt_file(fd, layout.trust.file_mode)
                 out.write(data)
-            layout.fs.replace(tmp, meta)
+            layout.fs.replace(tmp, path)
             return
         except FileNotFoundError:  # its directory was removed meanwhile: make it again
             with contextlib.suppress(OSError):
@@ -68,4 +72,4 @@ def read_meta(layout: CacheLayout, final: Path) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
-__all__ = ["read_meta", "read_meta_at", "write_meta"]
+__all__ = ["read_meta", "read_meta_at", "write_meta", "write_record"]

@@ -7,10 +7,16 @@
     ).compose(wds.decode("rgb"), wds.to_tuple("jpg", "cls"))
     loader = StatefulDataLoader(dataset, batch_size=64, num_workers=4)
 
-Each epoch has a seeded shard order every rank computes alike (:meth:`set_epoch`), split
-between the job's *consumers* (rank x DataLoader worker); each consumer reads its shards
-through the WebDataset cache stage (:class:`~shardcache._wds.CacheStage`: prefetch
-threads, reading while downloading, the handler) and, optionally, a seeded shuffle buffer.
+Each epoch is split by samples between the job's *consumers* (rank x DataLoader worker),
+every rank computing the same split (:mod:`shardcache._epoch_split`): every consumer gets
+the same number of samples (the remainder padded by repeats, or dropped), so every rank
+yields the same number of batches, and each shard is read by the same cache (rank, or
+node) in every epoch while the order changes (:meth:`set_epoch`). The split needs each
+shard's sample offsets: an index file (``index=``, made by ``shardcache index``) or
+learned by fetching the shards through the cache before the first sample
+(:mod:`shardcache._sample_index`). Each consumer reads its pieces through the WebDataset
+cache stage (:class:`~shardcache._wds.CacheStage`: prefetch threads, reading while
+downloading, the handler) and, optionally, a seeded shuffle buffer.
 
 :meth:`state_dict` says exactly which samples left the dataset: the piece and byte offset
 the next sample starts at, the samples in the shuffle buffer (shard, offset, key) and the
@@ -28,6 +34,7 @@ use ``shuffle_buffer`` and the DataLoader's ``batch_size`` instead.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,9 +43,11 @@ import webdataset as wds
 
 from . import _metrics as metrics
 from ._cache import ShardCache
-from ._errors import ConfigError, ResumeError, ShardFormatError
+from ._config import Settings
+from ._epoch_split import REMAINDERS, EpochSplit, Share
+from ._errors import ConfigError, ResumeError, SampleIndexError, ShardFormatError
 from ._redact import get_logger
-from ._resume_plan import RandomDraws, epoch_order, fresh_plan, share
+from ._resume_plan import Piece, RandomDraws
 from ._resume_state import (
     DatasetIdentity,
     Progress,
@@ -47,7 +56,8 @@ from ._resume_state import (
     leftover,
     start_state,
 )
-from ._tar_members import samples
+from ._sample_index import SampleIndex, learn, load_index
+from ._tar_members import Sample, samples
 from ._urls import Spec, expand_urls
 from ._wds import STDIN_URL, CacheStage, Handler
 from .distributed import rank_info
@@ -62,10 +72,13 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     of a shard list, read through the cache, with a resumable, deterministic epoch order.
 
     ``seed`` and the epoch (:meth:`set_epoch`) fix the shard order (``shuffle_shards``)
-    and the shuffle buffer's draws (``shuffle_buffer`` samples; 0: none). ``rank`` and
-    ``world_size`` default to shardcache's detection (torch.distributed, torchrun, SLURM);
-    DataLoader workers are found by ``torch.utils.data.get_worker_info()``. ``handler``,
-    ``cache``, ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
+    and the shuffle buffer's draws (``shuffle_buffer`` samples; 0: none). Every consumer
+    gets the same number of samples: ``remainder="pad"`` repeats samples to make up the
+    rest, ``"drop"`` leaves it out. ``index`` is a sample index file (path or URL) made by
+    ``shardcache index``; None learns it through the cache. ``rank`` and ``world_size``
+    default to shardcache's detection (torch.distributed, torchrun, SLURM); DataLoader
+    workers are found by ``torch.utils.data.get_worker_info()``. ``handler``, ``cache``,
+    ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
     """
 
     def __init__(
@@ -75,6 +88,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         seed: int = 0,
         shuffle_shards: bool = True,
         shuffle_buffer: int = 0,
+        remainder: str = "pad",
+        index: str | None = None,
         handler: Handler = wds.reraise_exception,
         cache: ShardCache | None = None,
         threads: int | None = None,
@@ -101,6 +116,22 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 value=shuffle_shards,
             )
         self.shuffle_shards = shuffle_shards
+        if remainder not in REMAINDERS:
+            raise ConfigError(
+                f"remainder must be one of {REMAINDERS}, not {remainder!r}: 'pad' repeats "
+                "samples so that every consumer gets the same number, 'drop' leaves the rest "
+                "out of the epoch",
+                name="remainder",
+                value=remainder,
+            )
+        self.remainder = remainder
+        if index is not None and not isinstance(index, (str, os.PathLike)):
+            raise ConfigError(
+                f"index must be a path or URL of a sample index file, not {index!r:.80}",
+                name="index",
+                value=index,
+            )
+        self.index = None if index is None else os.fspath(index)
         if (rank is None) != (world_size is None):
             raise ConfigError(
                 "give both rank and world_size, or neither (then they are detected)",
@@ -117,11 +148,14 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     value=rank,
                 )
         self.rank, self.world_size = rank, world_size
-        self.identity = DatasetIdentity.of(self.urls, self.seed, shuffle_shards)
+        self.identity = DatasetIdentity.of(self.urls, self.seed, shuffle_shards, remainder)
         self.epoch = 0
         self._stage = CacheStage(
             handler, cache=cache, threads=threads, depth=depth, stall_timeout=stall_timeout
         )
+        self._threads = threads
+        self._samples: SampleIndex | None = None  # the shards' sample offsets, once known
+        self._split: EpochSplit | None = None
         self._stages: list[Stage] = []
         self._epoch_chosen = False  # set_epoch() was called: a loaded state must agree
         self._pending: State | None = None  # loaded, applied when iteration starts
@@ -201,90 +235,199 @@ class ResumableDataset(torch.utils.data.IterableDataset):
 
     # -- iteration ------------------------------------------------------------------
 
+    # -- the sample index and the split ----------------------------------------------
+
+    def prepare(self) -> ResumableDataset:
+        """Load or learn the shards' sample offsets now, in this process (DataLoader
+        workers forked afterwards inherit them instead of each reading the index)."""
+        self._epoch_split()
+        return self
+
+    def _epoch_split(self) -> EpochSplit:
+        if self._split is None:
+            self._samples = self._sample_index()
+            self._split = EpochSplit(
+                [self._samples[url].starts for url in self.urls],
+                seed=self.seed,
+                shuffle=self.shuffle_shards,
+                remainder=self.remainder,
+            )
+            empty = [url for url in self.urls if self._samples[url].count == 0]
+            if empty:
+                logger.warning(
+                    "%d of %d shards hold no sample and are left out (first: %s)",
+                    len(empty),
+                    len(self.urls),
+                    empty[0],
+                )
+        return self._split
+
+    def _sample_index(self) -> SampleIndex:
+        if self.index is not None:
+            return load_index(self.index, self.urls)
+        cache = self._stage.cache if self._stage.cache is not None else ShardCache.from_env()
+        threads = self._threads or cache.settings.threads
+        logger.info(
+            "learning the sample offsets of %d shards through the cache %s (%d threads); "
+            "`shardcache index` makes an index file ahead (index=) to skip this",
+            len(self.urls),
+            cache.layout.scope_dir,
+            threads,
+        )
+        return learn(self.urls, cache, threads=threads, handler=self._stage.handler)
+
+    def cache_urls(self) -> list[str]:
+        """The shards this process's cache (its rank's, or its node's at node scope) reads
+        in every epoch: what to warm so that training makes no request."""
+        rank, world_size, local_world_size = self._ranks()
+        per_node = self._ranks_per_cache(world_size, local_world_size)
+        owned = self._epoch_split().shard_units(world_size // per_node)[rank // per_node]
+        return [self.urls[shard] for shard in owned]
+
+    # -- iteration ------------------------------------------------------------------
+
     def __iter__(self) -> Iterator[Any]:
         in_worker = torch.utils.data.get_worker_info() is not None
         if in_worker and self._progress is not None:
             return _refuse_persistent_workers()  # raised from next(): the worker survives it
-        slot, consumers = self._consumer()
+        slot, consumers, per_unit = self._consumer()
         pending, self._pending = self._pending, None
-        progress = self._progress_for(pending, slot, consumers)
+        progress = self._progress_for(pending, slot, consumers, per_unit)
         self._progress = progress
         stream: Iterator[Any] = self._delivered(progress)
         for stage in self._stages:
             stream = stage(stream)
         return iter(stream)
 
-    def _consumer(self) -> tuple[int, int]:
+    def _ranks(self) -> tuple[int, int, int | None]:
+        """This process's rank, the world size and the local world size (if known)."""
+        if self.world_size is not None:
+            assert self.rank is not None
+            return self.rank, self.world_size, None
+        ranks = rank_info()
+        return ranks.rank, ranks.world_size, ranks.local_world_size
+
+    def _ranks_per_cache(self, world_size: int, local_world_size: int | None) -> int:
+        """How many ranks share a cache: a node's at node scope (when the node's size is
+        known and divides the world), else 1."""
+        if local_world_size is None or world_size % local_world_size:
+            return 1
+        cache = self._stage.cache
+        scope = cache.settings.scope if cache is not None else Settings.resolve().scope
+        return local_world_size if scope == "node" else 1
+
+    def _consumer(self) -> tuple[int, int, int]:
+        """This consumer's slot, the number of consumers, and how many share its cache."""
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if self.world_size is None:
-            ranks = rank_info()
-            rank, world_size = ranks.rank, ranks.world_size
-        else:
-            assert self.rank is not None
-            rank, world_size = self.rank, self.world_size
-        return rank * workers + worker, world_size * workers
+        rank, world_size, local_world_size = self._ranks()
+        per_unit = self._ranks_per_cache(world_size, local_world_size) * workers
+        return rank * workers + worker, world_size * workers, per_unit
 
-    def _order(self, epoch: int) -> list[int]:
-        return epoch_order(len(self.urls), self.seed, epoch, shuffle=self.shuffle_shards)
+    def _plan_for(self, epoch: int) -> Callable[[int, int, int], list[Piece]]:
+        split = self._epoch_split()
+        return lambda consumers, per_unit, slot: (
+            split.fresh(epoch, consumers, per_unit, slot).pieces
+        )
 
     def _finished(self, state: State) -> bool:
         """Whether a loaded state has nothing left to deliver of its epoch."""
-        order = self._order(int(state["epoch"]))
+        plan_for = self._plan_for(int(state["epoch"]))
         if state.get("kind") == "job":
-            return not leftover(state, order)[0] and any(
+            return not leftover(state, plan_for)[0] and any(
                 p["kind"] == "consumer" for p in state["parts"]
             )
-        return state.get("kind") == "consumer" and not Progress.from_json(state, order).left()
+        return state.get("kind") == "consumer" and not Progress.from_json(state, plan_for).left()
 
-    def _progress_for(self, pending: State | None, slot: int, consumers: int) -> Progress:
+    def _progress_for(
+        self, pending: State | None, slot: int, consumers: int, per_unit: int
+    ) -> Progress:
         epoch = self.epoch if pending is None else int(pending["epoch"])
-        order = self._order(epoch)
+        split = self._epoch_split()
+        plan_for = self._plan_for(epoch)
+        if pending is not None and pending["kind"] != "start":
+            self._check_layout(pending, split)
         if pending is not None and pending["kind"] == "consumer":
-            if (pending["consumers"], pending["slot"]) != (consumers, slot):
+            if (pending["consumers"], pending["per_unit"], pending["slot"]) != (
+                consumers,
+                per_unit,
+                slot,
+            ):
                 raise ResumeError(
                     f"this state is consumer {pending['slot']} of {pending['consumers']} "
-                    f"(rank x DataLoader worker), but it is loaded into consumer {slot} of "
-                    f"{consumers}: a worker's own state resumes only the same world size and "
-                    "num_workers. To resume with others, gather every rank's state with "
-                    "shardcache.job_state(...) and load that into the dataset",
-                    expected=[consumers, slot],
-                    seen=[pending["consumers"], pending["slot"]],
+                    f"({pending['per_unit']} per cache), but it is loaded into consumer {slot} "
+                    f"of {consumers} ({per_unit} per cache): a worker's own state resumes only "
+                    "the same world size, num_workers and cache scope. To resume with others, "
+                    "gather every rank's state with shardcache.job_state(...) and load that "
+                    "into the dataset",
+                    expected=[consumers, per_unit, slot],
+                    seen=[pending["consumers"], pending["per_unit"], pending["slot"]],
                 )
-            return Progress.from_json(pending, order)
+            return Progress.from_json(pending, plan_for)
         if pending is not None and pending["kind"] == "job":
             parts = {p["slot"]: p for p in pending["parts"] if p["kind"] == "consumer"}
-            same_layout = all(p["consumers"] == consumers for p in parts.values())
+            same_layout = all(
+                (p["consumers"], p["per_unit"]) == (consumers, per_unit) for p in parts.values()
+            )
             if parts and same_layout and len(parts) == consumers:  # every consumer: exact
-                return Progress.from_json(parts[slot], order)
+                return Progress.from_json(parts[slot], plan_for)
             if parts:
-                pieces, digest = leftover(pending, order)
-                plan = share(pieces, consumers, slot)
+                pieces, digest = leftover(pending, plan_for)
+                share = split.share(pieces, consumers, slot)
                 logger.info(
-                    "epoch %d resumed elastically: %d undelivered pieces dealt out to %d "
-                    "consumers, %d to this one (consumer %d)",
+                    "epoch %d resumed elastically: %d undelivered samples split between %d "
+                    "consumers, %d to this one (consumer %d, %d of them repeated)",
                     epoch,
-                    len(pieces),
+                    sum(len(split.run_of(p)) for p in pieces),
                     consumers,
-                    len(plan),
+                    share.samples,
                     slot,
+                    share.repeated,
                 )
-                return Progress(
-                    epoch,
-                    consumers,
-                    slot,
-                    plan,
-                    carried=digest,
-                    offset=plan[0].start if plan else 0,
-                    buffer_size=self.shuffle_buffer,
-                )
+                return self._start(epoch, consumers, per_unit, slot, share, carried=digest)
+        share = split.fresh(epoch, consumers, per_unit, slot)
+        return self._start(epoch, consumers, per_unit, slot, share)
+
+    def _start(  # noqa: PLR0917
+        self,
+        epoch: int,
+        consumers: int,
+        per_unit: int,
+        slot: int,
+        share: Share,
+        carried: str | None = None,
+    ) -> Progress:
+        split = self._epoch_split()
+        sizes = split.totals(consumers) if carried is None else {}
+        sizes.update(own=share.samples, own_repeated=share.repeated)
         return Progress(
             epoch,
             consumers,
+            per_unit,
             slot,
-            fresh_plan(order, consumers, slot),
+            share.pieces,
+            carried=carried,
+            sizes=sizes,
+            layout=split.digest,
+            offset=share.pieces[0].start if share.pieces else 0,
             buffer_size=self.shuffle_buffer,
         )
+
+    @staticmethod
+    def _check_layout(state: State, split: EpochSplit) -> None:
+        parts = state["parts"] if state["kind"] == "job" else [state]
+        for part in parts:
+            if part.get("kind") == "consumer" and part.get("layout") != split.digest:
+                raise ResumeError(
+                    "the state was taken over shards holding other numbers of samples than "
+                    "this dataset's sample index gives (sample layout "
+                    f"{part.get('layout')!r}, now {split.digest!r}): the shards or the index "
+                    "changed. Resume with the shards and index the state was taken with, or "
+                    "start the epoch again",
+                    what="sample layout",
+                    expected=split.digest,
+                    seen=part.get("layout"),
+                )
 
     def _delivered(self, progress: Progress) -> Iterator[dict[str, Any]]:
         """The consumer's samples in order; ``progress`` is kept true at every yield."""
@@ -298,6 +441,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         )
         shuffler = _ShuffleBuffer(progress, draws)
         metrics.set_epoch(progress.epoch)
+        if progress.item == 0 and progress.taken == 0 and not progress.buffer:
+            _log_sizes(progress)
         delivered = progress.delivered
         for opened in self._stage.opened(self._visits(progress)):
             kind, detail = opened["visit"]
@@ -355,11 +500,21 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         stream, url = opened["stream"], opened["url"]
         stream.seek(progress.offset)
         expected = progress.key
-        for sample in samples(stream, progress.offset, url, only_one=piece.single):
+        starts = self._samples[url].starts if self._samples is not None else None
+        index = (
+            None
+            if starts is None
+            else self._epoch_split().run_of(Piece(piece.shard, progress.offset)).first
+        )
+        for sample in samples(stream, progress.offset, url, only_one=piece.count == 1):
             if expected is not None and sample.key != expected:
                 raise _changed(url, sample.offset, expected, sample.key)
             expected = None
-            if piece.single or sample.end < 0:
+            progress.taken += 1
+            if starts is not None and index is not None:
+                _check_indexed(url, starts, index, sample)
+                index += 1
+            if sample.end < 0 or (piece.count is not None and progress.taken >= piece.count):
                 _advance(progress, item + 1)
             else:
                 progress.offset, progress.key = sample.end, sample.next_key
@@ -367,6 +522,10 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 "position": (piece.shard, sample.offset, sample.key),
                 "sample": sample.as_dict(url, opened.get("local_path")),
             }
+            if progress.item != item:  # the piece is done (the shard may go on)
+                return
+        if progress.item == item and piece.count is not None:  # the shard ended too soon
+            raise _stale(url, f"{piece.count} samples from byte {piece.start}", progress.taken)
 
 
 class _ShuffleBuffer:
@@ -439,10 +598,60 @@ def _refuse_persistent_workers() -> Iterator[Any]:
     yield  # a generator: the error comes from the first next()
 
 
+def _log_sizes(progress: Progress) -> None:
+    sizes = progress.sizes
+    log = logger.info if progress.slot == 0 else logger.debug
+    if progress.carried is not None:
+        log(
+            "epoch %d (resumed): consumer %d of %d reads %d samples, %d of them repeated",
+            progress.epoch,
+            progress.slot,
+            progress.consumers,
+            sizes.get("own", 0),
+            sizes.get("own_repeated", 0),
+        )
+        return
+    log(
+        "epoch %d: %d samples, %d for each of %d consumers (%d per cache); %d repeated, %d dropped",
+        progress.epoch,
+        sizes.get("samples", 0),
+        sizes.get("per_consumer", 0),
+        progress.consumers,
+        progress.per_unit,
+        sizes.get("repeated", 0),
+        sizes.get("dropped", 0),
+    )
+
+
 def _advance(progress: Progress, item: int) -> None:
     progress.item = item
     progress.offset = progress.plan[item].start if item < len(progress.plan) else 0
     progress.key = None
+    progress.taken = 0
+
+
+def _check_indexed(url: str, starts: Sequence[int], index: int, sample: Sample) -> None:
+    """A sample read must be where the sample index puts it, and so must the next one (or
+    the archive's end after the last)."""
+    if index >= len(starts) or starts[index] != sample.offset:
+        where = starts[index] if index < len(starts) else "nothing (the index ends)"
+        raise _stale(url, f"sample {index} at byte {where}", f"one at byte {sample.offset}")
+    following = starts[index + 1] if index + 1 < len(starts) else -1
+    if sample.end != following:
+        seen = "the archive's end" if sample.end < 0 else f"a sample at byte {sample.end}"
+        wanted = "the archive's end" if following < 0 else f"a sample at byte {following}"
+        raise _stale(url, f"{wanted} after sample {index}", seen)
+
+
+def _stale(url: str, expected: object, seen: object) -> SampleIndexError:
+    return SampleIndexError(
+        f"{url} does not match its sample index: expected {expected}, found {seen}. The "
+        "shard changed since it was indexed: make the index again (shardcache index), or "
+        "leave index= unset to learn it",
+        url=url,
+        expected=expected,
+        seen=seen,
+    )
 
 
 def _changed(url: str, offset: int, expected: str, seen: str | None) -> ResumeError:

@@ -1,10 +1,8 @@
-"""Who reads what in an epoch: the seeded shard order, the split into consumers, and the
-redistribution of what was left undelivered when a job resumes with another shape.
+"""The pieces of a consumer's plan, the seeded shard order and the shuffle buffer's draws.
 
 A *consumer* is one DataLoader worker of one rank (slot ``rank * workers + worker``); its
-*plan* is an ordered list of :class:`Piece` s. In a fresh epoch consumer ``j`` of ``J``
-reads shards ``order[j::J]`` whole. A resumed epoch's plans are explicit: the pieces left
-over by the old consumers, dealt out round-robin.
+*plan* is an ordered list of :class:`Piece` s (who gets which:
+:mod:`shardcache._epoch_split`).
 
 Everything here is a pure function of its arguments and portable: the order comes from
 BLAKE2 digests, not from an RNG whose stream could change between Python versions, so
@@ -20,19 +18,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Piece:
-    """Samples of shard ``shard`` from byte ``start`` to its end, or (``single``) only the
-    sample at ``start``: one that sat in a shuffle buffer when a state was taken."""
+    """``count`` samples of shard ``shard`` from the one starting at byte ``start`` (None:
+    to the end of the shard)."""
 
     shard: int
     start: int = 0
-    single: bool = False
+    count: int | None = None
 
-    def as_json(self) -> list[int]:
-        return [self.shard, self.start, 1] if self.single else [self.shard, self.start]
+    def as_json(self) -> list[int | None]:
+        return [self.shard, self.start, self.count]
 
     @classmethod
-    def from_json(cls, value: Sequence[int]) -> Piece:
-        return cls(int(value[0]), int(value[1]), len(value) > 2 and bool(value[2]))
+    def from_json(cls, value: Sequence[int | None]) -> Piece:
+        count = value[2] if len(value) > 2 else None
+        return cls(int(value[0] or 0), int(value[1] or 0), None if count is None else int(count))
 
 
 def _digest(*parts: object) -> bytes:
@@ -45,17 +44,6 @@ def epoch_order(count: int, seed: int, epoch: int, *, shuffle: bool = True) -> l
     if not shuffle:
         return list(range(count))
     return sorted(range(count), key=lambda index: _digest(seed, epoch, index))
-
-
-def fresh_plan(order: Sequence[int], consumers: int, slot: int) -> list[Piece]:
-    """Consumer ``slot``'s whole shards in a fresh epoch."""
-    return [Piece(shard) for shard in order[slot::consumers]]
-
-
-def share(leftover: Sequence[Piece], consumers: int, slot: int) -> list[Piece]:
-    """Consumer ``slot``'s part of a resumed epoch's leftover pieces: every ``consumers``-th
-    one, so that partly read shards, whole ones and buffered samples spread evenly."""
-    return list(leftover[slot::consumers])
 
 
 class RandomDraws:

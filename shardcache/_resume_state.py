@@ -1,9 +1,11 @@
 """The resume state: what one consumer has delivered, as plain JSON, versioned and checked.
 
-A consumer state records the epoch and its layout (how many consumers, and whether the
-epoch was itself resumed from leftovers), the consumer's slot and plan, where in the plan
-the next sample starts (piece, byte offset, key), the shuffle buffer's samples (by shard,
-offset and key: their bytes are read again on resume) and its draw counter. A sample
+A consumer state records the epoch and its layout (how many consumers, how many of them
+share a cache, and whether the epoch was itself resumed from leftovers), the consumer's
+slot and plan, where in the plan the next sample starts (piece, samples of it taken, byte
+offset, key), the shuffle buffer's samples (by shard, offset and key: their bytes are read
+again on resume) and its draw counter, and the epoch's sizes (samples per consumer,
+repeated and dropped). A sample
 counts as delivered once it left the dataset's iterator; samples in the shuffle buffer,
 or read ahead anywhere else, do not.
 
@@ -16,16 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ResumeError
-from ._resume_plan import Piece, fresh_plan
+from ._resume_plan import Piece
 
 FORMAT = "shardcache.resume"
-VERSION = 1
+VERSION = 2
 State = dict[str, Any]
+# A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.
+PlanFor = Callable[[int, int, int], list[Piece]]
 
 
 @dataclass(frozen=True)
@@ -38,11 +42,14 @@ class DatasetIdentity:
     last: str
     seed: int
     shuffle_shards: bool
+    remainder: str
 
     @classmethod
-    def of(cls, urls: Sequence[str], seed: int, shuffle_shards: bool) -> DatasetIdentity:
+    def of(
+        cls, urls: Sequence[str], seed: int, shuffle_shards: bool, remainder: str
+    ) -> DatasetIdentity:
         digest = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:32]
-        return cls(len(urls), digest, urls[0], urls[-1], seed, shuffle_shards)
+        return cls(len(urls), digest, urls[0], urls[-1], seed, shuffle_shards, remainder)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -52,6 +59,7 @@ class DatasetIdentity:
             "last": self.last,
             "seed": self.seed,
             "shuffle_shards": self.shuffle_shards,
+            "remainder": self.remainder,
         }
 
     def check(self, state: Mapping[str, Any]) -> None:
@@ -84,7 +92,7 @@ class DatasetIdentity:
                 expected=mine,
                 seen=theirs,
             )
-        for name in ("seed", "shuffle_shards"):
+        for name in ("seed", "shuffle_shards", "remainder"):
             if theirs.get(name) != mine[name]:
                 raise ResumeError(
                     f"the state was taken with {name}={theirs.get(name)!r}; this dataset has "
@@ -102,10 +110,14 @@ class Progress:
 
     epoch: int
     consumers: int
+    per_unit: int  # consumers that share a cache (a rank's workers, or a node's)
     slot: int
     plan: list[Piece]
     carried: str | None = None  # digest of the leftover a resumed epoch was dealt from
+    sizes: dict[str, int] = field(default_factory=dict)  # the epoch's, job-wide and own
+    layout: str = ""  # digest of the shards' sample counts the plan was made from
     item: int = 0  # the piece being read
+    taken: int = 0  # samples of that piece already read
     offset: int = 0  # byte offset of the next sample in that piece's shard
     key: str | None = None  # that sample's key, when known
     buffer: list[tuple[int, int, str]] = field(default_factory=list)  # shard, offset, key
@@ -121,11 +133,15 @@ class Progress:
             "dataset": identity.as_json(),
             "epoch": self.epoch,
             "consumers": self.consumers,
+            "per_unit": self.per_unit,
             "carried": self.carried,
+            "sizes": dict(self.sizes),
+            "layout": self.layout,
             "slot": self.slot,
             # A fresh epoch's plan follows from (epoch, consumers, slot): not stored.
             "plan": None if self.carried is None else [p.as_json() for p in self.plan],
             "item": self.item,
+            "taken": self.taken,
             "offset": self.offset,
             "key": self.key,
             "buffer": [list(entry) for entry in self.buffer],
@@ -135,19 +151,24 @@ class Progress:
         }
 
     @classmethod
-    def from_json(cls, state: Mapping[str, Any], order: Sequence[int]) -> Progress:
+    def from_json(cls, state: Mapping[str, Any], plan_for: PlanFor) -> Progress:
         consumers, slot = int(state["consumers"]), int(state["slot"])
+        per_unit = int(state["per_unit"])
         if state.get("plan") is None:
-            plan = fresh_plan(order, consumers, slot)
+            plan = plan_for(consumers, per_unit, slot)
         else:
             plan = [Piece.from_json(p) for p in state["plan"]]
         return cls(
             epoch=int(state["epoch"]),
             consumers=consumers,
+            per_unit=per_unit,
             slot=slot,
             plan=plan,
             carried=state.get("carried"),
+            sizes={k: int(v) for k, v in (state.get("sizes") or {}).items()},
+            layout=str(state.get("layout", "")),
             item=int(state["item"]),
+            taken=int(state.get("taken", 0)),
             offset=int(state["offset"]),
             key=state.get("key"),
             buffer=[(int(s), int(o), str(k)) for s, o, k in state.get("buffer", [])],
@@ -159,10 +180,11 @@ class Progress:
     def left(self) -> list[Piece]:
         """What this consumer had not delivered: buffered samples, then the rest of the
         piece being read, then the pieces after it."""
-        pieces = [Piece(shard, offset, single=True) for shard, offset, _ in self.buffer]
+        pieces = [Piece(shard, offset, 1) for shard, offset, _ in self.buffer]
         if self.item < len(self.plan):
             current = self.plan[self.item]
-            pieces.append(Piece(current.shard, self.offset, current.single))
+            count = None if current.count is None else current.count - self.taken
+            pieces.append(Piece(current.shard, self.offset, count))
             pieces += self.plan[self.item + 1 :]
         return pieces
 
@@ -255,11 +277,12 @@ def job_state(*states: Any) -> State:
                 expected=first["epoch"],
                 seen=state["epoch"],
             )
-    layouts = {(p["consumers"], p.get("carried")) for p in parts.values()}
+    layouts = {(p["consumers"], p["per_unit"], p.get("carried")) for p in parts.values()}
     if len(layouts) > 1:
         raise ResumeError(
             f"the states come from different job layouts {sorted(layouts, key=str)} "
-            "(consumers, resumed-from): take every rank's state at the same step of one job",
+            "(consumers, consumers per cache, resumed-from): take every rank's state at the "
+            "same step of one job",
             seen=sorted(layouts, key=str),
         )
     return {
@@ -276,21 +299,22 @@ def _canonical(state: Mapping[str, Any]) -> str:
     return json.dumps(state, sort_keys=True)
 
 
-def leftover(job: Mapping[str, Any], order: Sequence[int]) -> tuple[list[Piece], str]:
+def leftover(job: Mapping[str, Any], plan_for: PlanFor) -> tuple[list[Piece], str]:
     """Every piece the job's consumers had not delivered, in slot order, and a digest that
     names this leftover (it seeds the resumed epoch and tags its states)."""
     parts = [p for p in job["parts"] if p.get("kind") == "consumer"]
     if not parts:
         return [], ""
     consumers, carried = int(parts[0]["consumers"]), parts[0].get("carried")
+    per_unit = int(parts[0]["per_unit"])
     by_slot = {int(p["slot"]): p for p in parts}
     pieces: list[Piece] = []
     for slot in range(consumers):
         state = by_slot.get(slot)
         if state is not None:
-            pieces += Progress.from_json(state, order).left()
+            pieces += Progress.from_json(state, plan_for).left()
         elif carried is None:  # delivered nothing of a fresh epoch: its whole plan is left
-            pieces += fresh_plan(order, consumers, slot)
+            pieces += plan_for(consumers, per_unit, slot)
         else:
             raise ResumeError(
                 f"the job state lacks consumer {slot} of {consumers}, and that epoch was "

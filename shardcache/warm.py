@@ -15,22 +15,36 @@ are the same):
   ``rank - local_rank + local_world_size - 1`` (with nodes of equal size this is
   ``node_rank * local_world_size`` ..). When the local world size is unknown, local rank 0
   warms everything. Other local ranks have nothing to do.
+
+``--split dataset`` (:func:`plan_dataset_warm`) warms what a
+:class:`shardcache.ResumableDataset` of the same shard list, seed, shard shuffling and
+remainder reads through this task's cache in every epoch (:meth:`cache_urls
+<shardcache.ResumableDataset.cache_urls>`), from its sample index. With node scope only
+local rank 0 works, as above.
+
+:func:`build_index` fetches every shard through the cache and learns its sample offsets
+(``shardcache index``), with the same progress display as :func:`warm`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ._cache import CacheStats, ShardCache
 from ._redact import get_logger, redact_text
 from ._units import format_bytes
+
+if TYPE_CHECKING:
+    from ._resumable import ResumableDataset
+    from ._sample_index import SampleIndex
 
 logger = get_logger(__name__)
 
@@ -78,6 +92,61 @@ def plan_warm(
     last = min(first + local_world_size, world_size) - 1
     mine = [u for i, u in enumerate(urls) if first <= i % world_size <= last]
     return WarmPlan(mine, f"the shares of ranks {first}..{last} of {world_size} on this node")
+
+
+def plan_dataset_warm(
+    dataset: ResumableDataset,
+    *,
+    scope: str,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int | None,
+) -> WarmPlan:
+    """The shards of ``dataset`` this task's cache reads in every epoch (``--split dataset``).
+
+    Rank scope, or a node of ``local_world_size`` ranks when that divides the world (the
+    dataset then splits by node): ``dataset.cache_urls()``. Node scope when the dataset
+    splits by rank instead (node size unknown or uneven): local rank 0 warms the union of
+    what the node's ranks (contiguous, as :func:`plan_warm` assumes) read, every shard when
+    the node size is unknown. Other local ranks have nothing to do. ``dataset``'s rank and
+    world size must be the ones given here (leave them to detection)."""
+    what = "the dataset's split"
+    if world_size <= 1:
+        return WarmPlan(dataset.cache_urls(), f"{what}, world size 1: every shard with samples")
+    if scope == "rank":
+        return WarmPlan(
+            dataset.cache_urls(),
+            f"{what}: what rank {rank} of {world_size} reads in every epoch",
+        )
+    if local_rank != 0:
+        return WarmPlan(
+            [], f"local rank {local_rank}; local rank 0 warms this node's cache", active=False
+        )
+    if local_world_size is None:
+        return WarmPlan(
+            _rank_cache_urls(dataset, [0], 1),
+            f"{what}: every shard with samples, local rank 0 of a node of unknown size",
+        )
+    first = rank - local_rank
+    last = min(first + local_world_size, world_size) - 1
+    if world_size % local_world_size == 0:
+        urls = dataset.cache_urls()
+    else:  # the dataset gives each rank its own part: the node reads its ranks' parts
+        urls = _rank_cache_urls(dataset, range(first, last + 1), world_size)
+    return WarmPlan(urls, f"{what}: what ranks {first}..{last} of {world_size} on this node read")
+
+
+def _rank_cache_urls(dataset: ResumableDataset, ranks: Iterable[int], world_size: int) -> list[str]:
+    """The union of ``cache_urls()`` of ``ranks`` of ``world_size``, each its own cache, in
+    shard-list order."""
+    dataset.prepare()  # the copies share the loaded index and split
+    wanted: set[str] = set()
+    for rank in ranks:
+        one = copy.copy(dataset)
+        one.rank, one.world_size = rank, world_size
+        wanted.update(one.cache_urls())
+    return [url for url in dict.fromkeys(dataset.urls) if url in wanted]
 
 
 @dataclass(frozen=True)
@@ -130,10 +199,22 @@ class _Cancelled(BaseException):
 class _Progress:
     """Progress on ``stream``: a tqdm bar on a terminal, else a plain line every ``every`` s."""
 
-    def __init__(self, total: int, stream: TextIO | None, every: float) -> None:
+    def __init__(
+        self,
+        total: int,
+        stream: TextIO | None,
+        every: float,
+        *,
+        label: str = "warm",
+        downloaded: Callable[[], int] | None = None,
+        failures: bool = True,
+    ) -> None:
         self.total = total
         self.stream = stream
         self.every = every
+        self.label = label
+        self._failures = failures  # whether the line counts failed shards (warm goes on)
+        self._downloaded = downloaded  # bytes downloaded so far, when not reported by moved()
         self.done = 0
         self.failed = 0
         self.started = time.monotonic()
@@ -152,7 +233,7 @@ class _Progress:
             self._bar = tqdm(
                 total=total,
                 unit="shard",
-                desc="warm",
+                desc=label,
                 file=stream,
                 dynamic_ncols=sized,
                 ncols=None if sized else 100,
@@ -183,8 +264,9 @@ class _Progress:
             eta = "done"
         else:
             eta = "ETA ?" if done == 0 else f"ETA {elapsed / done * (self.total - done):.0f}s"
+        failures = f" ({failed} failed)" if self._failures else ""
         return (
-            f"warm: {done}/{self.total} shards ({failed} failed), {format_bytes(moved)} "
+            f"{self.label}: {done}/{self.total} shards{failures}, {format_bytes(moved)} "
             f"downloaded, {rate:.1f} MB/s, elapsed {elapsed:.1f}s, {eta}"
         )
 
@@ -197,6 +279,8 @@ class _Progress:
 
     def _moved(self) -> int:
         """Bytes moved into the cache by this run so far (call with ``_lock`` held)."""
+        if self._downloaded is not None:
+            return self._downloaded()
         return self._finished_bytes + sum(self._in_flight.values())
 
     def _tick(self) -> None:
@@ -221,6 +305,13 @@ class _Progress:
             self._bar.close()
 
 
+def _threads(cache: ShardCache, threads: int | None) -> int:
+    threads = cache.settings.threads if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    return threads
+
+
 def warm(
     cache: ShardCache,
     urls: Sequence[str],
@@ -237,9 +328,7 @@ def warm(
     ``KeyboardInterrupt`` downloads in flight are unwound (no temp file stays) and the
     interrupt propagates.
     """
-    threads = cache.settings.threads if threads is None else threads
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
+    threads = _threads(cache, threads)
     urls = list(urls)
     before = cache.stats()
     started = time.monotonic()
@@ -289,6 +378,125 @@ def warm(
     )
 
 
+@dataclass
+class IndexResult:
+    """What one :func:`build_index` run found: every shard's samples (in ``urls`` order)
+    and the cache activity of this run."""
+
+    scope_dir: Path
+    urls: list[str]
+    index: SampleIndex
+    misses: int = 0  # shards this run downloaded
+    shared: int = 0  # shards another process downloaded while this run waited
+    bytes_downloaded: int = 0
+    seconds: float = 0.0
+
+    @property
+    def cached(self) -> int:
+        """Shards that were in the cache already."""
+        return max(0, len(set(self.urls)) - self.misses - self.shared)
+
+    @property
+    def samples(self) -> int:
+        return sum(self.index[url].count for url in self.urls)
+
+    @property
+    def bytes_indexed(self) -> int:
+        return sum(self.index[url].size for url in self.urls)
+
+    @property
+    def empty(self) -> list[str]:
+        """Shards that hold no sample (left out of every epoch)."""
+        return [url for url in self.urls if self.index[url].count == 0]
+
+    def summary(self, target: str) -> str:
+        """A summary line, then a warning about shards without samples, if any."""
+        lines = [
+            f"index: {len(self.urls)} shards, {self.samples} samples, "
+            f"{format_bytes(self.bytes_indexed)} indexed in {self.seconds:.1f} s (cached "
+            f"{self.cached}, misses {self.misses}, shared {self.shared}; "
+            f"{format_bytes(self.bytes_downloaded)} downloaded); written to "
+            f"{redact_text(target)}"
+        ]
+        empty = self.empty
+        if empty:
+            lines.append(
+                f"warning: {len(empty)} of {len(self.urls)} shards hold no sample (no member "
+                "named key.suffix) and are left out of every epoch:"
+            )
+            lines += [redact_text(f"  {url}") for url in empty[:_EMPTY_LISTED]]
+            if len(empty) > _EMPTY_LISTED:
+                lines.append(f"  ... and {len(empty) - _EMPTY_LISTED} more (--json lists all)")
+        return "\n".join(lines)
+
+    def as_json(self, target: str) -> dict[str, object]:
+        return {
+            "index": redact_text(target),
+            "shards": len(self.urls),
+            "samples": self.samples,
+            "bytes_indexed": self.bytes_indexed,
+            "seconds": round(self.seconds, 3),
+            "cached": self.cached,
+            "misses": self.misses,
+            "shared": self.shared,
+            "bytes_downloaded": self.bytes_downloaded,
+            "cache": str(self.scope_dir),
+            "empty_shards": [redact_text(url) for url in self.empty],
+            "warnings": [f"{len(self.empty)} of {len(self.urls)} shards hold no sample"]
+            if self.empty
+            else [],
+        }
+
+
+_EMPTY_LISTED = 20  # shards without samples named by the summary (all with --json)
+
+
+def build_index(
+    cache: ShardCache,
+    urls: Sequence[str],
+    *,
+    threads: int | None = None,
+    stream: TextIO | None = None,
+    log_every: float = LOG_EVERY,
+) -> IndexResult:
+    """Fetch every URL through ``cache`` (``threads`` at a time) and learn its samples
+    (:func:`shardcache._sample_index.learn`); progress on ``stream`` as :func:`warm` shows
+    it. The first shard that fails stops the run: its error is raised."""
+    from ._sample_index import learn
+
+    threads = _threads(cache, threads)
+    urls = list(urls)
+    before = cache.stats()
+    started = time.monotonic()
+    progress = _Progress(
+        len(urls),
+        stream,
+        log_every,
+        label="index",
+        downloaded=lambda: cache.stats().bytes_downloaded - before.bytes_downloaded,
+        failures=False,
+    )
+    try:
+        index = learn(
+            urls,
+            cache,
+            threads=threads,
+            on_done=lambda url: progress.finished(url, ok=True),
+        )
+    finally:
+        progress.close()
+    after = cache.stats()
+    return IndexResult(
+        scope_dir=cache.settings.scope_dir,
+        urls=urls,
+        index=index,
+        misses=after.misses - before.misses,
+        shared=after.shared - before.shared,
+        bytes_downloaded=after.bytes_downloaded - before.bytes_downloaded,
+        seconds=time.monotonic() - started,
+    )
+
+
 def _delta(before: CacheStats, after: CacheStats) -> dict[str, int]:
     return {
         "hits": after.hits - before.hits,
@@ -318,9 +526,12 @@ def _one_line(exc: BaseException) -> str:
 
 
 __all__ = [
+    "IndexResult",
     "WarmFailure",
     "WarmPlan",
     "WarmResult",
+    "build_index",
+    "plan_dataset_warm",
     "plan_warm",
     "warm",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,3 +30,26 @@ def run_together(
                 p.kill()
     assert [p.exitcode for p in procs] == [0] * len(procs)
     return results
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of a job the tests launch: this one without SHARDCACHE_* settings
+    (the job sets its own), one OpenMP thread per process, plus ``extra``."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")},
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+def torchrun(ranks: int, job: str | os.PathLike[str], *args: str) -> list[str]:
+    """The command line that runs ``job`` under torchrun with ``ranks`` local ranks."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        os.fspath(job),
+        *args,
+    ]

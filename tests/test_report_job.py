@@ -8,12 +8,11 @@ server and the proxy counted must agree; ``--plot`` draws the job's files."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from processes import job_env, torchrun
 
 from shardcache._cli import main
 from shardcache._demo import make_shard
@@ -34,20 +33,13 @@ def test_a_torchrun_jobs_logs_files_and_report_agree_with_the_server(
     metrics = tmp_path / "metrics"
     with FaultProxy("127.0.0.1", s3.port, latency=0.03, conn_rate=1e6) as link:
         link.add_fault("status:503", times=1, method="GET", path_contains="train-000003")
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")},
+        env = job_env(
             **s3.env(link.endpoint_url),
-            "OMP_NUM_THREADS": "1",
-            "SHARDCACHE_METRICS": str(metrics),
-            "SHARDCACHE_METRICS_INTERVAL": "1s",
-        }
+            SHARDCACHE_METRICS=str(metrics),
+            SHARDCACHE_METRICS_INTERVAL="1s",
+        )
         command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={RANKS}",
-            str(JOB),
+            *torchrun(RANKS, JOB),
             f"--spec={SPEC}",
             f"--cache={tmp_path / 'cache'}",
             f"--epochs={EPOCHS}",

@@ -18,7 +18,15 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
-from shardcache import ConfigError, ResumableDataset, ResumeError, ShardCache, job_state
+from shardcache import (
+    ConfigError,
+    ResumableDataset,
+    ResumeError,
+    SampleIndexError,
+    ShardCache,
+    job_state,
+)
+from shardcache._sample_index import index_document, learn, write_index
 
 BUCKET = "resume"
 SHARDS = 6
@@ -108,10 +116,16 @@ def test_elastic_resume_with_another_worker_count_delivers_the_rest_once(
 
 def test_a_cold_cache_resumes_while_downloading(dataset_s3, tmp_path: Path, s3) -> None:
     batches, states = _run_until(tmp_path / "warm", {7, 45})
+    # With the sample index made ahead; without it the dataset learns it by fetching every
+    # shard before the first sample.
+    urls = shardcache.expand_urls(SPEC)
+    index = str(tmp_path / "train.index.json")
+    learned = learn(urls, ShardCache(tmp_path / "warm"), threads=2)
+    write_index(index, index_document(learned, urls))
     fetched = {}
     for step in (7, 45):
         before = sum(s3.count("GET", BUCKET, f"train-{i:06d}.tar") for i in range(SHARDS))
-        dataset = _dataset(tmp_path / f"cold-{step}")  # empty: read while downloading
+        dataset = _dataset(tmp_path / f"cold-{step}", index=index)  # empty: read while downloading
         loader = _loader(dataset)
         loader.load_state_dict(states[step])
         epoch = batches[step - 1][0]
@@ -269,19 +283,35 @@ def test_job_state_refuses_states_of_different_epochs(dataset_s3, tmp_path: Path
 
 def test_a_shard_that_changed_since_the_state_is_refused(dataset_s3, tmp_path: Path, s3) -> None:
     state = _state_after(_dataset(tmp_path / "cache", shuffle_buffer=0), 3)
-    shard = state["item"]  # the shard being read: rewrite it with other keys
-    order = _dataset(tmp_path / "cache")._order(0)
-    changed = [(f"x{key}", files) for key, files in shard_samples(order[shard], PER_SHARD)]
-    s3.put_objects(BUCKET, {f"train-{order[shard]:06d}.tar": tar_bytes(changed)})
+    # The shard being read: rewritten with other keys (the same sizes and offsets).
+    shard = _dataset(tmp_path / "cache")._plan_for(0)(1, 1, 0)[state["item"]].shard
+    changed = [(f"x{key}", files) for key, files in shard_samples(shard, PER_SHARD)]
+    s3.put_objects(BUCKET, {f"train-{shard:06d}.tar": tar_bytes(changed)})
     dataset = _dataset(tmp_path / "fresh", shuffle_buffer=0)
     dataset.load_state_dict(state)
     with pytest.raises(ResumeError, match="changed since the resume state was taken"):
         list(dataset)
 
 
+def test_a_shard_that_no_longer_matches_its_index_file_is_refused(
+    dataset_s3, tmp_path: Path, s3
+) -> None:
+    urls = shardcache.expand_urls(SPEC)
+    index = str(tmp_path / "train.index.json")
+    write_index(index, index_document(learn(urls, ShardCache(tmp_path / "c"), threads=2), urls))
+    s3.put_objects(BUCKET, {"train-000002.tar": tar_bytes(shard_samples(2, PER_SHARD - 4))})
+    dataset = _dataset(tmp_path / "fresh", shuffle_buffer=0, index=index)
+    with pytest.raises(SampleIndexError, match=r"train-000002\.tar does not match its sample"):
+        list(dataset)
+    learned = _dataset(tmp_path / "fresh", shuffle_buffer=0)  # no index file: learned afresh
+    assert len(list(learned)) == SHARDS * PER_SHARD - 4
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        ({"remainder": "even"}, "remainder must be one of"),
+        ({"index": 3}, "index must be a path or URL"),
         ({"shuffle_buffer": -1}, "shuffle_buffer must be a whole number >= 0"),
         ({"seed": 1.5}, "seed must be a whole number"),
         ({"rank": 2, "world_size": 2}, "rank 2 is not below world_size 2"),
@@ -388,4 +418,5 @@ def test_the_loader_report_counts_each_epoch_of_the_resumable_dataset(
         reports.append(shardcache.log_epoch_summary(epoch))
     assert [r["samples"] for r in reports] == [SHARDS * PER_SHARD] * 2
     assert [r["epoch"] for r in reports] == [0, 1]
-    assert [(r["misses"], r["hits"]) for r in reports] == [(SHARDS, 0), (0, SHARDS)]
+    # Epoch 0 learns the sample offsets first (downloading every shard), then reads.
+    assert [(r["misses"], r["hits"]) for r in reports] == [(SHARDS, SHARDS), (0, SHARDS)]

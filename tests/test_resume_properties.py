@@ -29,9 +29,16 @@ SETTINGS = settings(
 @st.composite
 def jobs(draw: st.DrawFn) -> dict:
     shards = draw(st.integers(1, 6))
+    counts = draw(st.lists(st.integers(0, 9), min_size=shards, max_size=shards))
+    counts[0] = max(counts[0], 1)  # a list without any sample is refused (test_epoch_split)
+    consumers = draw(st.integers(1, 3)) * draw(st.integers(1, 3))
+    remainder = draw(st.sampled_from(["pad", "drop"]))
+    if remainder == "drop":  # then each consumer must get at least one sample
+        consumers = min(consumers, sum(counts))
     return {
-        "counts": draw(st.lists(st.integers(0, 9), min_size=shards, max_size=shards)),
-        "consumers": draw(st.integers(1, 3)) * draw(st.integers(1, 3)),
+        "counts": counts,
+        "consumers": consumers,
+        "remainder": remainder,
         "resumed_with": draw(st.integers(1, 3)) * draw(st.integers(1, 3)),
         "buffer": draw(st.sampled_from([0, 1, 3, 8])),
         "seed": draw(st.integers(0, 2**40)),
@@ -60,6 +67,7 @@ class Job:
             seed=self.spec["seed"],
             shuffle_shards=self.spec["shuffle_shards"],
             shuffle_buffer=self.spec["buffer"],
+            remainder=self.spec["remainder"],
             cache=self.cache,
             threads=1,
             rank=slot,
@@ -95,6 +103,28 @@ class Job:
         return [s["__key__"] for s in dataset]
 
 
+def check_epoch(
+    spec: dict, keys: list[str], runs: list[list[str]], planned: int, *, split: bool = True
+) -> None:
+    """Equal runs of ``planned`` samples in all (``split``: not an exact resume, which
+    goes on where each consumer was); with padding every key at least once (the rest
+    repeats), with dropping none twice."""
+    every = Counter(k for run in runs for k in run)
+    if not split:
+        assert every.total() == planned
+        assert set(every) == set(keys)
+        return
+    assert len({len(run) for run in runs}) == 1
+    assert every.total() == len(runs) * (
+        planned // len(runs) if spec["remainder"] == "drop" else -(-planned // len(runs))
+    )
+    assert set(every) <= set(keys)
+    if spec["remainder"] == "pad":
+        assert set(every) == set(keys)
+    else:
+        assert max(every.values(), default=1) == 1
+
+
 @SETTINGS
 @given(jobs())
 def test_every_layout_reads_every_sample_once_and_resumes_exactly(spec: dict) -> None:
@@ -102,9 +132,12 @@ def test_every_layout_reads_every_sample_once_and_resumes_exactly(spec: dict) ->
         job = Job(Path(root), spec)
         consumers = spec["consumers"]
         runs = job.run(consumers)
-        assert Counter(k for run in runs for k in run) == Counter(job.keys)
+        check_epoch(spec, job.keys, runs, len(job.keys))
         assert job.run(consumers) == runs  # deterministic
         states, taken = job.checkpoint(consumers, runs)
+        sizes = states[0]["sizes"]
+        repeats = Counter(k for run in runs for k in run).total() - len(job.keys)
+        assert (sizes["repeated"], sizes["dropped"]) == (max(repeats, 0), max(-repeats, 0))
         for slot in range(consumers):  # each consumer from its own state
             assert job.resume(states[slot], slot, consumers) == runs[slot][taken[slot] :]
         whole = job_state(states)  # and from the job's state
@@ -114,16 +147,19 @@ def test_every_layout_reads_every_sample_once_and_resumes_exactly(spec: dict) ->
 
 @SETTINGS
 @given(jobs())
-def test_another_layout_delivers_every_undelivered_sample_exactly_once(spec: dict) -> None:
+def test_another_layout_delivers_every_undelivered_sample(spec: dict) -> None:
+    """With padding every sample left comes at least once (and the rest are repeats), with
+    dropping at most once; the new consumers get equal shares."""
     with tempfile.TemporaryDirectory() as root:
         job = Job(Path(root), spec)
         consumers, resumed_with = spec["consumers"], spec["resumed_with"]
         runs = job.run(consumers)
         states, taken = job.checkpoint(consumers, runs)
         delivered = [k for slot, run in enumerate(runs) for k in run[: taken[slot]]]
+        left = Counter(k for run in runs for k in run) - Counter(delivered)
         whole = job_state(states)
         rests = [job.resume(whole, slot, resumed_with) for slot in range(resumed_with)]
-        assert Counter(delivered + [k for rest in rests for k in rest]) == Counter(job.keys)
+        check_epoch(spec, list(left), rests, left.total(), split=resumed_with != consumers)
         assert [job.resume(whole, s, resumed_with) for s in range(resumed_with)] == rests
 
         # A checkpoint inside the resumed epoch resumes exactly, and elastically again.
@@ -131,8 +167,9 @@ def test_another_layout_delivers_every_undelivered_sample_exactly_once(spec: dic
         for slot in range(resumed_with):
             assert job.resume(again[slot], slot, resumed_with) == rests[slot][again_taken[slot] :]
         also = [k for slot, rest in enumerate(rests) for k in rest[: again_taken[slot]]]
+        still = Counter(k for rest in rests for k in rest) - Counter(also)
         final = [job.resume(job_state(again), slot, consumers) for slot in range(consumers)]
-        assert Counter(delivered + also + [k for r in final for k in r]) == Counter(job.keys)
+        check_epoch(spec, list(still), final, still.total(), split=resumed_with != consumers)
 
 
 @SETTINGS

@@ -1,0 +1,171 @@
+"""The sample-level epoch split (pure functions): equal shares, exact repeats and drops,
+the same shards for each cache in every epoch, and the elastic split of a leftover."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardcache import ConfigError, SampleIndexError
+from shardcache._epoch_split import EpochSplit
+from shardcache._resume_plan import Piece
+
+
+def starts_of(counts: list[int]) -> list[list[int]]:
+    """Fake sample offsets: sample i of a shard starts at byte 1024 * i."""
+    return [[1024 * i for i in range(n)] for n in counts]
+
+
+def delivered(split: EpochSplit, pieces: list[Piece]) -> list[tuple[int, int]]:
+    """(shard, sample index) of every sample the pieces cover, in order."""
+    out = []
+    for piece in pieces:
+        run = split.run_of(piece)
+        out += [(run.shard, i) for i in range(run.first, run.stop)]
+    return out
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> dict:
+    shards = draw(st.integers(1, 12))
+    counts = draw(st.lists(st.integers(0, 30), min_size=shards, max_size=shards))
+    if sum(counts) == 0:
+        counts[0] = draw(st.integers(1, 5))
+    per_unit = draw(st.integers(1, 4))
+    return {
+        "counts": counts,
+        "per_unit": per_unit,
+        "consumers": per_unit * draw(st.integers(1, 5)),
+        "seed": draw(st.integers(0, 2**32)),
+        "shuffle": draw(st.booleans()),
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.sampled_from(["pad", "drop"]), st.integers(0, 5))
+def test_every_consumer_gets_the_same_number_and_the_rest_is_exactly_the_reported(
+    job: dict, remainder: str, epoch: int
+) -> None:
+    split = EpochSplit(
+        starts_of(job["counts"]), seed=job["seed"], shuffle=job["shuffle"], remainder=remainder
+    )
+    consumers, total = job["consumers"], sum(job["counts"])
+    if remainder == "drop" and total < consumers:
+        with pytest.raises(ConfigError, match="every sample would be dropped"):
+            split.totals(consumers)
+        return
+    sizes = split.totals(consumers)
+    seen: Counter[tuple[int, int]] = Counter()
+    repeats = 0
+    for slot in range(consumers):
+        share = split.fresh(epoch, consumers, job["per_unit"], slot)
+        samples = delivered(split, share.pieces)
+        assert len(samples) == share.samples == sizes["per_consumer"]
+        seen.update(samples)
+        repeats += share.repeated
+    every = {(s, i) for s, n in enumerate(job["counts"]) for i in range(n)}
+    assert set(seen) <= every
+    assert sum(seen.values()) == consumers * sizes["per_consumer"]
+    if remainder == "pad":
+        assert set(seen) == every  # nothing lost
+        assert sum(seen.values()) - len(every) == sizes["repeated"] == repeats
+        assert sizes["dropped"] == 0
+    else:
+        assert max(seen.values()) == 1  # nothing repeated
+        assert len(every) - len(seen) == sizes["dropped"]
+        assert sizes["repeated"] == repeats == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts(), st.sampled_from(["pad", "drop"]))
+def test_each_cache_reads_the_same_shards_in_every_epoch(job: dict, remainder: str) -> None:
+    split = EpochSplit(
+        starts_of(job["counts"]), seed=job["seed"], shuffle=job["shuffle"], remainder=remainder
+    )
+    consumers, per_unit = job["consumers"], job["per_unit"]
+    if remainder == "drop" and sum(job["counts"]) < consumers:
+        return
+    owned = split.shard_units(consumers // per_unit)
+    for epoch in range(4):
+        for unit in range(consumers // per_unit):
+            read = set()
+            for k in range(per_unit):
+                share = split.fresh(epoch, consumers, per_unit, unit * per_unit + k)
+                read |= {p.shard for p in share.pieces}
+            assert read <= set(owned[unit])
+
+
+def test_the_order_within_a_cache_changes_with_the_epoch() -> None:
+    split = EpochSplit(starts_of([10] * 16), seed=3, shuffle=True, remainder="pad")
+    orders = {tuple(p.shard for p in split.fresh(epoch, 2, 1, 0).pieces) for epoch in range(5)}
+    assert len(orders) > 1
+    assert {frozenset(order) for order in orders} == {frozenset(split.shard_units(2)[0])}
+
+
+def test_a_unit_boundary_inside_a_shard_is_read_by_both_neighbours() -> None:
+    split = EpochSplit(starts_of([5, 5, 5]), seed=0, shuffle=False, remainder="pad")
+    # 15 samples over 2 caches: [0, 7) and [7, 15): shard 1 is split at its 3rd sample.
+    assert split.shard_units(2) == [[0, 1], [1, 2]]
+    first = delivered(split, split.fresh(0, 2, 1, 0).pieces)
+    second = delivered(split, split.fresh(0, 2, 1, 1).pieces)
+    # 8 each: the first cache owns 7 and repeats the first of its epoch order.
+    assert sorted(first) == sorted([(0, i) for i in range(5)] + [(1, 0), (1, 1), (0, 0)])
+    assert sorted(second) == [(1, 2), (1, 3), (1, 4)] + [(2, i) for i in range(5)]
+
+
+def test_fewer_samples_than_consumers_pads_every_consumer() -> None:
+    split = EpochSplit(starts_of([2, 1]), seed=0, shuffle=True, remainder="pad")
+    sizes = split.totals(8)
+    assert sizes == {"samples": 3, "per_consumer": 1, "repeated": 5, "dropped": 0}
+    shares = [split.fresh(0, 8, 2, slot) for slot in range(8)]
+    assert all(share.samples == 1 for share in shares)
+    assert sum(share.repeated for share in shares) == 5
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts(), st.integers(1, 9), st.sampled_from(["pad", "drop"]), st.data())
+def test_an_elastic_split_of_a_leftover_is_equal_and_complete(
+    job: dict, consumers: int, remainder: str, data: st.DataObject
+) -> None:
+    split = EpochSplit(
+        starts_of(job["counts"]), seed=job["seed"], shuffle=job["shuffle"], remainder=remainder
+    )
+    # A leftover: some whole shards, a shard from a sample on, and single samples.
+    left: list[Piece] = []
+    for shard, count in enumerate(job["counts"]):
+        if count == 0:
+            continue
+        start = data.draw(st.integers(0, count - 1))
+        kind = data.draw(st.sampled_from(["rest", "single", "none"]))
+        if kind == "rest":
+            left.append(Piece(shard, 1024 * start))
+        elif kind == "single":
+            left.append(Piece(shard, 1024 * start, 1))
+    expected = Counter(x for piece in left for x in delivered(split, [piece]))
+    got: Counter[tuple[int, int]] = Counter()
+    counts = set()
+    for slot in range(consumers):
+        share = split.share(left, consumers, slot)
+        samples = delivered(split, share.pieces)
+        assert len(samples) == share.samples
+        counts.add(share.samples)
+        got.update(samples)
+    assert len(counts) == 1
+    if remainder == "pad":
+        assert set(got) == set(expected)
+    else:
+        assert all(got[x] <= expected[x] for x in got)
+        assert expected.total() - got.total() < consumers
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(SampleIndexError, match="hold no sample"):
+        EpochSplit(starts_of([0, 0]), seed=0, shuffle=True, remainder="pad")
+    with pytest.raises(ConfigError, match="remainder must be one of"):
+        EpochSplit(starts_of([1]), seed=0, shuffle=True, remainder="wrap")
+    split = EpochSplit(starts_of([3]), seed=0, shuffle=True, remainder="pad")
+    with pytest.raises(SampleIndexError, match="no sample starting at byte 5"):
+        split.run_of(Piece(0, 5))
