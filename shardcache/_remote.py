@@ -19,7 +19,15 @@ from fsspec.asyn import sync
 
 from . import _metrics as metrics
 from ._checksums import from_s3_head
-from ._download import LocalWriteError, ObjectInfo, Progress, RemoteOptions, Strategy, no_progress
+from ._download import (
+    LocalWriteError,
+    ObjectInfo,
+    Progress,
+    RemoteOptions,
+    Strategy,
+    no_progress,
+    s3_body,
+)
 from ._download_parallel import ParallelDownload
 from ._download_pipe import PipeDownload
 from ._download_stream import StreamDownload
@@ -195,6 +203,30 @@ class Remote:
             )
         etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
         return ObjectInfo(url, int(size), str(etag).strip('"') if etag else None)
+
+    # -- ranged reads ------------------------------------------------------------------
+
+    def read_range(self, url: str, start: int, end: int, etag: str | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``url`` (fewer at the object's end), uncached: one ranged
+        GET on S3 (``If-Match`` on ``etag`` when given: a changed object is an error, not
+        other bytes), retried as downloads are."""
+        fs, path = self.filesystem(url)
+        if url_protocol(url) not in {"s3", "s3a"}:
+            return self.options.retry.run(
+                lambda n: fs.cat_file(path, start=start, end=end),
+                retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
+                give_up=lambda exc, n: fetch_error(url, n, exc),
+            )
+        info = ObjectInfo(url, None, etag)
+        chunk = self.options.chunk_size
+        return self.options.retry.run(
+            lambda n: b"".join(
+                s3_body(fs, path, info, chunk, self.options.throttle, start=start, end=end)
+            ),
+            retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
+            give_up=lambda exc, n: fetch_error(url, n, exc),
+            on_retry=lambda exc, n: metrics.retried(exc),
+        )
 
     # -- download --------------------------------------------------------------------
 

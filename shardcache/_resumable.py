@@ -33,10 +33,13 @@ use ``shuffle_buffer`` and the DataLoader's ``batch_size`` instead.
 
 from __future__ import annotations
 
+import bisect
+import concurrent.futures as cf
 import copy
+import io
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch.utils.data
 import webdataset as wds
@@ -63,6 +66,9 @@ from ._wds import STDIN_URL, CacheStage, Handler
 from .distributed import rank_info
 
 logger = get_logger(__name__)
+# A shard whose buffered samples are restored by ranged reads has at most this many of
+# them (one request each); more, and the whole shard is fetched instead.
+RANGED_RESTORE_MAX = 16
 
 Stage = Callable[[Iterator[Any]], Iterator[Any]]
 
@@ -444,10 +450,17 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         if progress.item == 0 and progress.taken == 0 and not progress.buffer:
             _log_sizes(progress)
         delivered = progress.delivered
-        for opened in self._stage.opened(self._visits(progress)):
+        ranged = self._restore_ranged(progress, shuffler)
+        for opened in self._stage.opened(self._visits(progress, ranged)):
             kind, detail = opened["visit"]
             if kind == "buffer":
-                shuffler.restore(opened, detail)
+                stream = opened["stream"]
+                shuffler.restore(
+                    opened["url"],
+                    opened.get("local_path"),
+                    detail,
+                    lambda offset, stream=stream: _seeked(stream, offset),
+                )
                 continue
             shuffler.drop_unrestored()
             item = detail
@@ -479,14 +492,50 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         metrics.count(samples=progress.delivered - delivered)
         metrics.end_epoch(progress.epoch)
 
-    def _visits(self, progress: Progress) -> Iterator[dict[str, Any]]:
-        """Shards to open, in order: those of buffered samples (once each), then those of
-        the pieces left."""
-        by_shard: dict[int, list[int]] = {}
-        for index, (shard, _offset, _key) in enumerate(progress.buffer):
-            by_shard.setdefault(shard, []).append(index)
-        for shard, indices in by_shard.items():
-            yield {"url": self.urls[shard], "visit": ("buffer", indices)}
+    def _restore_ranged(self, progress: Progress, shuffler: _ShuffleBuffer) -> set[int]:
+        """Buffered samples of shards that are neither cached nor read again this epoch are
+        read by ranged requests of their own bytes instead of whole shards (a cold resume);
+        returns those shards."""
+        pending = {p.shard for p in progress.plan[progress.item :]}
+        wanted = {
+            shard: indices
+            for shard, indices in _buffered_by_shard(progress).items()
+            if shard not in pending and len(indices) <= RANGED_RESTORE_MAX
+        }
+        if not wanted or self._samples is None:
+            return set()
+        cache = self._stage.cache if self._stage.cache is not None else ShardCache.from_env()
+        wanted = {s: i for s, i in wanted.items() if not cache.contains(self.urls[s])}
+
+        def restore(shard: int) -> None:
+            url = self.urls[shard]
+            record = self._samples[url]  # type: ignore[index]
+            starts = record.starts
+
+            def read(offset: int) -> BinaryIO:
+                after = bisect.bisect_right(starts, offset)
+                end = starts[after] if after < len(starts) else record.size
+                return io.BytesIO(cache.remote.read_range(url, offset, end, record.etag))
+
+            shuffler.restore(url, None, wanted[shard], read)
+
+        threads = self._threads or cache.settings.threads
+        with cf.ThreadPoolExecutor(max_workers=threads) as pool:
+            for done in [pool.submit(restore, shard) for shard in wanted]:
+                done.result()
+        logger.info(
+            "restored %d buffered samples of %d shards by ranged reads",
+            sum(len(i) for i in wanted.values()),
+            len(wanted),
+        )
+        return set(wanted)
+
+    def _visits(self, progress: Progress, skip: set[int]) -> Iterator[dict[str, Any]]:
+        """Shards to open, in order: those of buffered samples (once each, but ``skip``),
+        then those of the pieces left."""
+        for shard, indices in _buffered_by_shard(progress).items():
+            if shard not in skip:
+                yield {"url": self.urls[shard], "visit": ("buffer", indices)}
         for item in range(progress.item, len(progress.plan)):
             yield {"url": self.urls[progress.plan[item].shard], "visit": ("piece", item)}
 
@@ -538,15 +587,21 @@ class _ShuffleBuffer:
         # Samples of a restored state are read again; None until their shard is opened.
         self._held: list[dict[str, Any] | None] = [None] * len(progress.buffer)
 
-    def restore(self, opened: Mapping[str, Any], indices: Sequence[int]) -> None:
-        stream, url = opened["stream"], opened["url"]
+    def restore(
+        self,
+        url: str,
+        local_path: str | None,
+        indices: Sequence[int],
+        stream_at: Callable[[int], BinaryIO],
+    ) -> None:
+        """Read the buffered samples ``indices`` of ``url`` again (``stream_at(offset)``: a
+        stream positioned at a sample's first byte)."""
         for index in sorted(indices, key=lambda i: self._progress.buffer[i][1]):
             _shard, offset, key = self._progress.buffer[index]
-            stream.seek(offset)
-            sample = next(samples(stream, offset, url, only_one=True), None)
+            sample = next(samples(stream_at(offset), offset, url, only_one=True), None)
             if sample is None or sample.key != key:
                 raise _changed(url, offset, key, None if sample is None else sample.key)
-            self._held[index] = sample.as_dict(url, opened.get("local_path"))
+            self._held[index] = sample.as_dict(url, local_path)
 
     def drop_unrestored(self) -> None:
         """Buffered samples whose shard the handler skipped are lost, as in webdataset."""
@@ -596,6 +651,19 @@ def _refuse_persistent_workers() -> Iterator[Any]:
         value=True,
     )
     yield  # a generator: the error comes from the first next()
+
+
+def _buffered_by_shard(progress: Progress) -> dict[int, list[int]]:
+    """The buffered samples' indices in ``progress.buffer``, by shard, in buffer order."""
+    by_shard: dict[int, list[int]] = {}
+    for index, (shard, _offset, _key) in enumerate(progress.buffer):
+        by_shard.setdefault(shard, []).append(index)
+    return by_shard
+
+
+def _seeked(stream: BinaryIO, offset: int) -> BinaryIO:
+    stream.seek(offset)
+    return stream
 
 
 def _log_sizes(progress: Progress) -> None:

@@ -1,4 +1,5 @@
-"""A DDP training job for tests/test_ddp_epochs.py, run under torchrun (not a test module).
+"""A DDP training job for tests/test_ddp_epochs.py and tests/test_slurm_epochs.py, run
+under torchrun or as ``srun`` tasks (not a test module).
 
 It reads a ``shardcache.ResumableDataset`` through torchdata's StatefulDataLoader and
 steps a tiny ``DistributedDataParallel`` model once per batch: the gradient all-reduce in
@@ -9,6 +10,16 @@ seconds, so such a job fails fast instead of hanging.
 Per rank, one JSON line per epoch goes to ``<out>/rank-<r>.jsonl``: the epoch, the number
 of batches, every sample key delivered (in order) and, from ``loader.state_dict()`` taken
 after the epoch, each DataLoader worker's consumer slot, delivered count and ``sizes``.
+
+Under torchrun the process group comes from torchrun's variables. As an ``srun`` task
+(no ``RANK`` set) the rank and world size are ``SLURM_PROCID`` and ``SLURM_NTASKS``, and
+``MASTER_ADDR`` / ``MASTER_PORT`` must be set by whoever launches the job (an address every
+node reaches; ``GLOO_SOCKET_IFNAME`` too when the hostname does not resolve). The dataset
+takes its ranks, local world size and cache scope from the same variables
+(``SHARDCACHE_SCOPE=node``: one cache per node).
+
+``--index FILE`` gives the dataset a sample index made ahead (``shardcache index``); without
+it the dataset learns the sample offsets through the cache.
 
 ``--mark-epochs URL`` (a bucket URL on the S3 server): after each epoch, once every rank
 has passed the epoch's barrier, rank 0 sends ``HEAD <URL>/epoch-<e>``; the server's
@@ -22,6 +33,7 @@ import argparse
 import datetime
 import http.client
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,12 +93,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout (s)")
     parser.add_argument("--mark-epochs", default=None, metavar="URL")
+    parser.add_argument("--index", default=None, metavar="FILE", help="a sample index file")
     return parser.parse_args()
+
+
+def init_process_group(timeout: float) -> None:
+    """gloo, with torchrun's variables or, in an ``srun`` task, SLURM's."""
+    limit = datetime.timedelta(seconds=timeout)
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=limit)
+    else:
+        dist.init_process_group("gloo", timeout=limit)
 
 
 def main() -> int:
     args = parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    init_process_group(args.timeout)
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
@@ -97,6 +120,7 @@ def main() -> int:
         seed=args.seed,
         shuffle_buffer=args.shuffle_buffer,
         remainder=args.remainder,
+        index=args.index,
         cache=shardcache.ShardCache(args.cache),
     ).compose(key_and_features)
     loader = StatefulDataLoader(

@@ -25,6 +25,8 @@ import pytest
 from processes import job_env, torchrun
 from tars import Files, shard_samples, tar_bytes
 
+from shardcache.testing import S3Server
+
 JOB = Path(__file__).with_name("ddp_epoch_job.py")
 RANKS, WORKERS = 2, 2
 CONSUMERS = RANKS * WORKERS
@@ -94,10 +96,30 @@ def _rank_errors(stderr: str) -> str:
     return before[-6000:] if before.strip() else stderr[-6000:]
 
 
-def records(root: Path) -> dict[int, dict[int, dict[str, Any]]]:
+def requests_by_epoch(
+    s3: S3Server, bucket: str = BUCKET, mark_bucket: str = MARK_BUCKET
+) -> tuple[list[Counter[str]], list[Counter[str]]]:
+    """The server's requests since the last clear, split at the job's epoch marks
+    (``--mark-epochs``): per epoch (and a last part after the last mark), the GETs per
+    shard key and the requests per method."""
+    gets: list[Counter[str]] = [Counter()]
+    methods: list[Counter[str]] = [Counter()]  # every request, for the report
+    for request in s3.requests():
+        if request.bucket == mark_bucket:
+            gets.append(Counter())
+            methods.append(Counter())
+            continue
+        assert request.bucket == bucket, request
+        methods[-1][request.method] += 1
+        if request.method == "GET":
+            gets[-1][request.key] += 1
+    return gets, methods
+
+
+def records(root: Path, ranks: int = RANKS) -> dict[int, dict[int, dict[str, Any]]]:
     """rank -> epoch -> that epoch's record."""
     found: dict[int, dict[int, dict[str, Any]]] = {}
-    for rank in range(RANKS):
+    for rank in range(ranks):
         lines = (root / "out" / f"rank-{rank}.jsonl").read_text().splitlines()
         found[rank] = {}
         for record in map(json.loads, lines):
@@ -113,40 +135,43 @@ def check_epoch(
     *,
     batch_size: int,
     remainder: str,
+    workers: int = WORKERS,
 ) -> dict[str, int]:
-    """Every check of one epoch over both ranks; returns the epoch's sizes."""
-    ranks = [logged[rank][epoch] for rank in range(RANKS)]
+    """Every check of one epoch over all ranks (those of ``logged``, each with ``workers``
+    DataLoader workers); returns the epoch's sizes."""
+    ranks = [logged[rank][epoch] for rank in range(len(logged))]
+    consumers_count = len(ranks) * workers
     consumers = [c for record in ranks for c in record["consumers"]]
-    assert sorted(c["slot"] for c in consumers) == list(range(CONSUMERS)), consumers
+    assert sorted(c["slot"] for c in consumers) == list(range(consumers_count)), consumers
     job_wide = ("samples", "per_consumer", "repeated", "dropped")
     sizes = {name: consumers[0]["sizes"][name] for name in job_wide}
     for consumer in consumers:  # the job-wide figures are the same in every consumer
         assert {n: consumer["sizes"][n] for n in job_wide} == sizes, (epoch, consumers)
     each = sizes["per_consumer"]
     assert sizes["samples"] == len(keys)
-    assert [c["sizes"]["own"] for c in consumers] == [each] * CONSUMERS
+    assert [c["sizes"]["own"] for c in consumers] == [each] * consumers_count
     assert sum(c["sizes"]["own_repeated"] for c in consumers) == sizes["repeated"]
 
     # Equal batches: every worker yields ceil(per_consumer / batch_size) of them.
     batches = [record["batches"] for record in ranks]
-    assert batches == [WORKERS * math.ceil(each / batch_size)] * RANKS, (epoch, batches)
+    assert batches == [workers * math.ceil(each / batch_size)] * len(ranks), (epoch, batches)
     for record in ranks:  # each rank delivered its consumers' shares, as their states say
-        assert len(record["keys"]) == WORKERS * each
+        assert len(record["keys"]) == workers * each
         assert sum(c["delivered"] for c in record["consumers"]) == len(record["keys"])
 
     delivered = Counter(key for record in ranks for key in record["keys"])
-    assert delivered.total() == CONSUMERS * each
+    assert delivered.total() == consumers_count * each
     every = Counter(keys)
     extra = delivered - every
     assert set(extra) <= set(every), f"unknown keys delivered: {sorted(set(extra) - set(every))}"
     if remainder == "pad":
         assert sizes["dropped"] == 0
-        assert sizes["repeated"] == CONSUMERS * each - len(keys)
+        assert sizes["repeated"] == consumers_count * each - len(keys)
         assert not every - delivered, f"epoch {epoch} missed {sorted(every - delivered)}"
         assert extra.total() == sizes["repeated"], (epoch, extra)
     else:
         assert sizes["repeated"] == 0
-        assert sizes["dropped"] == len(keys) - CONSUMERS * each
+        assert sizes["dropped"] == len(keys) - consumers_count * each
         assert not extra, f"epoch {epoch} delivered twice: {sorted(extra)}"
         assert delivered.total() == sizes["samples"] - sizes["dropped"]
     return sizes
@@ -199,17 +224,7 @@ def test_later_epochs_make_no_get_at_rank_scope(s3, tmp_path: Path) -> None:
     for epoch in (0, 1, 2):
         check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder="pad")
 
-    gets: list[Counter[str]] = [Counter()]
-    methods: list[Counter[str]] = [Counter()]  # every request, for the report
-    for request in s3.requests():
-        if request.bucket == MARK_BUCKET:
-            gets.append(Counter())
-            methods.append(Counter())
-            continue
-        assert request.bucket == BUCKET, request
-        methods[-1][request.method] += 1
-        if request.method == "GET":
-            gets[-1][request.key] += 1
+    gets, methods = requests_by_epoch(s3)
     assert len(gets) == 4, "the job did not mark the end of each of its 3 epochs"
     first, second, third, after = gets
     # Epoch 0 fetches every shard into the caches: at most once per rank's cache.

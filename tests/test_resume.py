@@ -124,17 +124,18 @@ def test_a_cold_cache_resumes_while_downloading(dataset_s3, tmp_path: Path, s3) 
     write_index(index, index_document(learned, urls))
     fetched = {}
     for step in (7, 45):
-        before = sum(s3.count("GET", BUCKET, f"train-{i:06d}.tar") for i in range(SHARDS))
+        before = sum(s3.count("HEAD", BUCKET, f"train-{i:06d}.tar") for i in range(SHARDS))
         dataset = _dataset(tmp_path / f"cold-{step}", index=index)  # empty: read while downloading
         loader = _loader(dataset)
         loader.load_state_dict(states[step])
         epoch = batches[step - 1][0]
         assert batches[:step] + _epochs(loader, dataset, range(epoch, 2)) == batches
-        after = sum(s3.count("GET", BUCKET, f"train-{i:06d}.tar") for i in range(SHARDS))
-        fetched[step] = after - before
-    # Early in epoch 0 every shard is still to be read; late in epoch 1 each worker reads
-    # its third shard: shards delivered whole (none of their samples buffered) are skipped
-    # without a single byte fetched.
+        after = sum(s3.count("HEAD", BUCKET, f"train-{i:06d}.tar") for i in range(SHARDS))
+        fetched[step] = after - before  # whole shards fetched (one HEAD each)
+    # From early in epoch 0 every shard is read again (the rest of epoch 0 or epoch 1); late
+    # in epoch 1 each worker reads its third shard: shards delivered whole are skipped without
+    # a byte fetched, and buffered samples of finished shards come by ranged reads
+    # (test_a_cold_resume_reads_buffered_samples_of_finished_shards_by_ranged_requests).
     assert fetched[7] == SHARDS
     assert fetched[45] < SHARDS
 
@@ -291,6 +292,33 @@ def test_a_shard_that_changed_since_the_state_is_refused(dataset_s3, tmp_path: P
     dataset.load_state_dict(state)
     with pytest.raises(ResumeError, match="changed since the resume state was taken"):
         list(dataset)
+
+
+def test_a_cold_resume_reads_buffered_samples_of_finished_shards_by_ranged_requests(
+    dataset_s3, tmp_path: Path, s3
+) -> None:
+    """Buffered samples whose shard is not read again this epoch cost one ranged GET each
+    (no HEAD, nothing cached), not a whole shard."""
+    urls = shardcache.expand_urls(SPEC)
+    index = str(tmp_path / "train.index.json")
+    write_index(index, index_document(learn(urls, ShardCache(tmp_path / "c"), threads=2), urls))
+    reference = [s["__key__"] for s in _dataset(tmp_path / "c", shuffle_buffer=8, index=index)]
+    state = _state_after(_dataset(tmp_path / "c", shuffle_buffer=8, index=index), 50)
+    plan = _dataset(tmp_path / "c")._plan_for(0)(1, 1, 0)
+    left = {piece.shard for piece in plan[state["item"] :]}
+    buffered = Counter(shard for shard, _offset, _key in state["buffer"])
+    finished = {shard: n for shard, n in buffered.items() if shard not in left}
+    assert finished, "the checkpoint must hold samples of a finished shard"
+    s3.clear_requests()
+    resumed = _dataset(tmp_path / "cold", shuffle_buffer=8, index=index)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert reference[:50] + [s["__key__"] for s in resumed] == reference
+    for shard, n in finished.items():
+        key = f"train-{shard:06d}.tar"
+        assert (s3.count("HEAD", BUCKET, key), s3.count("GET", BUCKET, key)) == (0, n), shard
+        assert not ShardCache(tmp_path / "cold").contains(urls[shard])
+    for shard in left:  # the rest is read through the cache
+        assert s3.count("GET", BUCKET, f"train-{shard:06d}.tar") >= 1
 
 
 def test_a_shard_that_no_longer_matches_its_index_file_is_refused(
