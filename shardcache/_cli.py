@@ -502,10 +502,11 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         "local_rank": info.local_rank,
         "local_world_size": info.local_world_size,
     }
-    if args.split == "dataset":
+    idle = settings.scope == "node" and info.world_size > 1 and info.local_rank != 0
+    if args.split == "dataset" and not idle:
         plan = plan_dataset_warm(_dataset(args, specs, cache), **where)
-    else:
-        plan = plan_warm(urls, split=args.split, **where)
+    else:  # an idle task of --split dataset gets --split auto's answer without the dataset
+        plan = plan_warm(urls, split="auto" if args.split == "dataset" else args.split, **where)
     if not plan.active or not plan.urls:
         sys.stdout.write(f"warm: nothing to do ({plan.reason})\n")
         return EXIT_OK

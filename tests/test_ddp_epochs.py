@@ -9,6 +9,9 @@ plus exactly the repeats the loader's state reports (``remainder="pad"``), or ev
 sample at most once and exactly the reported number left out (``"drop"``); the batch
 counts of the ranks must agree. Over the S3 server, at rank scope, the second and third
 epochs must make no GET at all: each shard is read by the same rank's cache every epoch.
+With a sample index made ahead (``shardcache index``) and ``shardcache warm --split
+dataset`` run once per rank, each rank warms only its own cache's shards and the training
+sends no request at all. tests/test_slurm_epochs.py runs the same job on two SLURM nodes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,12 +29,15 @@ import pytest
 from processes import job_env, torchrun
 from tars import Files, shard_samples, tar_bytes
 
+from shardcache import ResumableDataset
 from shardcache.testing import S3Server
 
 JOB = Path(__file__).with_name("ddp_epoch_job.py")
 RANKS, WORKERS = 2, 2
 CONSUMERS = RANKS * WORKERS
 RUN_TIMEOUT = 120  # the job itself fails after its 30 s collective timeout
+CLI_TIMEOUT = 60  # a shardcache index / warm command
+SEED = 3  # the job's default --seed
 UNEQUAL = (40, 157, 71, 103, 58, 126, 89, 44, 140, 93)  # 921 samples: 921 % 4 == 1
 FEW = (5, 9, 3)  # 17 samples, 3 shards for 4 consumers: 5 each, 3 repeated
 BUCKET = "ddp-epochs"
@@ -234,3 +241,109 @@ def test_later_epochs_make_no_get_at_rank_scope(s3, tmp_path: Path) -> None:
     assert not third, f"epoch 2 made GETs: {dict(third)}"
     assert not after
     print(f"requests by epoch: {[dict(m) for m in methods[:3]]}")
+
+
+def shardcache_cli(*runs: tuple[list[str], dict[str, str]]) -> list[str]:
+    """Run ``python -m shardcache ARGS`` once per ``(ARGS, env)``, all at once (bounded);
+    each must exit 0. Returns their stdouts."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "shardcache", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, env in runs
+    ]
+    deadline = time.monotonic() + CLI_TIMEOUT
+    outs = []
+    try:
+        for proc, (args, _env) in zip(procs, runs, strict=True):
+            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, f"shardcache {' '.join(args)}: {proc.returncode}\n{err}"
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outs
+
+
+def make_index(s3: S3Server, root: Path, spec: str, endpoint_url: str | None = None) -> Path:
+    """``shardcache index SPEC -o FILE`` through a cache of its own (not the job's), over
+    the server at ``endpoint_url`` (default: its own address)."""
+    index = root / "train.index.json"
+    shardcache_cli(
+        (
+            ["index", spec, "-o", str(index), "--cache-dir", str(root / "index-cache")],
+            job_env(**s3.env(endpoint_url)),
+        )
+    )
+    return index
+
+
+def test_warm_then_train_makes_no_get(s3, tmp_path: Path) -> None:
+    """``shardcache index``, then ``shardcache warm --split dataset`` once per rank (with
+    torchrun's variables for each of the 2 ranks, rank scope), then the DDP job of 2
+    epochs with that index: each rank warmed only its own cache's shards, and from the
+    start of training to its end the server sees no GET."""
+    tars = shard_tars(UNEQUAL)
+    s3.put_objects(BUCKET, tars)
+    spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
+    index = make_index(s3, tmp_path, spec)
+    s3.clear_requests()
+
+    cache = tmp_path / "cache"
+    warm = ["warm", spec, "--split", "dataset", "--index", str(index), f"--seed={SEED}"]
+    launcher = {"WORLD_SIZE": str(RANKS), "LOCAL_WORLD_SIZE": str(RANKS)}
+    outs = shardcache_cli(
+        *(
+            (
+                warm,
+                job_env(
+                    **s3.env(),
+                    **launcher,
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    SHARDCACHE_DIR=str(cache),
+                ),
+            )
+            for rank in range(RANKS)
+        )
+    )
+    warm_gets = Counter(r.key for r in s3.requests("GET"))
+    # What each rank's cache reads in every epoch: each rank warmed only that.
+    expected: Counter[str] = Counter()
+    for rank in range(RANKS):
+        dataset = ResumableDataset(spec, seed=SEED, index=str(index), rank=rank, world_size=RANKS)
+        expected.update(url.rsplit("/", 1)[1] for url in dataset.cache_urls())
+        mine = len(dataset.cache_urls())
+        assert f"warm: {mine} of {mine} shards ok" in outs[rank], outs
+        assert outs[rank].rstrip().endswith(f"cache {cache / f'rank-{rank}'}"), outs
+    assert set(warm_gets) == set(tars), "a shard no rank warmed"
+    assert warm_gets == expected, (warm_gets, expected)
+    assert warm_gets.total() < len(tars) * RANKS, warm_gets
+    s3.clear_requests()
+
+    run_job(
+        tmp_path,
+        spec,
+        "--epochs=2",
+        "--batch-size=8",
+        f"--seed={SEED}",
+        f"--index={index}",
+        env={**s3.env(), "SHARDCACHE_DIR": str(cache)},
+    )
+    training = s3.requests()
+    logged = records(tmp_path)
+    for epoch in (0, 1):
+        check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder="pad")
+    assert [r for r in training if r.method == "GET"] == [], "training made GETs"
+    assert training == [], "training sent requests to S3"
+    print(
+        f"warm GETs: {warm_gets.total()} ({dict(warm_gets)}), "
+        f"training requests: {dict(Counter(r.method for r in training))}"
+    )
