@@ -30,17 +30,16 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
-import os
 import random
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import webdataset as wds
 
+from bench.infra import env_vars
 from shardcache import Settings, split_by_node
 from shardcache._config import SPECS
 from shardcache._download import ObjectInfo
@@ -73,29 +72,15 @@ class Job:
         return self.nodes * self.ranks
 
 
-@contextmanager
-def _env(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def wds_reads(job: Job, epoch: int) -> Iterator[tuple[int, int, list[int]]]:
     """(node, rank, shards) per DataLoader worker: ``split_by_node`` then
     ``wds.split_by_worker``, as every rank's pipeline runs them (same every epoch)."""
     shards = list(range(job.shards))
     for rank in range(job.world):
-        with _env(SHARDCACHE_RANK=str(rank), SHARDCACHE_WORLD_SIZE=str(job.world)):
+        with env_vars(SHARDCACHE_RANK=str(rank), SHARDCACHE_WORLD_SIZE=str(job.world)):
             share = list(split_by_node(shards))
         for worker in range(job.workers):
-            with _env(WORKER=str(worker), NUM_WORKERS=str(job.workers)):
+            with env_vars(WORKER=str(worker), NUM_WORKERS=str(job.workers)):
                 yield rank // job.ranks, rank, list(wds.split_by_worker(share))
 
 

@@ -112,12 +112,7 @@ def shaped_proxy(upstream_port: int, link: Link) -> Iterator[tuple[str, int]]:
         port = parent.recv()
         yield f"http://127.0.0.1:{port}", proc.pid or 0
     finally:
-        with contextlib.suppress(OSError, BrokenPipeError):
-            parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(5)
+        stop_helper(parent, proc)
 
 
 # ---------------------------------------------------------------------------- data
@@ -227,3 +222,28 @@ def machine() -> dict[str, Any]:
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1),
         "versions": versions,
     }
+
+
+@contextlib.contextmanager
+def env_vars(**values: str) -> Iterator[None]:
+    """Set environment variables for the block, then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def stop_helper(parent: Any, proc: Any) -> None:
+    """Ask a helper process (a proxy) to stop over its pipe, then make sure it did."""
+    with contextlib.suppress(OSError, BrokenPipeError):
+        parent.send("stop")
+    proc.join(10)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)

@@ -1,4 +1,4 @@
-"""shardcache benchmarks B1-B11 against their peers; writes bench/results.{md,json}.
+"""shardcache benchmarks B1-B11 and B13 against their peers; writes bench/results.{md,json}.
 
     python -m bench.run [--size tiny|full] [--out DIR] [--only B2,B6]
 
@@ -28,6 +28,7 @@ from bench.b2_cold import b2_cold
 from bench.b9_first_sample import b9_first_sample
 from bench.b10_resume import b10_resume
 from bench.b11_bookkeeping import b11_bookkeeping
+from bench.b13_epochs import b13_epochs
 from bench.common import (
     SIZES,
     Bench,
@@ -606,6 +607,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B9": ("time to first sample, cold", b9_first_sample),
     "B10": ("resume mid-epoch from a checkpoint, warm and cold", b10_resume),
     "B11": ("bookkeeping cost vs the number of cached shards", b11_bookkeeping),
+    "B13": ("requests and bytes per epoch over 3 epochs, rank and node scope", b13_epochs),
 }
 
 

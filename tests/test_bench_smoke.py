@@ -32,12 +32,12 @@ def _numbers(value: object) -> list[float]:
     return []
 
 
-def run_bench_module(module: str, out: Path) -> None:
-    """``python -m <module> --size tiny --out <out>`` from the project root, without the
-    caller's AWS_* variables; it must exit 0."""
+def run_bench_module(module: str, out: Path, *extra: str) -> None:
+    """``python -m <module> --size tiny --out <out> [extra...]`` from the project root,
+    without the caller's AWS_* variables; it must exit 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     proc = subprocess.run(
-        [sys.executable, "-m", module, "--size", "tiny", "--out", str(out)],
+        [sys.executable, "-m", module, "--size", "tiny", "--out", str(out), *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -50,7 +50,7 @@ def run_bench_module(module: str, out: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
-    run_bench_module("bench.run", tmp_path)
+    run_bench_module("bench.run", tmp_path, "--only", ",".join(IDS))  # B13: its own test
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["size"] == "tiny"
     assert report["machine"]["cores"] >= 1 and report["machine"]["versions"]["python"]
@@ -156,3 +156,66 @@ def test_b12_node_lock_tiny_counts_operations_with_and_without(tmp_path: Path) -
         assert res["gets_exactly_one_per_shard"] is True and res["misses"] == 3, (run, res)
         assert res["fuse_ops_per_shard"] > 0 and res["meta_ops_per_shard"] > 0, (run, res)
         assert res["by_kind"]["meta_ops:Link"] >= 1, (run, res)  # the lease was taken
+
+
+@pytest.mark.timeout(200)
+def test_b13_epochs_tiny_counts_requests_per_epoch(tmp_path: Path) -> None:
+    """B13 (bench/b13_epochs.py) at tiny size: a row per reader x scope, 3 epochs each, with
+    GETs, bytes, samples and the order change; shardcache's later epochs make no GET. Peers
+    not installed here (Mosaic) say so; nothing is timed."""
+    from bench.b13_epochs import EPOCHS, READERS, SIZES, row_name
+    from bench.infra import samples_per_shard
+
+    run_bench_module("bench.b13_epochs", tmp_path)
+    report = json.loads((tmp_path / "results.json").read_text())
+    res = report["results"]["B13"]
+    assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
+    assert res["verdict"] == "met" and res["target"] and res["what"], res
+    assert "| B13 |" in (tmp_path / "results.md").read_text()
+    cfg = SIZES["tiny"]
+    total = cfg["shards"] * samples_per_shard(cfg["shard_bytes"], cfg["sample"])
+    mosaic = importlib.util.find_spec("streaming") is not None
+    for name, kind, scope, _options in READERS:
+        key = row_name(name, scope)
+        rows = [r for r in res["rows"] if r["reader"] == key]
+        if kind == "mosaic" and not mosaic:
+            assert not rows and res["peers"][key]["status"].startswith("not installed"), key
+            continue
+        assert [r["epoch"] for r in rows] == list(range(EPOCHS)), (key, rows)
+        for row in rows:
+            assert row["gets"] >= 0 and row["bytes"] >= 0 and row["other_requests"] >= 0, row
+            assert row["distinct"] == total and row["samples"] >= total, row
+            assert (row["order_changed"] is None) == (row["epoch"] == 0), row
+        assert rows[0]["gets"] > 0 and rows[0]["bytes"] > 0, rows  # the first epoch downloads
+        summary = res["shardcache"] if key == row_name("shardcache", "rank") else res["peers"][key]
+        assert summary["gets_total"] == sum(r["gets"] for r in rows), (key, summary)
+    for scope in ("rank", "node"):  # each cache keeps its shards: later epochs are cached
+        rows = [r for r in res["rows"] if r["reader"] == row_name("shardcache", scope)]
+        assert [r["gets"] for r in rows[1:]] == [0] * (EPOCHS - 1), rows
+        assert rows[0]["gets"] <= cfg["shards"] + 1, rows
+    learned = [r for r in res["rows"] if r["reader"].startswith("shardcache, index learned")]
+    assert learned[0]["gets"] == 2 * cfg["shards"], learned  # every rank fetched every shard
+    assert res["peers"][row_name("mosaic streaming", "rank")]["status"].startswith("not applicable")
+
+
+def test_b13_shuffle_quality_places_the_split_between_its_bounds(capsys) -> None:
+    """bench/shuffle_quality.py at a small size: Mosaic's entropy measure over the library's
+    own split and shuffle buffer; no shuffle is 0 of the way to a global shuffle, a global
+    shuffle all of it, and a rank keeps its samples across epochs at rank scope."""
+    from bench import shuffle_quality
+
+    argv = ["--shards", "40", "--samples", "10", "--ranks", "4", "--nodes", "2"]
+    argv += ["--workers", "2", "--batch", "4", "--buffers", "0", "20", "--epochs", "2"]
+    report = shuffle_quality.run(shuffle_quality.main_parser().parse_args(argv))
+    results = report["results"]
+    none = results["no shuffle (shuffle_shards=False, no buffer)"]
+    full = results["global shuffle (uniform permutation)"]
+    assert none["of_global"] == 0 and full["of_global"] == 1, results
+    assert full["entropy_bits"] > none["entropy_bits"] > 0, results
+    buffered = results["shardcache rank scope, shuffle_buffer=20"]
+    assert none["entropy_bits"] < buffered["entropy_bits"] <= full["entropy_bits"] * 1.05
+    assert buffered["same_rank_pct"] == 100 and full["same_rank_pct"] < 100, results
+    for res in results.values():
+        assert 1 <= res["shards_per_global_batch"] <= 16, res
+    assert shuffle_quality.main(argv) == 0
+    assert "| global shuffle (uniform permutation) |" in capsys.readouterr().out
