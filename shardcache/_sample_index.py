@@ -1,6 +1,6 @@
 """Where each sample of a shard starts: what a sample-level epoch split needs to know.
 
-An equal split of an epoch between consumers (:mod:`shardcache._epoch_plan`) needs every
+An equal split of an epoch between consumers (:mod:`shardcache._epoch_split`) needs every
 shard's sample count, and where each sample starts so that a consumer can read a range of
 a shard. A tar has no table of contents, so this is learned by reading the headers of the
 whole archive once (:func:`scan`), from one of two places:
