@@ -13,7 +13,7 @@ in turn), each step the ranks' batches in rank order (nodes, then ranks).
 
 ResumableDataset's order is computed with the library itself, without tar files: each
 consumer's pieces from ``shardcache._epoch_split.EpochSplit.fresh`` (the shards as runs of
-sample offsets), then the seeded shuffle buffer of ``shardcache._resumable._ShuffleBuffer``
+sample offsets), then the seeded shuffle buffer of ``shardcache._shuffle_buffer.ShuffleBuffer``
 with the draws ``RandomDraws(seed, epoch, "", consumers, slot)`` the dataset uses; each
 worker cuts its samples into batches of ``batch``. The bounds: the same split with
 ``shuffle_shards=False`` and no buffer (no shuffle), and a uniformly random permutation of
@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from shardcache._epoch_split import EpochSplit
-from shardcache._resumable import _ShuffleBuffer
 from shardcache._resume_plan import RandomDraws
+from shardcache._shuffle_buffer import ShuffleBuffer
 
 Order = Callable[[int], list[list[np.ndarray]]]  # epoch -> per rank, its samples in order
 
@@ -98,7 +98,7 @@ class Dataset:
             if buffer == 0:
                 return np.array(ids)
             progress = SimpleNamespace(buffer_size=buffer, buffer=[], draws=0)
-            shuffler = _ShuffleBuffer(progress, RandomDraws(seed, epoch, "", consumers, slot))
+            shuffler = ShuffleBuffer(progress, RandomDraws(seed, epoch, "", consumers, slot))
             out = [s for i in ids if (s := shuffler.add({"position": i, "sample": i})) is not None]
             while (s := shuffler.drain_one()) is not None:
                 out.append(s)

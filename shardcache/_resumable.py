@@ -33,13 +33,10 @@ use ``shuffle_buffer`` and the DataLoader's ``batch_size`` instead.
 
 from __future__ import annotations
 
-import bisect
-import concurrent.futures as cf
 import copy
-import io
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch.utils.data
 import webdataset as wds
@@ -48,7 +45,7 @@ from . import _metrics as metrics
 from ._cache import ShardCache
 from ._config import Settings
 from ._epoch_split import REMAINDERS, EpochSplit, Share
-from ._errors import ConfigError, ResumeError, SampleIndexError, ShardFormatError
+from ._errors import ConfigError, ResumeError, ShardFormatError
 from ._redact import get_logger
 from ._resume_plan import Piece, RandomDraws
 from ._resume_state import (
@@ -59,16 +56,14 @@ from ._resume_state import (
     leftover,
     start_state,
 )
-from ._sample_index import SampleIndex, learn, load_index
-from ._tar_members import Sample, samples
+from ._sample_index import SampleIndex, check_sample, learn, load_index, stale
+from ._shuffle_buffer import ShuffleBuffer, buffered_by_shard, changed, restore_ranged, seeked
+from ._tar_members import samples
 from ._urls import Spec, expand_urls
 from ._wds import STDIN_URL, CacheStage, Handler
 from .distributed import rank_info
 
 logger = get_logger(__name__)
-# A shard whose buffered samples are restored by ranged reads has at most this many of
-# them (one request each); more, and the whole shard is fetched instead.
-RANGED_RESTORE_MAX = 16
 
 Stage = Callable[[Iterator[Any]], Iterator[Any]]
 
@@ -271,7 +266,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     def _sample_index(self) -> SampleIndex:
         if self.index is not None:
             return load_index(self.index, self.urls)
-        cache = self._stage.cache if self._stage.cache is not None else ShardCache.from_env()
+        cache = self._cache()
         threads = self._threads or cache.settings.threads
         logger.info(
             "learning the sample offsets of %d shards through the cache %s (%d threads); "
@@ -445,12 +440,16 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             progress.slot,
             draws=progress.draws,
         )
-        shuffler = _ShuffleBuffer(progress, draws)
+        shuffler = ShuffleBuffer(progress, draws)
         metrics.set_epoch(progress.epoch)
         if progress.item == 0 and progress.taken == 0 and not progress.buffer:
             _log_sizes(progress)
         delivered = progress.delivered
-        ranged = self._restore_ranged(progress, shuffler)
+        ranged: set[int] = set()
+        if progress.buffer and self._samples is not None:  # a resumed shuffle buffer
+            ranged = restore_ranged(
+                progress, shuffler, self.urls, self._samples, self._cache(), self._threads
+            )
         for opened in self._stage.opened(self._visits(progress, ranged)):
             kind, detail = opened["visit"]
             if kind == "buffer":
@@ -459,7 +458,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     opened["url"],
                     opened.get("local_path"),
                     detail,
-                    lambda offset, stream=stream: _seeked(stream, offset),
+                    lambda offset, stream=stream: seeked(stream, offset),
                 )
                 continue
             shuffler.drop_unrestored()
@@ -492,48 +491,13 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         metrics.count(samples=progress.delivered - delivered)
         metrics.end_epoch(progress.epoch)
 
-    def _restore_ranged(self, progress: Progress, shuffler: _ShuffleBuffer) -> set[int]:
-        """Buffered samples of shards that are neither cached nor read again this epoch are
-        read by ranged requests of their own bytes instead of whole shards (a cold resume);
-        returns those shards."""
-        pending = {p.shard for p in progress.plan[progress.item :]}
-        wanted = {
-            shard: indices
-            for shard, indices in _buffered_by_shard(progress).items()
-            if shard not in pending and len(indices) <= RANGED_RESTORE_MAX
-        }
-        if not wanted or self._samples is None:
-            return set()
-        cache = self._stage.cache if self._stage.cache is not None else ShardCache.from_env()
-        wanted = {s: i for s, i in wanted.items() if not cache.contains(self.urls[s])}
-
-        def restore(shard: int) -> None:
-            url = self.urls[shard]
-            record = self._samples[url]  # type: ignore[index]
-            starts = record.starts
-
-            def read(offset: int) -> BinaryIO:
-                after = bisect.bisect_right(starts, offset)
-                end = starts[after] if after < len(starts) else record.size
-                return io.BytesIO(cache.remote.read_range(url, offset, end, record.etag))
-
-            shuffler.restore(url, None, wanted[shard], read)
-
-        threads = self._threads or cache.settings.threads
-        with cf.ThreadPoolExecutor(max_workers=threads) as pool:
-            for done in [pool.submit(restore, shard) for shard in wanted]:
-                done.result()
-        logger.info(
-            "restored %d buffered samples of %d shards by ranged reads",
-            sum(len(i) for i in wanted.values()),
-            len(wanted),
-        )
-        return set(wanted)
+    def _cache(self) -> ShardCache:
+        return self._stage.cache if self._stage.cache is not None else ShardCache.from_env()
 
     def _visits(self, progress: Progress, skip: set[int]) -> Iterator[dict[str, Any]]:
         """Shards to open, in order: those of buffered samples (once each, but ``skip``),
         then those of the pieces left."""
-        for shard, indices in _buffered_by_shard(progress).items():
+        for shard, indices in buffered_by_shard(progress).items():
             if shard not in skip:
                 yield {"url": self.urls[shard], "visit": ("buffer", indices)}
         for item in range(progress.item, len(progress.plan)):
@@ -557,11 +521,11 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         )
         for sample in samples(stream, progress.offset, url, only_one=piece.count == 1):
             if expected is not None and sample.key != expected:
-                raise _changed(url, sample.offset, expected, sample.key)
+                raise changed(url, sample.offset, expected, sample.key)
             expected = None
             progress.taken += 1
             if starts is not None and index is not None:
-                _check_indexed(url, starts, index, sample)
+                check_sample(url, starts, index, sample)
                 index += 1
             if sample.end < 0 or (piece.count is not None and progress.taken >= piece.count):
                 _advance(progress, item + 1)
@@ -574,71 +538,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             if progress.item != item:  # the piece is done (the shard may go on)
                 return
         if progress.item == item and piece.count is not None:  # the shard ended too soon
-            raise _stale(url, f"{piece.count} samples from byte {piece.start}", progress.taken)
-
-
-class _ShuffleBuffer:
-    """The seeded shuffle buffer, its positions mirrored in ``progress.buffer``: a full
-    buffer hands out a random held sample for each new one; the end drains it randomly."""
-
-    def __init__(self, progress: Progress, draws: RandomDraws) -> None:
-        self._progress = progress
-        self._draws = draws
-        # Samples of a restored state are read again; None until their shard is opened.
-        self._held: list[dict[str, Any] | None] = [None] * len(progress.buffer)
-
-    def restore(
-        self,
-        url: str,
-        local_path: str | None,
-        indices: Sequence[int],
-        stream_at: Callable[[int], BinaryIO],
-    ) -> None:
-        """Read the buffered samples ``indices`` of ``url`` again (``stream_at(offset)``: a
-        stream positioned at a sample's first byte)."""
-        for index in sorted(indices, key=lambda i: self._progress.buffer[i][1]):
-            _shard, offset, key = self._progress.buffer[index]
-            sample = next(samples(stream_at(offset), offset, url, only_one=True), None)
-            if sample is None or sample.key != key:
-                raise _changed(url, offset, key, None if sample is None else sample.key)
-            self._held[index] = sample.as_dict(url, local_path)
-
-    def drop_unrestored(self) -> None:
-        """Buffered samples whose shard the handler skipped are lost, as in webdataset."""
-        if None not in self._held:
-            return
-        keep = [i for i, sample in enumerate(self._held) if sample is not None]
-        logger.warning(
-            "%d buffered samples were lost with their shards", len(self._held) - len(keep)
-        )
-        self._held = [self._held[i] for i in keep]
-        self._progress.buffer = [self._progress.buffer[i] for i in keep]
-
-    def add(self, item: dict[str, Any]) -> dict[str, Any] | None:
-        progress = self._progress
-        if progress.buffer_size == 0:
-            return item["sample"]
-        if len(self._held) < progress.buffer_size:
-            self._held.append(item["sample"])
-            progress.buffer.append(item["position"])
-            return None
-        index = self._draws.below(progress.buffer_size)
-        out = self._held[index]
-        self._held[index] = item["sample"]
-        progress.buffer[index] = item["position"]
-        progress.draws = self._draws.draws
-        return out
-
-    def drain_one(self) -> dict[str, Any] | None:
-        if not self._held:
-            return None
-        index, last = self._draws.below(len(self._held)), len(self._held) - 1
-        held, positions = self._held, self._progress.buffer
-        held[index], held[last] = held[last], held[index]
-        positions[index], positions[last] = positions[last], positions[index]
-        positions.pop()
-        self._progress.draws = self._draws.draws
-        return held.pop()
+            raise stale(url, f"{piece.count} samples from byte {piece.start}", progress.taken)
 
 
 def _refuse_persistent_workers() -> Iterator[Any]:
@@ -651,19 +551,6 @@ def _refuse_persistent_workers() -> Iterator[Any]:
         value=True,
     )
     yield  # a generator: the error comes from the first next()
-
-
-def _buffered_by_shard(progress: Progress) -> dict[int, list[int]]:
-    """The buffered samples' indices in ``progress.buffer``, by shard, in buffer order."""
-    by_shard: dict[int, list[int]] = {}
-    for index, (shard, _offset, _key) in enumerate(progress.buffer):
-        by_shard.setdefault(shard, []).append(index)
-    return by_shard
-
-
-def _seeked(stream: BinaryIO, offset: int) -> BinaryIO:
-    stream.seek(offset)
-    return stream
 
 
 def _log_sizes(progress: Progress) -> None:
@@ -696,42 +583,6 @@ def _advance(progress: Progress, item: int) -> None:
     progress.offset = progress.plan[item].start if item < len(progress.plan) else 0
     progress.key = None
     progress.taken = 0
-
-
-def _check_indexed(url: str, starts: Sequence[int], index: int, sample: Sample) -> None:
-    """A sample read must be where the sample index puts it, and so must the next one (or
-    the archive's end after the last)."""
-    if index >= len(starts) or starts[index] != sample.offset:
-        where = starts[index] if index < len(starts) else "nothing (the index ends)"
-        raise _stale(url, f"sample {index} at byte {where}", f"one at byte {sample.offset}")
-    following = starts[index + 1] if index + 1 < len(starts) else -1
-    if sample.end != following:
-        seen = "the archive's end" if sample.end < 0 else f"a sample at byte {sample.end}"
-        wanted = "the archive's end" if following < 0 else f"a sample at byte {following}"
-        raise _stale(url, f"{wanted} after sample {index}", seen)
-
-
-def _stale(url: str, expected: object, seen: object) -> SampleIndexError:
-    return SampleIndexError(
-        f"{url} does not match its sample index: expected {expected}, found {seen}. The "
-        "shard changed since it was indexed: make the index again (shardcache index), or "
-        "leave index= unset to learn it",
-        url=url,
-        expected=expected,
-        seen=seen,
-    )
-
-
-def _changed(url: str, offset: int, expected: str, seen: str | None) -> ResumeError:
-    return ResumeError(
-        f"{url} changed since the resume state was taken: at byte {offset} the state expects "
-        f"sample {expected!r}, the shard has {seen!r} there. Resume over the shards as they "
-        "were, or start the epoch again (set_epoch without loading the state)",
-        url=url,
-        offset=offset,
-        expected=expected,
-        seen=seen,
-    )
 
 
 def _whole(name: str, value: Any, *, low: int) -> int:

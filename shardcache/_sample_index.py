@@ -34,7 +34,7 @@ from ._cache import ShardCache
 from ._errors import SampleIndexError, ShardCacheError
 from ._metadata import read_meta, write_record
 from ._redact import get_logger
-from ._tar_members import samples
+from ._tar_members import Sample, samples
 
 logger = get_logger(__name__)
 
@@ -270,3 +270,30 @@ def _run_all(urls: Iterable[str], work: Callable[[str], None], threads: int) -> 
         finally:
             for future in futures:
                 future.cancel()
+
+
+# -- checking a shard against its record ---------------------------------------------
+
+
+def check_sample(url: str, starts: Sequence[int], index: int, sample: Sample) -> None:
+    """A sample read must be where the sample index puts it, and so must the next one (or
+    the archive's end after the last)."""
+    if index >= len(starts) or starts[index] != sample.offset:
+        where = starts[index] if index < len(starts) else "nothing (the index ends)"
+        raise stale(url, f"sample {index} at byte {where}", f"one at byte {sample.offset}")
+    following = starts[index + 1] if index + 1 < len(starts) else -1
+    if sample.end != following:
+        seen = "the archive's end" if sample.end < 0 else f"a sample at byte {sample.end}"
+        wanted = "the archive's end" if following < 0 else f"a sample at byte {following}"
+        raise stale(url, f"{wanted} after sample {index}", seen)
+
+
+def stale(url: str, expected: object, seen: object) -> SampleIndexError:
+    return SampleIndexError(
+        f"{url} does not match its sample index: expected {expected}, found {seen}. The "
+        "shard changed since it was indexed: make the index again (shardcache index), or "
+        "leave index= unset to learn it",
+        url=url,
+        expected=expected,
+        seen=seen,
+    )

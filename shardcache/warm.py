@@ -30,27 +30,25 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from ._cache import CacheStats, ShardCache
+from ._cache import ShardCache
+from ._fetch_progress import LOG_EVERY, FetchProgress, stats_delta, thread_count
+from ._index_build import IndexResult, build_index
 from ._redact import get_logger, redact_text
 from ._units import format_bytes
 
 if TYPE_CHECKING:
     from ._resumable import ResumableDataset
-    from ._sample_index import SampleIndex
 
 logger = get_logger(__name__)
 
 SPLITS = ("auto", "none")
-LOG_EVERY = 5.0  # seconds between plain progress lines when stderr is not a terminal
-_BAR_REFRESH = 0.5  # seconds between progress-bar refreshes (bytes and rate)
 
 
 @dataclass(frozen=True)
@@ -196,122 +194,6 @@ class _Cancelled(BaseException):
     """Raised from a progress callback to unwind a download (its .part is removed)."""
 
 
-class _Progress:
-    """Progress on ``stream``: a tqdm bar on a terminal, else a plain line every ``every`` s."""
-
-    def __init__(
-        self,
-        total: int,
-        stream: TextIO | None,
-        every: float,
-        *,
-        label: str = "warm",
-        downloaded: Callable[[], int] | None = None,
-        failures: bool = True,
-    ) -> None:
-        self.total = total
-        self.stream = stream
-        self.every = every
-        self.label = label
-        self._failures = failures  # whether the line counts failed shards (warm goes on)
-        self._downloaded = downloaded  # bytes downloaded so far, when not reported by moved()
-        self.done = 0
-        self.failed = 0
-        self.started = time.monotonic()
-        self._lock = threading.Lock()
-        self._in_flight: dict[str, int] = {}  # url -> bytes it reported so far
-        self._finished_bytes = 0  # bytes reported by shards that finished
-        self._stop = threading.Event()
-        self._bar = None
-        self._thread: threading.Thread | None = None
-        if stream is None:
-            return
-        if _isatty(stream):
-            from tqdm import tqdm
-
-            sized = _columns(stream) > 0  # a pty without a size would get an empty bar
-            self._bar = tqdm(
-                total=total,
-                unit="shard",
-                desc=label,
-                file=stream,
-                dynamic_ncols=sized,
-                ncols=None if sized else 100,
-                postfix="0 B, 0.0 MB/s",
-            )
-        self._thread = threading.Thread(target=self._tick, name="shardcache-warm-progress")
-        self._thread.daemon = True
-        self._thread.start()
-
-    def moved(self, url: str, bytes_done: int) -> None:
-        with self._lock:
-            self._in_flight[url] = bytes_done
-
-    def finished(self, url: str, ok: bool) -> None:
-        with self._lock:
-            self._finished_bytes += self._in_flight.pop(url, 0)
-            self.done += 1
-            self.failed += not ok
-            if self._bar is not None:
-                self._bar.update(1)
-
-    def line(self) -> str:
-        with self._lock:
-            done, failed, moved = self.done, self.failed, self._moved()
-        elapsed = time.monotonic() - self.started
-        rate = moved / 1e6 / elapsed if elapsed > 0 else 0.0
-        if done == self.total:
-            eta = "done"
-        else:
-            eta = "ETA ?" if done == 0 else f"ETA {elapsed / done * (self.total - done):.0f}s"
-        failures = f" ({failed} failed)" if self._failures else ""
-        return (
-            f"{self.label}: {done}/{self.total} shards{failures}, {format_bytes(moved)} "
-            f"downloaded, {rate:.1f} MB/s, elapsed {elapsed:.1f}s, {eta}"
-        )
-
-    def _postfix(self) -> str:
-        with self._lock:
-            moved = self._moved()
-        elapsed = time.monotonic() - self.started
-        rate = moved / 1e6 / elapsed if elapsed > 0 else 0.0
-        return f"{format_bytes(moved)}, {rate:.1f} MB/s"
-
-    def _moved(self) -> int:
-        """Bytes moved into the cache by this run so far (call with ``_lock`` held)."""
-        if self._downloaded is not None:
-            return self._downloaded()
-        return self._finished_bytes + sum(self._in_flight.values())
-
-    def _tick(self) -> None:
-        every = _BAR_REFRESH if self._bar is not None else self.every
-        while not self._stop.wait(every):
-            self._show()
-
-    def _show(self) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix_str(self._postfix())
-        elif self.stream is not None:
-            self.stream.write(self.line() + "\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.stream is not None:
-            self._show()  # the final state
-        if self._bar is not None:
-            self._bar.close()
-
-
-def _threads(cache: ShardCache, threads: int | None) -> int:
-    threads = cache.settings.threads if threads is None else threads
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
-    return threads
-
-
 def warm(
     cache: ShardCache,
     urls: Sequence[str],
@@ -328,11 +210,11 @@ def warm(
     ``KeyboardInterrupt`` downloads in flight are unwound (no temp file stays) and the
     interrupt propagates.
     """
-    threads = _threads(cache, threads)
+    threads = thread_count(cache, threads)
     urls = list(urls)
     before = cache.stats()
     started = time.monotonic()
-    progress = _Progress(len(urls), stream, log_every)
+    progress = FetchProgress(len(urls), stream, log_every)
     stop = threading.Event()
     errors: dict[int, WarmFailure] = {}
 
@@ -373,152 +255,9 @@ def warm(
         total=len(urls),
         ok=len(urls) - len(failed),
         failed=failed,
-        **_delta(before, after),
+        **stats_delta(before, after),
         seconds=time.monotonic() - started,
     )
-
-
-@dataclass
-class IndexResult:
-    """What one :func:`build_index` run found: every shard's samples (in ``urls`` order)
-    and the cache activity of this run."""
-
-    scope_dir: Path
-    urls: list[str]
-    index: SampleIndex
-    misses: int = 0  # shards this run downloaded
-    shared: int = 0  # shards another process downloaded while this run waited
-    bytes_downloaded: int = 0
-    seconds: float = 0.0
-
-    @property
-    def cached(self) -> int:
-        """Shards that were in the cache already."""
-        return max(0, len(set(self.urls)) - self.misses - self.shared)
-
-    @property
-    def samples(self) -> int:
-        return sum(self.index[url].count for url in self.urls)
-
-    @property
-    def bytes_indexed(self) -> int:
-        return sum(self.index[url].size for url in self.urls)
-
-    @property
-    def empty(self) -> list[str]:
-        """Shards that hold no sample (left out of every epoch)."""
-        return [url for url in self.urls if self.index[url].count == 0]
-
-    def summary(self, target: str) -> str:
-        """A summary line, then a warning about shards without samples, if any."""
-        lines = [
-            f"index: {len(self.urls)} shards, {self.samples} samples, "
-            f"{format_bytes(self.bytes_indexed)} indexed in {self.seconds:.1f} s (cached "
-            f"{self.cached}, misses {self.misses}, shared {self.shared}; "
-            f"{format_bytes(self.bytes_downloaded)} downloaded); written to "
-            f"{redact_text(target)}"
-        ]
-        empty = self.empty
-        if empty:
-            lines.append(
-                f"warning: {len(empty)} of {len(self.urls)} shards hold no sample (no member "
-                "named key.suffix) and are left out of every epoch:"
-            )
-            lines += [redact_text(f"  {url}") for url in empty[:_EMPTY_LISTED]]
-            if len(empty) > _EMPTY_LISTED:
-                lines.append(f"  ... and {len(empty) - _EMPTY_LISTED} more (--json lists all)")
-        return "\n".join(lines)
-
-    def as_json(self, target: str) -> dict[str, object]:
-        return {
-            "index": redact_text(target),
-            "shards": len(self.urls),
-            "samples": self.samples,
-            "bytes_indexed": self.bytes_indexed,
-            "seconds": round(self.seconds, 3),
-            "cached": self.cached,
-            "misses": self.misses,
-            "shared": self.shared,
-            "bytes_downloaded": self.bytes_downloaded,
-            "cache": str(self.scope_dir),
-            "empty_shards": [redact_text(url) for url in self.empty],
-            "warnings": [f"{len(self.empty)} of {len(self.urls)} shards hold no sample"]
-            if self.empty
-            else [],
-        }
-
-
-_EMPTY_LISTED = 20  # shards without samples named by the summary (all with --json)
-
-
-def build_index(
-    cache: ShardCache,
-    urls: Sequence[str],
-    *,
-    threads: int | None = None,
-    stream: TextIO | None = None,
-    log_every: float = LOG_EVERY,
-) -> IndexResult:
-    """Fetch every URL through ``cache`` (``threads`` at a time) and learn its samples
-    (:func:`shardcache._sample_index.learn`); progress on ``stream`` as :func:`warm` shows
-    it. The first shard that fails stops the run: its error is raised."""
-    from ._sample_index import learn
-
-    threads = _threads(cache, threads)
-    urls = list(urls)
-    before = cache.stats()
-    started = time.monotonic()
-    progress = _Progress(
-        len(urls),
-        stream,
-        log_every,
-        label="index",
-        downloaded=lambda: cache.stats().bytes_downloaded - before.bytes_downloaded,
-        failures=False,
-    )
-    try:
-        index = learn(
-            urls,
-            cache,
-            threads=threads,
-            on_done=lambda url: progress.finished(url, ok=True),
-        )
-    finally:
-        progress.close()
-    after = cache.stats()
-    return IndexResult(
-        scope_dir=cache.settings.scope_dir,
-        urls=urls,
-        index=index,
-        misses=after.misses - before.misses,
-        shared=after.shared - before.shared,
-        bytes_downloaded=after.bytes_downloaded - before.bytes_downloaded,
-        seconds=time.monotonic() - started,
-    )
-
-
-def _delta(before: CacheStats, after: CacheStats) -> dict[str, int]:
-    return {
-        "hits": after.hits - before.hits,
-        "misses": after.misses - before.misses,
-        "shared": after.shared - before.shared,
-        "bytes_served": after.bytes_served - before.bytes_served,
-        "bytes_downloaded": after.bytes_downloaded - before.bytes_downloaded,
-    }
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _columns(stream: TextIO) -> int:
-    try:
-        return os.get_terminal_size(stream.fileno()).columns
-    except (AttributeError, ValueError, OSError):
-        return 0
 
 
 def _one_line(exc: BaseException) -> str:
