@@ -28,6 +28,7 @@ The model, stated (every figure is a parameter):
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import math
 import random
@@ -87,16 +88,23 @@ def wds_reads(job: Job, epoch: int) -> Iterator[tuple[int, int, list[int]]]:
 SAMPLES_PER_SHARD = 8  # the split's cost grows with samples; which shards are read does not
 
 
-def resumable_reads(job: Job, epoch: int) -> Iterator[tuple[int, int, list[int]]]:
-    """The same for ``ResumableDataset``: its sample-level split (rank-scope caches: each
-    rank's shards stay its own, read in another order each epoch)."""
-    starts = [list(range(0, 512 * SAMPLES_PER_SHARD, 512))] * job.shards
-    split = EpochSplit(starts, seed=0, shuffle=True, remainder="pad")
+def resumable_reads(job: Job, epoch: int, scope: str) -> Iterator[tuple[int, int, list[int]]]:
+    """The same for ``ResumableDataset``: its sample-level split, over the caches of
+    ``scope`` (a rank's or a node's shards stay its own, read in another order each epoch)."""
+    split = _split(job.shards)
     consumers = job.world * job.workers
+    per_unit = job.workers * (1 if scope == "rank" else job.ranks)
     for rank in range(job.world):
         for worker in range(job.workers):
-            share = split.fresh(epoch, consumers, job.workers, rank * job.workers + worker)
+            share = split.fresh(epoch, consumers, per_unit, rank * job.workers + worker)
             yield rank // job.ranks, rank, [p.shard for p in share.pieces]
+
+
+@functools.cache
+def _split(shards: int) -> EpochSplit:
+    """One split per shard count: it keeps each cache count's hand-out once computed."""
+    starts = [list(range(0, 512 * SAMPLES_PER_SHARD, 512))] * shards
+    return EpochSplit(starts, seed=0, shuffle=True, remainder="pad")
 
 
 def cache_key(scope: str, node: int, rank: int, root: Path) -> tuple[Any, ...]:
@@ -123,10 +131,12 @@ def requests_per_shard(size: int) -> tuple[int, int]:
 Reads = list[tuple[int, int, list[int]]]  # (node, rank, shards) per DataLoader worker
 
 
-def plan_reads(job: Job, pattern: str, epochs: int = 2) -> list[Reads]:
-    """Every worker's shards in each epoch of ``pattern`` ("wds" or "resumable")."""
-    reads = wds_reads if pattern == "wds" else resumable_reads
-    return [list(reads(job, epoch)) for epoch in range(epochs)]
+def plan_reads(job: Job, pattern: str, scope: str, epochs: int = 2) -> list[Reads]:
+    """Every worker's shards in each epoch of ``pattern`` ("wds" or "resumable") with the
+    caches of ``scope``."""
+    if pattern == "wds":
+        return [list(wds_reads(job, epoch)) for epoch in range(epochs)]
+    return [list(resumable_reads(job, epoch, scope)) for epoch in range(epochs)]
 
 
 def per_epoch(job: Job, plan: list[Reads], scope: str) -> list[dict[str, float]]:
@@ -321,9 +331,14 @@ def report(job: Job, seconds: float, scale: int, seed: int) -> str:
         ("resumable", "ResumableDataset (stable split)"),
     )
     for pattern, label in patterns:
-        plan = plan_reads(job, pattern)
+        plans: dict[str, list[Reads]] = {}
         for scope in ("rank", "node", "shared"):
-            for epoch, row in enumerate(per_epoch(job, plan, scope), 1):
+            caches = "rank" if scope == "rank" else "node"  # shared: a node's directory
+            if pattern == "wds":  # the same shares whatever the scope
+                caches = "any"
+            if caches not in plans:
+                plans[caches] = plan_reads(job, pattern, scope)
+            for epoch, row in enumerate(per_epoch(job, plans[caches], scope), 1):
                 minutes = (row["heads"] + row["gets"]) / S3_GET_LIMIT / 60
                 shared = _gb(row["net_bytes_per_node"]) if scope == "shared" else "-"
                 lines.append(

@@ -10,15 +10,15 @@ samples, each consumer gets ``N = ceil(T / J)`` samples (``remainder="pad"``, th
 of batches whatever the batch size.
 
 Stable across epochs (what keeps later epochs in the cache): the shards, in an order drawn
-from the seed alone, are laid end to end as one sequence of samples, and unit ``u`` of
-``U`` owns the samples ``[u*T//U, (u+1)*T//U)`` of it: whole shards, and at most one
-partial shard at each end (read by both neighbours). Changing with the epoch: the order
-of the unit's shards (drawn from seed and epoch), which of its samples repeat or are
-dropped (the ends of that order), and so which consumer reads what. A unit that owns no
-sample at all (fewer samples than units) repeats samples of the whole sequence.
+from the seed alone, are handed out to the units by :func:`~shardcache._cache_shares.
+cache_shares` (whole shards, nested by unit count so that another unit count moves few of
+them, then evened out to equal sample counts). Changing with the epoch: the order of the
+unit's shards (drawn from seed and epoch), which of its samples repeat or are dropped (the
+ends of that order), and so which consumer reads what. A unit that owns no sample at all
+(fewer samples than units) repeats samples of the whole sequence.
 
-An elastic resume splits the samples left undelivered the same way, in the order they
-were left (so a consumer's leftover mostly goes to the consumer in its place).
+An elastic resume hands the samples left undelivered to the units owning their shards in
+the new layout, evened out the same way, then deals each unit's part to its consumers.
 
 Everything here is a pure function of its arguments: every rank computes the same split.
 """
@@ -31,22 +31,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from ._cache_shares import Run, cache_shares, even_out, owners, quotas
 from ._errors import ConfigError, SampleIndexError
 from ._resume_plan import Piece, epoch_order
 
 REMAINDERS = ("pad", "drop")
-
-
-@dataclass(frozen=True)
-class Run:
-    """Samples ``first`` .. ``stop - 1`` of shard ``shard`` (indices in the shard)."""
-
-    shard: int
-    first: int
-    stop: int
-
-    def __len__(self) -> int:
-        return self.stop - self.first
 
 
 @dataclass(frozen=True)
@@ -90,7 +79,8 @@ class EpochSplit:
             )
         order = epoch_order(len(starts), seed, -1, shuffle=shuffle)  # -1: not an epoch's
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
-        self._ends = list(accumulate(len(r) for r in self._base))
+        self._shares: dict[int, list[list[Run]]] = {}
+        self._last_order: tuple[tuple[int, int, int] | None, list[Run]] = (None, [])
         self.digest = hashlib.blake2b(
             repr(self.counts).encode(), digest_size=12
         ).hexdigest()  # the sample layout a state was taken with
@@ -128,37 +118,58 @@ class EpochSplit:
         """Consumer ``slot``'s share of a fresh epoch; consumers ``per_unit`` at a time share
         a cache (``consumers`` is a multiple of ``per_unit``)."""
         each = self.totals(consumers)["per_consumer"]
-        units = consumers // per_unit
-        unit, k = divmod(slot, per_unit)
-        first, last = unit * self.total // units, (unit + 1) * self.total // units
-        if last > first:
-            runs = self._runs_between(first, last)
-            if self.shuffle:
-                runs.sort(key=lambda r: _digest(self.seed, epoch, r.shard))
-            start, owned = k * each, last - first
-        else:  # fewer samples than units: this unit repeats samples of the whole sequence
-            runs, start, owned = list(self._base), unit * per_unit * each + k * each, 0
-        repeated = max(0, start + each - max(owned, start))
-        return Share(self._pieces(_take(runs, start, each)), each, repeated)
+        runs = self._epoch_runs(epoch, consumers // per_unit, slot // per_unit)
+        return self._deal(runs, self._base, each, per_unit, slot)
 
-    def share(self, left: Sequence[Piece], consumers: int, slot: int) -> Share:
-        """Consumer ``slot``'s equal part of an elastic resume's undelivered pieces."""
+    def _epoch_runs(self, epoch: int, units: int, unit: int) -> list[Run]:
+        """The unit's samples in the epoch's order (the last unit's kept: its consumers ask
+        in turn)."""
+        key = (epoch, units, unit)
+        if self._last_order[0] != key:
+            runs = list(self.unit_shares(units)[unit])
+            if self.shuffle:
+                runs.sort(key=lambda r: (_digest(self.seed, epoch, r.shard), r.first))
+            self._last_order = (key, runs)
+        return self._last_order[1]
+
+    def share(self, left: Sequence[Piece], consumers: int, per_unit: int, slot: int) -> Share:
+        """Consumer ``slot``'s equal part of an elastic resume's undelivered pieces: each
+        goes to the unit owning its shard in this layout, evened out between units."""
         runs = [self.run_of(piece) for piece in left]
         samples = sum(len(r) for r in runs)
         each = self.per_consumer(samples, consumers) if samples else 0
-        start = slot * each
-        repeated = max(0, start + each - max(samples, start))
-        return Share(self._pieces(_take(runs, start, each)), each, repeated)
+        units = consumers // per_unit
+        owner = owners(self.unit_shares(units), len(self.counts))
+        held: list[list[Run]] = [[] for _ in range(units)]
+        for run in runs:
+            held[owner[run.shard]].append(run)
+        loads = [sum(len(r) for r in unit) for unit in held]
+        mine = even_out(held, quotas(samples, loads))[slot // per_unit]
+        return self._deal(mine, runs, each, per_unit, slot)
+
+    def unit_shares(self, units: int) -> list[list[Run]]:
+        """The samples each of ``units`` owns in every fresh epoch (computed once)."""
+        if units not in self._shares:
+            self._shares[units] = cache_shares(self._base, units)
+        return self._shares[units]
 
     def shard_units(self, units: int) -> list[list[int]]:
         """The shards each of ``units`` reads in every epoch (for warming; a unit that owns
         no sample reads from every shard)."""
-        owned: list[list[int]] = []
-        for unit in range(units):
-            first, last = unit * self.total // units, (unit + 1) * self.total // units
-            runs = self._runs_between(first, last) if last > first else self._base
-            owned.append(sorted({r.shard for r in runs}))
-        return owned
+        return [sorted({r.shard for r in (runs or self._base)}) for runs in self.unit_shares(units)]
+
+    def _deal(
+        self, runs: Sequence[Run], everything: Sequence[Run], each: int, per_unit: int, slot: int
+    ) -> Share:
+        """Consumer ``slot``'s ``each`` samples of its unit's ``runs`` (they repeat when the
+        unit owns fewer than its consumers read); a unit owning nothing repeats samples of
+        ``everything``, from a place of its own."""
+        unit, k = divmod(slot, per_unit)
+        start, owned = k * each, sum(len(r) for r in runs)
+        if not owned:
+            runs, start = everything, unit * per_unit * each + start
+        repeated = max(0, start + each - max(owned, start))
+        return Share(self._pieces(_take(runs, start, each)), each, repeated)
 
     # -- runs and pieces ----------------------------------------------------------------
 
@@ -176,20 +187,6 @@ class EpochSplit:
             )
         stop = len(starts) if piece.count is None else first + piece.count
         return Run(piece.shard, first, min(stop, len(starts)))
-
-    def _runs_between(self, first: int, last: int) -> list[Run]:
-        """The base sequence's samples ``first`` .. ``last - 1`` as runs."""
-        runs = []
-        index = bisect.bisect_right(self._ends, first)
-        while index < len(self._base):
-            run = self._base[index]
-            begin = self._ends[index] - len(run)
-            if begin >= last:
-                break
-            lo, hi = max(first - begin, 0), min(last - begin, len(run))
-            runs.append(Run(run.shard, run.first + lo, run.first + hi))
-            index += 1
-        return runs
 
     def _pieces(self, runs: Iterator[Run]) -> list[Piece]:
         return [Piece(r.shard, self.starts[r.shard][r.first], len(r)) for r in runs]

@@ -374,7 +374,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 return Progress.from_json(parts[slot], plan_for)
             if parts:
                 pieces, digest = leftover(pending, plan_for)
-                share = split.share(pieces, consumers, slot)
+                share = split.share(pieces, consumers, per_unit, slot)
                 logger.info(
                     "epoch %d resumed elastically: %d undelivered samples split between %d "
                     "consumers, %d to this one (consumer %d, %d of them repeated)",

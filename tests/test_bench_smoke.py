@@ -219,3 +219,19 @@ def test_b13_shuffle_quality_places_the_split_between_its_bounds(capsys) -> None
         assert 1 <= res["shards_per_global_batch"] <= 16, res
     assert shuffle_quality.main(argv) == 0
     assert "| global shuffle (uniform permutation) |" in capsys.readouterr().out
+
+
+def test_elastic_moves_reports_each_case_against_its_references(capsys) -> None:
+    """bench/elastic_moves.py on its small cases: the library's hand-out moves about the
+    least a change can move and far fewer shards than contiguous spans."""
+    from bench import elastic_moves
+
+    argv = ["--max-shards", "2000"]
+    rows = elastic_moves.run(elastic_moves.main_parser().parse_args(argv))
+    assert [(r["before"], r["after"]) for r in rows] == [(8, 7), (8, 9), (16, 12)]
+    for row in rows:
+        assert row["moved"] <= row["at_least"] + max(row["before"], row["after"]), row
+        assert row["moved"] < row["contiguous"] / 2, row
+        assert 1 <= row["reads_per_shard"] < 1.05, row
+    assert elastic_moves.main(argv) == 0
+    assert "| 2,000 | 8 -> 7 |" in capsys.readouterr().out

@@ -3,6 +3,7 @@ the same shards for each cache in every epoch, and the elastic split of a leftov
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -105,15 +106,17 @@ def test_the_order_within_a_cache_changes_with_the_epoch() -> None:
     assert {frozenset(order) for order in orders} == {frozenset(split.shard_units(2)[0])}
 
 
-def test_a_unit_boundary_inside_a_shard_is_read_by_both_neighbours() -> None:
+def test_a_shard_evened_out_between_two_caches_is_read_by_both() -> None:
     split = EpochSplit(starts_of([5, 5, 5]), seed=0, shuffle=False, remainder="pad")
-    # 15 samples over 2 caches: [0, 7) and [7, 15): shard 1 is split at its 3rd sample.
+    # 15 samples over 2 caches: the second takes shard 2 whole (taking shard 1 too would
+    # bring it no nearer 7.5); the first, at 10, keeps 8 (the fuller gets the odd sample)
+    # and hands samples 3 and 4 of shard 1 to the second, so both read shard 1.
     assert split.shard_units(2) == [[0, 1], [1, 2]]
     first = delivered(split, split.fresh(0, 2, 1, 0).pieces)
     second = delivered(split, split.fresh(0, 2, 1, 1).pieces)
-    # 8 each: the first cache owns 7 and repeats the first of its epoch order.
-    assert sorted(first) == sorted([(0, i) for i in range(5)] + [(1, 0), (1, 1), (0, 0)])
-    assert sorted(second) == [(1, 2), (1, 3), (1, 4)] + [(2, i) for i in range(5)]
+    assert first == [(0, i) for i in range(5)] + [(1, 0), (1, 1), (1, 2)]
+    # 8 each: the second owns 7 and repeats the first of its epoch order.
+    assert second == [(2, i) for i in range(5)] + [(1, 3), (1, 4), (2, 0)]
 
 
 def test_fewer_samples_than_consumers_pads_every_consumer() -> None:
@@ -126,9 +129,9 @@ def test_fewer_samples_than_consumers_pads_every_consumer() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(layouts(), st.integers(1, 9), st.sampled_from(["pad", "drop"]), st.data())
+@given(layouts(), st.integers(1, 3), st.integers(1, 4), st.sampled_from(["pad", "drop"]), st.data())
 def test_an_elastic_split_of_a_leftover_is_equal_and_complete(
-    job: dict, consumers: int, remainder: str, data: st.DataObject
+    job: dict, per_unit: int, units: int, remainder: str, data: st.DataObject
 ) -> None:
     split = EpochSplit(
         starts_of(job["counts"]), seed=job["seed"], shuffle=job["shuffle"], remainder=remainder
@@ -147,8 +150,9 @@ def test_an_elastic_split_of_a_leftover_is_equal_and_complete(
     expected = Counter(x for piece in left for x in delivered(split, [piece]))
     got: Counter[tuple[int, int]] = Counter()
     counts = set()
+    consumers = per_unit * units
     for slot in range(consumers):
-        share = split.share(left, consumers, slot)
+        share = split.share(left, consumers, per_unit, slot)
         samples = delivered(split, share.pieces)
         assert len(samples) == share.samples
         counts.add(share.samples)
@@ -169,3 +173,27 @@ def test_bad_input_is_named() -> None:
     split = EpochSplit(starts_of([3]), seed=0, shuffle=True, remainder="pad")
     with pytest.raises(SampleIndexError, match="no sample starting at byte 5"):
         split.run_of(Piece(0, 5))
+
+
+def test_an_elastic_resume_hands_the_leftover_to_the_caches_owning_its_shards() -> None:
+    rng = random.Random(1)
+    counts = [rng.randint(40, 157) for _ in range(400)]
+    split = EpochSplit(starts_of(counts), seed=5, shuffle=True, remainder="pad")
+    for before, after in [(4, 3), (4, 5), (8, 6), (16, 17)]:
+        left = []  # epoch 1 stopped with every consumer (2 a cache) at half its share
+        for slot in range(before * 2):
+            share = split.fresh(1, before * 2, 2, slot)
+            done = share.samples // 2
+            for piece in share.pieces:
+                run = split.run_of(piece)
+                if done < len(run):
+                    left.append(Piece(piece.shard, 1024 * (run.first + done), len(run) - done))
+                done = max(0, done - len(run))
+        owned = split.shard_units(after)
+        foreign = {
+            (slot // 2, piece.shard)
+            for slot in range(after * 2)
+            for piece in split.share(left, after * 2, 2, slot).pieces
+        } - {(unit, shard) for unit, shards in enumerate(owned) for shard in shards}
+        # Only the evening out between caches reads shards outside the new layout's.
+        assert len(foreign) <= 2 * after, (before, after, len(left), len(foreign))
