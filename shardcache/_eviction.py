@@ -181,7 +181,8 @@ def _int_or_none(value: object) -> int | None:
 
 
 def remove(layout: CacheLayout, path: Path) -> bool:
-    """Remove a published shard and its metadata unless a process has it pinned."""
+    """Remove a published shard, its metadata and its sample record unless a process has
+    it pinned."""
     try:
         fd = layout.fs.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -197,8 +198,9 @@ def remove(layout: CacheLayout, path: Path) -> bool:
             return False  # pinned by a reader
         with contextlib.suppress(FileNotFoundError):
             layout.fs.unlink(path)
-        with contextlib.suppress(FileNotFoundError):
-            layout.fs.unlink(layout.meta_path(path))
+        for record in (layout.meta_path(path), layout.samples_record_path(path)):
+            with contextlib.suppress(FileNotFoundError):
+                layout.fs.unlink(record)
         return True
     finally:
         os.close(fd)

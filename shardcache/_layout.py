@@ -209,6 +209,7 @@ class CacheLayout:
         self.data_dir = self.scope_dir / "data"  # published shards
         self.locks_dir = self.scope_dir / ".locks"  # lock files; eviction never touches it
         self.meta_dir = self.scope_dir / ".meta"  # each published shard's metadata record
+        self.samples_dir = self.scope_dir / ".samples"  # a cached shard's sample offsets
         self.evict_lock_path = self.locks_dir / "evict.lock"  # evictions and reservations
         self.index_path = self.locks_dir / "index.sqlite"  # sqlite; -wal and -shm beside it
 
@@ -240,9 +241,15 @@ class CacheLayout:
         """The metadata record of the published file ``final``: ``.meta/<hh>/<name>.json``."""
         return self.meta_dir / final.parent.name / f"{final.name}.json"
 
-    def data_path_of_meta(self, meta: Path) -> Path:
-        """The published file a metadata record describes (inverse of :meth:`meta_path`)."""
-        return self.data_dir / meta.parent.name / meta.name.removesuffix(".json")
+    def samples_record_path(self, final: Path) -> Path:
+        """The sample offsets learned of the published file ``final`` (once per cached copy):
+        ``.samples/<hh>/<name>.json``."""
+        return self.samples_dir / final.parent.name / f"{final.name}.json"
+
+    def data_path_of_record(self, record: Path) -> Path:
+        """The published file a metadata or sample record describes (inverse of
+        :meth:`meta_path` and :meth:`samples_record_path`)."""
+        return self.data_dir / record.parent.name / record.name.removesuffix(".json")
 
     @staticmethod
     def _data_name(url: str, key: str) -> str:

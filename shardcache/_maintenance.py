@@ -13,7 +13,9 @@ removing it):
   no longer exists or now belongs to a process started after the file was last written;
   from another host, one untouched for ``OTHER_HOST_AGE``;
 * a metadata record whose shard is gone and that no live download is about to publish,
-  and a half-written metadata temp file older than ``META_TMP_AGE``.
+  and a half-written metadata temp file older than ``META_TMP_AGE``;
+* the same for a sample record (``.samples/``: the sample offsets learned of a cached
+  shard), whose shard is gone.
 
 Never touched: ``.lock`` files (deleting one lets two holders in), ``.owner`` records, a
 lease of a live (or unjudgeable) holder, a temp file of a living process.
@@ -64,6 +66,7 @@ KIND_LABELS = {
     "part": "orphan download",
     "meta": "orphan metadata",
     "meta-tmp": "orphan metadata temp",
+    "samples": "orphan sample record",
 }
 
 
@@ -346,12 +349,13 @@ def status(cache: ShardCache) -> StatusReport:
             report.downloads += 1
             report.download_bytes += _size(layout.fs, path)
     published = {e.path for e in entries}
-    for path in _files(layout.fs, layout.meta_dir, report.unreadable):
-        if layout.data_path_of_meta(path) in published:
-            continue  # its shard was there a moment ago: not an orphan (clean judges again)
-        orphan = _judge_meta_file(layout, path)
-        if orphan is not None:
-            report.orphans.append(orphan)
+    for records in (layout.meta_dir, layout.samples_dir):
+        for path in _files(layout.fs, records, report.unreadable):
+            if layout.data_path_of_record(path) in published:
+                continue  # its shard was there a moment ago: not an orphan (clean judges again)
+            orphan = _judge_record(layout, path)
+            if orphan is not None:
+                report.orphans.append(orphan)
     report.unreadable = sorted(set(report.unreadable))
     return report
 
@@ -433,7 +437,7 @@ def _rejudge(layout: CacheLayout, item: Leftover) -> Leftover | None:
         return _judge_lock_leftover(layout.fs, item.path)
     if item.kind == "part":
         return _judge_temp(layout.fs, item.path)
-    return _judge_meta_file(layout, item.path)
+    return _judge_record(layout, item.path)
 
 
 # ---------------------------------------------------------------------------- judging
@@ -506,18 +510,20 @@ def _judge_temp(fs: SafeFS, path: Path) -> Leftover | None:
     return None
 
 
-def _judge_meta_file(layout: CacheLayout, path: Path) -> Leftover | None:
+def _judge_record(layout: CacheLayout, path: Path) -> Leftover | None:
+    """A metadata or sample record (or a temp file of one) that no shard needs."""
     fs = layout.fs
     writer = meta_temp_pid(path.name)
     if writer is not None:
         age = _age(fs, path)
         if age > META_TMP_AGE:
-            reason = f"unfinished metadata write of pid {writer}, {age / 60:.0f} min old"
+            reason = f"unfinished record write of pid {writer}, {age / 60:.0f} min old"
             return Leftover(path, "meta-tmp", _size(fs, path), reason)
         return None
     if not path.name.endswith(".json") or path.name.startswith("."):
         return None
-    data = layout.data_path_of_meta(path)
+    kind = "samples" if path.parent.parent == layout.samples_dir else "meta"
+    data = layout.data_path_of_record(path)
     if _exists(fs, data):  # the common case, one lstat (listing the bucket costs N/256)
         return None
     # Order matters: a download writes the record, then renames its temp file into place;
@@ -526,7 +532,7 @@ def _judge_meta_file(layout: CacheLayout, path: Path) -> Leftover | None:
         return None
     if _exists(fs, data) or not _exists(fs, path):
         return None
-    return Leftover(path, "meta", _size(fs, path), "its shard is no longer in the cache")
+    return Leftover(path, kind, _size(fs, path), "its shard is no longer in the cache")
 
 
 def _live_download_of(fs: SafeFS, data: Path) -> bool:

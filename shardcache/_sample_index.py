@@ -234,7 +234,7 @@ def cached_samples(cache: ShardCache, url: str) -> ShardSamples:
     except FileNotFoundError:  # evicted since: fetch it again
         path = cache.fetch(url)
         st = os.stat(path)
-    record_path = layout.scope_dir / ".samples" / path.parent.name / f"{path.name}.json"
+    record_path = layout.samples_record_path(path)
     try:
         record = json.loads(layout.fs.read_small(record_path, _RECORD_LIMIT))
     except (OSError, ValueError):

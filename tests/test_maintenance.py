@@ -529,3 +529,37 @@ def test_status_and_verify_report_directories_they_cannot_read(tmp_path: Path) -
     assert "EACCES" in unreadable[0]["error"]
     assert checked.returncode == 1, "verify cannot vouch for a directory it could not read"
     assert [u["path"] for u in json.loads(checked.stdout)["unreadable"]] == [str(hidden)]
+
+
+def test_sample_records_go_with_their_shard(tmp_path: Path) -> None:
+    """The sample offsets learned of a cached shard (``.samples/``) are removed with it by
+    eviction; one whose shard vanished behind the cache's back is an orphan for ``clean``,
+    and one of a shard still cached is kept."""
+    from shardcache._demo import make_shard
+    from shardcache._sample_index import cached_samples
+
+    sources = []
+    for i in range(3):
+        source = tmp_path / "data" / f"shard-{i}.tar"
+        source.parent.mkdir(exist_ok=True)
+        source.write_bytes(make_shard(i, 4))
+        sources.append(str(source))
+    cache = ShardCache(tmp_path / "cache")
+    assert [cached_samples(cache, url).count for url in sources] == [4, 4, 4]
+    finals = [cache.path_for(url) for url in sources]
+    records = [cache.layout.samples_record_path(final) for final in finals]
+    assert all(record.exists() for record in records)
+
+    assert cache.remove(finals[0])  # eviction's removal: the record goes with the shard
+    assert not records[0].exists()
+    finals[1].unlink()  # gone behind the cache's back: its records are orphans
+    report = status(cache)
+    assert {(i.path, i.kind) for i in report.orphans} == {
+        (cache.layout.meta_path(finals[1]), "meta"),
+        (records[1], "samples"),
+    }
+    assert "orphan sample record" in report.format()
+    cleaned = clean(cache)
+    assert {i.path for i in cleaned.removed} == {cache.layout.meta_path(finals[1]), records[1]}
+    assert not records[1].exists() and records[2].exists()
+    assert status(cache).orphans == []
