@@ -26,7 +26,7 @@ from ._errors import ResumeError
 from ._resume_plan import Piece
 
 FORMAT = "shardcache.resume"
-VERSION = 2
+VERSION = 3  # 3: caches own shards as _cache_shares hands them out; 2: contiguous spans
 State = dict[str, Any]
 # A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.
 PlanFor = Callable[[int, int, int], list[Piece]]
