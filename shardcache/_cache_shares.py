@@ -15,8 +15,11 @@ shard of ``T / U``.
 caches get the larger ones). A cache above its quota gives the samples past it, from the
 end of its list (a shard it keeps the start of is then read by two caches); the caches
 below theirs take those samples in cache order. At most ``U - 1`` shards are split so,
-as in any split of samples into equal spans; these hand-overs, unlike the whole shards,
-are redrawn when the cache count changes.
+as in any split of samples into equal spans. These hand-overs, unlike the whole shards,
+are redrawn when the cache count changes: from ``U`` to ``U + 1`` caches every old cache
+must hand on about ``T / (U (U + 1))`` samples anyway, here each to a cache that did not
+read that shard, so about one shard per cache is fetched again besides the new cache's
+own (passing them along shards two caches already share could save some; not done).
 
 Everything here is a pure function of its arguments: every rank computes the same.
 """
