@@ -239,9 +239,12 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     # -- the sample index and the split ----------------------------------------------
 
     def prepare(self) -> ResumableDataset:
-        """Load or learn the shards' sample offsets now, in this process (DataLoader
-        workers forked afterwards inherit them instead of each reading the index)."""
-        self._epoch_split()
+        """Load or learn the shards' sample offsets, and hand the shards out to the
+        caches, now, in this process (DataLoader workers forked afterwards inherit both
+        instead of each reading the index and computing the hand-out)."""
+        _, world_size, local_world_size = self._ranks()
+        per_cache = self._ranks_per_cache(world_size, local_world_size)
+        self._epoch_split().unit_shares(world_size // per_cache)
         return self
 
     def _epoch_split(self) -> EpochSplit:
