@@ -57,6 +57,7 @@ class EpochSplit:
         seed: int,
         shuffle: bool,
         remainder: str,
+        epoch_size: int | None = None,
     ) -> None:
         if remainder not in REMAINDERS:
             raise ConfigError(
@@ -68,6 +69,7 @@ class EpochSplit:
             )
         self.starts = starts
         self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
+        self.epoch_size = epoch_size  # None: the shards' samples
         self.counts = [len(s) for s in starts]
         self.total = sum(self.counts)
         if self.total == 0:
@@ -80,7 +82,7 @@ class EpochSplit:
         order = epoch_order(len(starts), seed, -1, shuffle=shuffle)  # -1: not an epoch's
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
         self._shares: dict[int, list[list[Run]]] = {}
-        self._last_order: tuple[tuple[int, int, int] | None, list[Run]] = (None, [])
+        self._last_order: tuple[tuple[int, ...] | None, list[Run]] = (None, [])
         self.digest = hashlib.blake2b(
             repr(self.counts).encode(), digest_size=12
         ).hexdigest()  # the sample layout a state was taken with
@@ -94,9 +96,19 @@ class EpochSplit:
         return samples // consumers
 
     def totals(self, consumers: int) -> dict[str, int]:
-        """The fresh epoch's sizes for a job of ``consumers``: samples in the shards,
-        per consumer, repeated and dropped (job-wide)."""
-        each = self.per_consumer(self.total, consumers)
+        """The fresh epoch's sizes for a job of ``consumers``: samples in the shards, the
+        epoch size asked for, per consumer, repeated and dropped (job-wide; with an epoch
+        size below the samples, "dropped" ones come first in the next epochs)."""
+        wanted = self.total if self.epoch_size is None else self.epoch_size
+        if self.epoch_size is not None and self.epoch_size < consumers:
+            raise ConfigError(
+                f"epoch_size={self.epoch_size} is smaller than the job's {consumers} "
+                "consumers (ranks x DataLoader workers): each must yield at least one "
+                "sample an epoch; use a larger epoch_size or fewer ranks or workers",
+                name="epoch_size",
+                value=self.epoch_size,
+            )
+        each = self.per_consumer(wanted, consumers)
         if self.remainder == "drop" and each == 0:
             raise ConfigError(
                 f"remainder='drop' with {consumers} consumers (ranks x DataLoader workers) "
@@ -107,6 +119,7 @@ class EpochSplit:
             )
         return {
             "samples": self.total,
+            "epoch_size": wanted,
             "per_consumer": each,
             "repeated": max(0, each * consumers - self.total),
             "dropped": max(0, self.total - each * consumers),
@@ -118,15 +131,24 @@ class EpochSplit:
         """Consumer ``slot``'s share of a fresh epoch; consumers ``per_unit`` at a time share
         a cache (``consumers`` is a multiple of ``per_unit``)."""
         each = self.totals(consumers)["per_consumer"]
-        runs = self._epoch_runs(epoch, consumers // per_unit, slot // per_unit)
+        units = consumers // per_unit
+        runs = self._epoch_runs(epoch, units, slot // per_unit, per_unit * each)
         return self._deal(runs, self._base, each, per_unit, slot)
 
-    def _epoch_runs(self, epoch: int, units: int, unit: int) -> list[Run]:
-        """The unit's samples in the epoch's order (the last unit's kept: its consumers ask
-        in turn)."""
-        key = (epoch, units, unit)
+    def _epoch_runs(self, epoch: int, units: int, unit: int, wanted: int) -> list[Run]:
+        """The ``wanted`` samples (or all, when more) the unit reads in the epoch, in the
+        epoch's order (the last unit's kept: its consumers ask in turn).
+
+        Fewer than the unit owns: the epoch's window of an endless cycle through them (an
+        order drawn from the seed alone), so consecutive epochs deliver every sample
+        before any comes again."""
+        key = (epoch, units, unit, wanted)
         if self._last_order[0] != key:
             runs = list(self.unit_shares(units)[unit])
+            if 0 < wanted < sum(len(r) for r in runs):
+                if self.shuffle:
+                    runs.sort(key=lambda r: (_digest(self.seed, "cycle", r.shard), r.first))
+                runs = list(_take(runs, epoch * wanted, wanted))
             if self.shuffle:
                 runs.sort(key=lambda r: (_digest(self.seed, epoch, r.shard), r.first))
             self._last_order = (key, runs)

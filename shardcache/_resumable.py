@@ -75,7 +75,10 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     ``seed`` and the epoch (:meth:`set_epoch`) fix the shard order (``shuffle_shards``)
     and the shuffle buffer's draws (``shuffle_buffer`` samples; 0: none). Every consumer
     gets the same number of samples: ``remainder="pad"`` repeats samples to make up the
-    rest, ``"drop"`` leaves it out. ``index`` is a sample index file (path or URL) made by
+    rest, ``"drop"`` leaves it out. ``epoch_size`` (None: the shards' samples) sets how
+    many samples an epoch has: fewer than the shards hold, and the next epochs deliver the
+    rest first (each cache cycles through its own); more, and samples repeat.
+    ``index`` is a sample index file (path or URL) made by
     ``shardcache index``; None learns it through the cache. ``rank`` and ``world_size``
     default to shardcache's detection (torch.distributed, torchrun, SLURM); DataLoader
     workers are found by ``torch.utils.data.get_worker_info()``. ``handler``, ``cache``,
@@ -90,6 +93,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         shuffle_shards: bool = True,
         shuffle_buffer: int = 0,
         remainder: str = "pad",
+        epoch_size: int | None = None,
         index: str | None = None,
         handler: Handler = wds.reraise_exception,
         cache: ShardCache | None = None,
@@ -126,6 +130,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 value=remainder,
             )
         self.remainder = remainder
+        self.epoch_size = None if epoch_size is None else _whole("epoch_size", epoch_size, low=1)
         if index is not None and not isinstance(index, (str, os.PathLike)):
             raise ConfigError(
                 f"index must be a path or URL of a sample index file, not {index!r:.80}",
@@ -149,7 +154,9 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     value=rank,
                 )
         self.rank, self.world_size = rank, world_size
-        self.identity = DatasetIdentity.of(self.urls, self.seed, shuffle_shards, remainder)
+        self.identity = DatasetIdentity.of(
+            self.urls, self.seed, shuffle_shards, remainder, self.epoch_size
+        )
         self.epoch = 0
         self._stage = CacheStage(
             handler, cache=cache, threads=threads, depth=depth, stall_timeout=stall_timeout
@@ -255,6 +262,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 seed=self.seed,
                 shuffle=self.shuffle_shards,
                 remainder=self.remainder,
+                epoch_size=self.epoch_size,
             )
             empty = [url for url in self.urls if self._samples[url].count == 0]
             if empty:
@@ -569,10 +577,12 @@ def _log_sizes(progress: Progress) -> None:
             sizes.get("own_repeated", 0),
         )
         return
+    samples = sizes.get("samples", 0)
+    asked = sizes.get("epoch_size", samples)
     log(
-        "epoch %d: %d samples, %d for each of %d consumers (%d per cache); %d repeated, %d dropped",
+        "epoch %d: %s samples, %d for each of %d consumers (%d per cache); %d repeated, %d dropped",
         progress.epoch,
-        sizes.get("samples", 0),
+        samples if asked == samples else f"epoch_size {asked} of {samples}",
         sizes.get("per_consumer", 0),
         progress.consumers,
         progress.per_unit,

@@ -43,13 +43,21 @@ class DatasetIdentity:
     seed: int
     shuffle_shards: bool
     remainder: str
+    epoch_size: int | None = None
 
     @classmethod
     def of(
-        cls, urls: Sequence[str], seed: int, shuffle_shards: bool, remainder: str
+        cls,
+        urls: Sequence[str],
+        seed: int,
+        shuffle_shards: bool,
+        remainder: str,
+        epoch_size: int | None = None,
     ) -> DatasetIdentity:
         digest = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:32]
-        return cls(len(urls), digest, urls[0], urls[-1], seed, shuffle_shards, remainder)
+        return cls(
+            len(urls), digest, urls[0], urls[-1], seed, shuffle_shards, remainder, epoch_size
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -60,6 +68,7 @@ class DatasetIdentity:
             "seed": self.seed,
             "shuffle_shards": self.shuffle_shards,
             "remainder": self.remainder,
+            "epoch_size": self.epoch_size,
         }
 
     def check(self, state: Mapping[str, Any]) -> None:
@@ -92,7 +101,7 @@ class DatasetIdentity:
                 expected=mine,
                 seen=theirs,
             )
-        for name in ("seed", "shuffle_shards", "remainder"):
+        for name in ("seed", "shuffle_shards", "remainder", "epoch_size"):
             if theirs.get(name) != mine[name]:
                 raise ResumeError(
                     f"the state was taken with {name}={theirs.get(name)!r}; this dataset has "

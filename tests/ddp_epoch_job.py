@@ -89,6 +89,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--remainder", default="pad")
+    parser.add_argument("--epoch-size", type=int, default=None)
     parser.add_argument("--shuffle-buffer", type=int, default=10)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout (s)")
@@ -120,6 +121,7 @@ def main() -> int:
         seed=args.seed,
         shuffle_buffer=args.shuffle_buffer,
         remainder=args.remainder,
+        epoch_size=args.epoch_size,
         index=args.index,
         cache=shardcache.ShardCache(args.cache),
     ).compose(key_and_features)

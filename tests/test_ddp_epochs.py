@@ -201,6 +201,22 @@ def test_unequal_local_shards_give_every_rank_the_same_batches(
     assert orders[0] != orders[1]  # a new order each epoch
 
 
+def test_an_epoch_size_below_the_samples_cycles_through_them(tmp_path: Path) -> None:
+    """epoch_size=400 of 921 samples: every epoch 100 per consumer and no sample twice;
+    over 3 epochs every sample (each cache cycles through its own)."""
+    spec = local_spec(tmp_path, UNEQUAL)
+    run_job(tmp_path, spec, "--epochs=3", "--batch-size=8", "--epoch-size=400")
+    logged = records(tmp_path)
+    seen: Counter[str] = Counter()
+    for epoch in (0, 1, 2):
+        # Down-sampled, an epoch checks as a dropping one: the rest waits for later epochs.
+        sizes = check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder="drop")
+        assert (sizes["per_consumer"], sizes["dropped"]) == (100, 521)
+        seen.update(key for rank in logged for key in logged[rank][epoch]["keys"])
+    assert set(seen) == set(all_keys(UNEQUAL))
+    assert seen.total() == 1200 and max(seen.values()) <= 2
+
+
 def test_fewer_shards_than_consumers(tmp_path: Path) -> None:
     """3 shards, 4 consumers: no rank or worker is left empty. Batches of 2, so that each
     worker's 5 samples make 3 batches."""

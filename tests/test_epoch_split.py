@@ -122,7 +122,13 @@ def test_a_shard_evened_out_between_two_caches_is_read_by_both() -> None:
 def test_fewer_samples_than_consumers_pads_every_consumer() -> None:
     split = EpochSplit(starts_of([2, 1]), seed=0, shuffle=True, remainder="pad")
     sizes = split.totals(8)
-    assert sizes == {"samples": 3, "per_consumer": 1, "repeated": 5, "dropped": 0}
+    assert sizes == {
+        "samples": 3,
+        "epoch_size": 3,
+        "per_consumer": 1,
+        "repeated": 5,
+        "dropped": 0,
+    }
     shares = [split.fresh(0, 8, 2, slot) for slot in range(8)]
     assert all(share.samples == 1 for share in shares)
     assert sum(share.repeated for share in shares) == 5
@@ -197,3 +203,52 @@ def test_an_elastic_resume_hands_the_leftover_to_the_caches_owning_its_shards() 
         } - {(unit, shard) for unit, shards in enumerate(owned) for shard in shards}
         # Only the evening out between caches reads shards outside the new layout's.
         assert len(foreign) <= 2 * after, (before, after, len(left), len(foreign))
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.sampled_from(["pad", "drop"]), st.data())
+def test_an_epoch_size_holds_on_every_consumer_and_later_epochs_deliver_the_rest(
+    job: dict, remainder: str, data: st.DataObject
+) -> None:
+    total, consumers = sum(job["counts"]), job["consumers"]
+    epoch_size = data.draw(st.integers(1, 3 * total + consumers))
+    split = EpochSplit(
+        starts_of(job["counts"]),
+        seed=job["seed"],
+        shuffle=job["shuffle"],
+        remainder=remainder,
+        epoch_size=epoch_size,
+    )
+    per_unit = job["per_unit"]
+    if epoch_size < consumers:
+        with pytest.raises(ConfigError, match=f"epoch_size={epoch_size} is smaller"):
+            split.totals(consumers)
+        return
+    sizes = split.totals(consumers)
+    each = sizes["per_consumer"]
+    assert each == (-(-epoch_size // consumers) if remainder == "pad" else epoch_size // consumers)
+    every = {(s, i) for s, n in enumerate(job["counts"]) for i in range(n)}
+    seen_over_epochs: set[tuple[int, int]] = set()
+    epochs = 1 + -(-total // (consumers * each))  # enough for every cache to cycle through
+    for epoch in range(epochs):
+        seen: Counter[tuple[int, int]] = Counter()
+        for slot in range(consumers):
+            share = split.fresh(epoch, consumers, per_unit, slot)
+            samples = delivered(split, share.pieces)
+            assert len(samples) == share.samples == each
+            seen.update(samples)
+        assert seen.total() == consumers * each
+        if consumers * each <= total:  # no sample twice; the rest waits for later epochs
+            assert max(seen.values()) == 1
+            assert sizes["dropped"] == total - consumers * each and sizes["repeated"] == 0
+        else:  # every sample, and exactly the reported repeats
+            assert set(seen) == every
+            assert seen.total() - total == sizes["repeated"] and sizes["dropped"] == 0
+        seen_over_epochs |= set(seen)
+    assert seen_over_epochs == every  # each cache cycled through all it owns
+
+
+def test_an_epoch_size_is_part_of_the_bad_input_checks() -> None:
+    split = EpochSplit(starts_of([5, 5]), seed=0, shuffle=True, remainder="pad", epoch_size=3)
+    with pytest.raises(ConfigError, match="smaller than the job's 4 consumers"):
+        split.fresh(0, 4, 2, 0)

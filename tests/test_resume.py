@@ -199,6 +199,7 @@ def _state_after(dataset: ResumableDataset, count: int) -> dict:
     [
         ({"seed": 12}, "taken with seed=11; this dataset has seed=12"),
         ({"shuffle_shards": False}, "shuffle_shards=True; this dataset has shuffle_shards=False"),
+        ({"epoch_size": 40}, "epoch_size=None; this dataset has epoch_size=40"),
     ],
 )
 def test_a_state_of_another_seed_or_order_is_refused(
@@ -342,6 +343,8 @@ def test_a_shard_that_no_longer_matches_its_index_file_is_refused(
         ({"index": 3}, "index must be a path or URL"),
         ({"shuffle_buffer": -1}, "shuffle_buffer must be a whole number >= 0"),
         ({"seed": 1.5}, "seed must be a whole number"),
+        ({"epoch_size": 0}, "epoch_size must be a whole number >= 1"),
+        ({"epoch_size": True}, "epoch_size must be a whole number >= 1"),
         ({"rank": 2, "world_size": 2}, "rank 2 is not below world_size 2"),
         ({"rank": None, "world_size": 2}, "give both rank and world_size"),
     ],
