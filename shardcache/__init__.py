@@ -64,6 +64,17 @@ def __getattr__(name: str) -> object:
 
         ResumableDataset.__module__ = __name__
         return ResumableDataset
+    if name in ("MixtureDataset", "Source"):
+        from . import _mixture
+
+        found = getattr(_mixture, name)
+        found.__module__ = __name__
+        return found
+    if name == "WebDataset":
+        from ._webdataset import WebDataset
+
+        WebDataset.__module__ = __name__
+        return WebDataset
     raise AttributeError(f"module 'shardcache' has no attribute {name!r}")
 
 
@@ -79,6 +90,7 @@ __all__ = [
     "LockTimeout",
     "MetricsError",
     "MissingExtraError",
+    "MixtureDataset",
     "PermanentFetchError",
     "PipeCommandError",
     "PrefetchedShard",
@@ -95,11 +107,13 @@ __all__ = [
     "ShardCache",
     "ShardCacheError",
     "ShardFormatError",
+    "Source",
     "StallError",
     "TensorBoardSink",
     "TransientFetchError",
     "UrlError",
     "WaitTimeout",
+    "WebDataset",
     "add_metrics_sink",
     "expand_urls",
     "job_state",

@@ -288,6 +288,14 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         )
         return learn(self.urls, cache, threads=threads, handler=self._stage.handler)
 
+    def share_taken(self) -> tuple[int, int]:
+        """In the process that iterates: the samples this consumer gets in the running
+        epoch and how many it has delivered (0, 0 before iterating)."""
+        progress = self._progress
+        if progress is None:
+            return 0, 0
+        return progress.sizes.get("own", 0), progress.delivered
+
     def cache_urls(self) -> list[str]:
         """The shards this process's cache (its rank's, or its node's at node scope) reads
         in every epoch: what to warm so that training makes no request."""

@@ -26,6 +26,7 @@ from ._errors import ResumeError
 from ._resume_plan import Piece
 
 FORMAT = "shardcache.resume"
+MIXTURE_FORMAT = "shardcache.mixture"  # a MixtureDataset's state: one of these per source
 VERSION = 3  # 3: caches own shards as _cache_shares hands them out; 2: contiguous spans
 State = dict[str, Any]
 # A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.
@@ -213,6 +214,9 @@ def _dataset_states(value: Any) -> Iterable[Mapping[str, Any]]:
     """The shardcache states inside ``value``: a state, a job state, a StatefulDataLoader
     ``state_dict()`` (its workers' or its own dataset state), or a list of these."""
     if isinstance(value, Mapping):
+        if value.get("format") == MIXTURE_FORMAT:  # gathered per source by job_state()
+            yield value
+            return
         if value.get("format") == FORMAT:
             if value.get("kind") == "job":
                 yield from value["parts"]
@@ -247,10 +251,16 @@ def _dataset_states(value: Any) -> Iterable[Mapping[str, Any]]:
 def job_state(*states: Any) -> State:
     """Gather the states of every rank (and worker) of a job into one that can resume any
     layout: same ranks and workers exactly, others elastically. Accepts dataset states,
-    StatefulDataLoader ``state_dict()`` s, job states and lists of them."""
+    StatefulDataLoader ``state_dict()`` s, job states and lists of them (of a
+    ``MixtureDataset``: gathered per source)."""
+    found = list(_dataset_states(list(states)))
+    if any(state.get("format") == MIXTURE_FORMAT for state in found):
+        from ._mixture import mixture_job_state
+
+        return mixture_job_state(found)
     parts: dict[int, State] = {}
     starts: list[State] = []
-    for state in _dataset_states(list(states)):
+    for state in found:
         if state.get("format") != FORMAT:
             raise ResumeError(
                 f"not a shardcache resume state: {state!r:.120}", expected=FORMAT, seen=state

@@ -1,0 +1,299 @@
+"""MixtureDataset: sources at set proportions, equal shares, and exact and elastic resume,
+over local shards (the schedule's bounds as properties of the pure functions)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tars import shard_samples, tar_bytes
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import shardcache
+from shardcache import ConfigError, MixtureDataset, ResumeError, ShardCache, Source
+from shardcache._mixture import epoch_counts, next_source
+
+pytestmark = pytest.mark.timeout(120)
+SOURCES = {"web": (12, 9, 15, 7), "code": (6, 5), "books": (4,)}  # samples per shard
+
+
+@pytest.fixture
+def spec_of(tmp_path: Path) -> dict[str, list[str]]:
+    """Each source's shard files; keys name the source (``web-s<shard>-<i>``...)."""
+    urls: dict[str, list[str]] = {}
+    shard = 0
+    for name, counts in SOURCES.items():
+        urls[name] = []
+        for count in counts:
+            path = tmp_path / name / f"{shard:04d}.tar"
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(tar_bytes(shard_samples(shard, count, size=8)))
+            urls[name].append(str(path))
+            shard += 1
+    return urls
+
+
+def keys_of(spec_of: dict[str, list[str]], name: str) -> set[str]:
+    first = sum(len(SOURCES[n]) for n in list(SOURCES)[: list(SOURCES).index(name)])
+    return {
+        key for i, count in enumerate(SOURCES[name]) for key, _ in shard_samples(first + i, count)
+    }
+
+
+def mixture(tmp_path: Path, spec_of: dict, rank: int, world: int, **options) -> MixtureDataset:
+    weights = options.pop("weights", {"web": 0.5, "code": 0.3, "books": 0.2})
+    return MixtureDataset(
+        [Source(spec_of[n], weight=w, name=n) for n, w in weights.items()],
+        epoch_size=options.pop("epoch_size", 60),
+        seed=options.pop("seed", 4),
+        cache=ShardCache(tmp_path / "cache"),
+        threads=1,
+        rank=rank,
+        world_size=world,
+        **options,
+    )
+
+
+def run(dataset: MixtureDataset) -> list[tuple[str, str]]:
+    return [(s["__source__"], s["__key__"]) for s in dataset]
+
+
+# -- the pure parts ---------------------------------------------------------------------
+
+
+def test_epoch_counts_split_the_epoch_by_weight_and_add_up_exactly() -> None:
+    sources = [Source("a", weight=0.5), Source("b", weight=0.3), Source("c", weight=0.2)]
+    assert epoch_counts(sources, 10) == [5, 3, 2]
+    assert epoch_counts(sources, 7) == [4, 2, 1]  # 3.5, 2.1, 1.4: the largest remainders
+    assert sum(epoch_counts(sources, 1001)) == 1001
+    mixed = [Source("a", weight=1), Source("b", samples=30), Source("c", weight=3)]
+    assert epoch_counts(mixed, 70) == [10, 30, 30]
+    assert epoch_counts([Source("a", samples=3), Source("b", samples=0)], None) == [3, 0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=7).filter(any))
+def test_every_prefix_holds_each_source_less_than_one_sample_off(shares: list[int]) -> None:
+    """Tijdeman's bound: ``1 - 1/(2k - 2)`` for ``k`` sources with samples."""
+    taken = [0] * len(shares)
+    total, k = sum(shares), sum(1 for share in shares if share)
+    bound = 1 - Fraction(1, 2 * k - 2) if k > 1 else 0
+    for t in range(1, total + 1):
+        taken[next_source(taken, shares)] += 1
+        for done, share in zip(taken, shares, strict=True):
+            assert abs(done - Fraction(t * share, total)) <= bound
+    assert taken == shares and next_source(taken, shares) == -1
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(1, 30), min_size=2, max_size=4),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 8),
+    st.integers(1, 5),
+)
+def test_a_window_of_global_batches_holds_each_source_within_the_stated_bound(
+    shares: list[int], ranks: int, workers: int, batch: int, window: int
+) -> None:
+    """Each worker mixes the same shares; a DataLoader takes its workers' batches in turn;
+    a global batch is every rank's batch of one step. In any ``window`` global batches a
+    source is less than ``2 * ranks * min(window, workers)`` samples off its share."""
+    per_worker = []
+    for _ in range(workers):
+        taken, order = [0] * len(shares), []
+        while (i := next_source(taken, shares)) >= 0:
+            taken[i] += 1
+            order.append(i)
+        per_worker.append([order[b : b + batch] for b in range(0, len(order), batch)])
+    steps = [per_worker[s % workers][s // workers] for s in range(len(per_worker[0]) * workers)]
+    total = sum(shares)
+    for start in range(len(steps) - window + 1):
+        batches = steps[start : start + window]
+        counts = Counter(i for b in batches for i in b)
+        size = sum(len(b) for b in batches)
+        for i, share in enumerate(shares):
+            deviation = abs(ranks * counts[i] - ranks * size * share / total)
+            assert deviation < 2 * ranks * min(window, workers)
+
+
+# -- the dataset --------------------------------------------------------------------------
+
+
+def test_every_consumer_gets_the_same_share_of_each_source(tmp_path: Path, spec_of) -> None:
+    world = 3
+    runs = [run(mixture(tmp_path, spec_of, rank, world)) for rank in range(world)]
+    # 60 samples: 30 web, 18 code, 12 books, each split 10 / 6 / 4 between 3 ranks
+    for samples in runs:
+        assert Counter(source for source, _ in samples) == {"web": 10, "code": 6, "books": 4}
+        for t in range(1, len(samples) + 1):  # every prefix less than a sample off its share
+            prefix = Counter(source for source, _ in samples[:t])
+            assert all(abs(prefix[n] - t * c / 20) < 1 for n, c in (("web", 10), ("code", 6)))
+    by_source: dict[str, Counter[str]] = {n: Counter() for n in SOURCES}
+    for samples in runs:
+        for source, key in samples:
+            by_source[source][key] += 1
+    # web (43 samples) gives 30: no sample twice; code (11) gives 18 and books (4) 12: all
+    # samples, the rest repeats.
+    assert max(by_source["web"].values()) == 1 and set(by_source["web"]) <= keys_of(spec_of, "web")
+    for name in ("code", "books"):
+        assert set(by_source[name]) == keys_of(spec_of, name)
+        assert by_source[name].total() == {"code": 18, "books": 12}[name]
+
+
+def test_a_down_sampled_source_cycles_through_its_samples_over_epochs(
+    tmp_path: Path, spec_of
+) -> None:
+    dataset = mixture(tmp_path, spec_of, 0, 1)
+    seen: Counter[str] = Counter()
+    for epoch in range(2):  # 30 web samples an epoch of 43
+        dataset.set_epoch(epoch)
+        seen.update(key for source, key in run(dataset) if source == "web")
+    assert set(seen) == keys_of(spec_of, "web") and max(seen.values()) == 2
+
+
+@pytest.mark.parametrize("taken", [0, 7, 19])
+def test_a_consumer_resumes_exactly_from_its_state(tmp_path: Path, spec_of, taken: int) -> None:
+    whole = run(mixture(tmp_path, spec_of, 1, 2, shuffle_buffer=3))
+    dataset = mixture(tmp_path, spec_of, 1, 2, shuffle_buffer=3)
+    iterator = iter(dataset)
+    assert [(s["__source__"], s["__key__"]) for s in _take(iterator, taken)] == whole[:taken]
+    state = json.loads(json.dumps(dataset.state_dict()))
+    iterator.close()
+    resumed = mixture(tmp_path, spec_of, 1, 2, shuffle_buffer=3)
+    resumed.load_state_dict(state)
+    assert run(resumed) == whole[taken:]
+
+
+def test_an_elastic_resume_delivers_every_undelivered_sample(tmp_path: Path, spec_of) -> None:
+    world = 2
+    whole = [run(mixture(tmp_path, spec_of, rank, world)) for rank in range(world)]
+    states, delivered = [], Counter()
+    for rank, taken in zip(range(world), (5, 13), strict=True):
+        dataset = mixture(tmp_path, spec_of, rank, world)
+        iterator = iter(dataset)
+        delivered.update(_pairs(_take(iterator, taken)))
+        states.append(json.loads(json.dumps(dataset.state_dict())))
+        iterator.close()
+    left = Counter(p for samples in whole for p in samples) - delivered
+    gathered = shardcache.job_state(states)
+    rests = []
+    for rank in range(3):
+        dataset = mixture(tmp_path, spec_of, rank, 3)
+        dataset.load_state_dict(gathered)
+        rests.append(run(dataset))
+    got = Counter(p for rest in rests for p in rest)
+    assert set(got) == set(left)  # every sample left, the shortfall of shares repeating
+    for name in SOURCES:  # each source's leftover split equally between the 3 consumers
+        counts = {Counter(s for s, _ in rest)[name] for rest in rests}
+        assert len(counts) == 1
+        left_of = sum(n for (s, _), n in left.items() if s == name)
+        assert counts.pop() == math.ceil(left_of / 3)
+
+
+def test_a_state_of_another_mixture_is_refused_naming_what_changed(tmp_path: Path, spec_of) -> None:
+    dataset = mixture(tmp_path, spec_of, 0, 1)
+    iterator = iter(dataset)
+    _take(iterator, 3)
+    state = dataset.state_dict()
+    iterator.close()
+    other = mixture(tmp_path, spec_of, 0, 1, weights={"web": 0.5, "code": 0.5})
+    with pytest.raises(ResumeError, match=r"sources \['web', 'code', 'books'\], this one"):
+        other.load_state_dict(state)
+    reweighted = mixture(tmp_path, spec_of, 0, 1, weights={"web": 0.6, "code": 0.2, "books": 0.2})
+    with pytest.raises(ResumeError, match=r"source 'web': .*epoch_size=30; this dataset has") as e:
+        reweighted.load_state_dict(state)
+    assert e.value.source == "web"
+
+
+@pytest.mark.parametrize(
+    ("sources", "epoch_size", "message"),
+    [
+        ([Source("a", weight=-1)], 10, "source 'source-0': weight must be a finite number >= 0"),
+        ([Source("a", weight=math.nan)], 10, "weight must be a finite number"),
+        ([Source("a", weight="1")], 10, "weight must be a finite number"),  # type: ignore[arg-type]
+        ([Source("a", weight=True)], 10, "weight must be a finite number"),
+        ([Source("a", weight=0), Source("b", weight=0)], 10, "every source has weight 0"),
+        ([Source("a", weight=0), Source("b", samples=5)], 10, "leaves 5 samples to the"),
+        ([Source("a")], 10, "give exactly one of weight="),
+        ([Source("a", weight=1, samples=3)], 10, "give exactly one of weight="),
+        ([Source("a", samples=-2)], None, "samples must be a whole number >= 0"),
+        ([Source("a", weight=1)], None, "a mixture with weights needs epoch_size"),
+        ([Source("a", weight=1), Source("b", samples=20)], 10, "smaller than the 20 samples"),
+        ([Source("a", samples=1, name="x"), Source("b", samples=1, name="x")], None, "differ"),
+        ([], None, "non-empty list of shardcache.Source"),
+        (["a"], None, "must be a shardcache.Source"),
+    ],
+)
+def test_bad_sources_are_config_errors_naming_the_source(
+    tmp_path: Path, sources: list, epoch_size: int | None, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        MixtureDataset(sources, epoch_size=epoch_size, cache=ShardCache(tmp_path / "c"))
+
+
+def test_a_source_that_gets_no_sample_is_left_out(tmp_path: Path, spec_of) -> None:
+    dataset = mixture(tmp_path, spec_of, 0, 1, weights={"web": 1, "code": 0}, epoch_size=9)
+    assert dataset.names == ["web"] and {s for s, _ in run(dataset)} == {"web"}
+    with pytest.raises(ConfigError, match="the mixture gets no sample an epoch"):
+        MixtureDataset([Source(spec_of["web"], samples=0)], cache=ShardCache(tmp_path / "c"))
+
+
+def test_an_unusable_source_is_named(tmp_path: Path, spec_of) -> None:
+    with pytest.raises(shardcache.UrlError, match="source 'bad': ") as caught:
+        MixtureDataset(
+            [Source(spec_of["web"], weight=1, name="web"), Source("x{1..}", weight=1, name="bad")],
+            epoch_size=10,
+            cache=ShardCache(tmp_path / "c"),
+        )
+    assert caught.value.source == "bad"
+    small = MixtureDataset(  # 1 books sample an epoch for 2 consumers
+        [Source(spec_of["web"], samples=10, name="web"), Source(spec_of["books"], samples=1)],
+        cache=ShardCache(tmp_path / "c"),
+        rank=0,
+        world_size=2,
+    )
+    with pytest.raises(ConfigError, match="source 'source-1': epoch_size=1 is smaller"):
+        list(small)
+
+
+def test_a_stateful_dataloader_with_workers_resumes_a_mixture(tmp_path: Path, spec_of) -> None:
+    """2 DataLoader workers (processes): the loader's state after batch 4 resumes exactly
+    with 2 workers, and, gathered by ``job_state``, with 3 (every sample left once more,
+    the shortfall of equal shares repeating)."""
+
+    def loader_of(dataset: MixtureDataset, workers: int) -> StatefulDataLoader:
+        return StatefulDataLoader(
+            dataset, batch_size=4, num_workers=workers, collate_fn=_pairs, timeout=60
+        )
+
+    whole = list(loader_of(mixture(tmp_path, spec_of, 0, 1), 2))
+    loader = loader_of(mixture(tmp_path, spec_of, 0, 1), 2)
+    iterator = iter(loader)
+    first = [next(iterator) for _ in range(4)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    assert first == whole[:4]
+    again = loader_of(mixture(tmp_path, spec_of, 0, 1), 2)
+    again.load_state_dict(state)
+    assert first + list(again) == whole
+
+    left = Counter(p for batch in whole for p in batch) - Counter(p for b in first for p in b)
+    elastic = mixture(tmp_path, spec_of, 0, 1)
+    elastic.load_state_dict(shardcache.job_state(state))
+    rest = Counter(p for batch in loader_of(elastic, 3) for p in batch)
+    assert set(rest) == set(left)
+
+
+def _take(iterator, count: int) -> list[dict]:
+    return [next(iterator) for _ in range(count)]
+
+
+def _pairs(samples: list[dict]) -> list[tuple[str, str]]:
+    return [(s["__source__"], s["__key__"]) for s in samples]
