@@ -38,6 +38,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import webdataset as wds
 from webdataset import cache as wds_cache
@@ -105,6 +106,15 @@ class WebDataset(wds.WebDataset):
             depth=depth,
             stall_timeout=stall_timeout,
         )
+        if isinstance(urls, str) and urlparse(urls).path.endswith("/"):  # webdataset's rule
+            raise UrlError(
+                f"shardcache.WebDataset cannot read the directory URL {urls!r}: webdataset "
+                "serves a directory as a work queue (each file renamed while it is read, "
+                "never ending), which a cache reading ahead would race. Pass the shards "
+                "instead (a brace pattern, a list or '@manifest.txt'), or use wds.WebDataset "
+                "for a directory queue.",
+                url=urls,
+            )
         # webdataset's own cache stays off (cache_dir=None); ours is resolved here.
         mapped = _cache_from_wds_options(cache, cache_dir, cache_size)
         super().__init__(
@@ -126,15 +136,6 @@ class WebDataset(wds.WebDataset):
             verbose,
             seed,
         )
-        if isinstance(self.pipeline[0], shardlists.DirectoryShardList):
-            raise UrlError(
-                f"shardcache.WebDataset cannot read the directory URL {urls!r}: webdataset "
-                "serves a directory as a work queue (each file renamed while it is read, "
-                "never ending), which a cache reading ahead would race. Pass the shards "
-                "instead (a brace pattern, a list or '@manifest.txt'), or use wds.WebDataset "
-                "for a directory queue.",
-                url=str(urls),
-            )
         if mapped is not None:
             reader.cache, message = mapped
             logger.info("%s", message)
