@@ -16,6 +16,8 @@ saves ``<out>/ckpt-signal`` after the batch during which SIGUSR1 arrived (SLURM'
 ``--signal``), writes ``signalled-<run>-rank<r>.json`` (when the signal arrived, the step it
 checkpointed after, whether it had been waiting for it), then requeues the job
 (``scontrol requeue``) and exits.
+``--mixture-epoch-size N`` reads ``--spec`` as a ``MixtureDataset`` of ``NAME=WEIGHT=SPEC``
+sources (comma-separated), each batch's keys logged as ``<source>/<key>``.
 ``--resume DIR`` starts from a checkpoint if DIR holds one. ``--run`` names the log; its
 ``{restart}`` is replaced by ``SLURM_RESTART_COUNT`` (0 outside SLURM).
 """
@@ -42,7 +44,13 @@ KILL_WAIT = 300.0  # a kill point waits this long for the SIGKILL, then fails
 
 
 def keys_of(batch: list[dict[str, Any]]) -> list[str]:
-    return [sample["__key__"] for sample in batch]
+    """Each sample's key; a mixture's as ``<source>/<key>``."""
+    return [key_of(sample) for sample in batch]
+
+
+def key_of(sample: dict[str, Any]) -> str:
+    key = sample["__key__"]
+    return f"{sample['__source__']}/{key}" if "__source__" in sample else key
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -89,9 +97,34 @@ class Signalled:
         self.event.set()
 
 
+def make_dataset(args: argparse.Namespace) -> Any:
+    cache = shardcache.ShardCache(args.cache)
+    if args.mixture_epoch_size is None:
+        return shardcache.ResumableDataset(
+            args.spec, seed=args.seed, shuffle_buffer=args.shuffle_buffer, cache=cache
+        )
+    sources = []
+    for part in args.spec.split(","):
+        name, weight, spec = part.split("=", 2)
+        sources.append(shardcache.Source(spec, weight=float(weight), name=name))
+    return shardcache.MixtureDataset(
+        sources,
+        epoch_size=args.mixture_epoch_size,
+        seed=args.seed,
+        shuffle_buffer=args.shuffle_buffer,
+        cache=cache,
+    )
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
+    parser.add_argument("--spec", required=True, help="a shard spec, or NAME=WEIGHT=SPEC,...")
+    parser.add_argument(
+        "--mixture-epoch-size",
+        type=int,
+        default=None,
+        help="read --spec's sources (NAME=WEIGHT=SPEC, comma-separated) as a MixtureDataset",
+    )
     parser.add_argument("--cache", required=True)
     parser.add_argument("--out", required=True, type=Path)
     # --log-as under torchrun: its own parser takes "--run..." for its "--run-path".
@@ -120,12 +153,7 @@ def main() -> int:
     if args.checkpoint_on_signal:
         signalled.install()
 
-    dataset = shardcache.ResumableDataset(
-        args.spec,
-        seed=args.seed,
-        shuffle_buffer=args.shuffle_buffer,
-        cache=shardcache.ShardCache(args.cache),
-    )
+    dataset = make_dataset(args)
     loader = StatefulDataLoader(
         dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=keys_of
     )

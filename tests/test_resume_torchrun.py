@@ -39,21 +39,23 @@ pytestmark = pytest.mark.timeout(600)
 
 
 class Job:
-    def __init__(self, s3, root: Path) -> None:
+    def __init__(self, s3, root: Path, spec: str = SPEC, *options: str) -> None:
         self.env = job_env(**s3.env())
         self.out = root / "out"
         self.out.mkdir()
         self.cache = root / "cache"
+        self.spec, self.options = spec, options
 
     def command(self, run: str, ranks: int, workers: int, *extra: str) -> list[str]:
         return torchrun(
             ranks,
             JOB,
-            f"--spec={SPEC}",
+            f"--spec={self.spec}",
             f"--cache={self.cache}",
             f"--out={self.out}",
             f"--log-as={run}",
             f"--workers={workers}",
+            *self.options,
             *extra,
         )
 
@@ -191,3 +193,77 @@ def test_sigkilled_job_resumes_exactly_and_elastically(job: Job) -> None:
         after = [k for r in range(ranks) for e, ks in job.batches(run, r) if e == 1 for k in ks]
         assert set(after) == set(ALL_KEYS), run
         assert len(after) == consumers * math.ceil(len(ALL_KEYS) / consumers), run
+
+
+MIX_BUCKET = "torchrun-mix"
+MIX_SOURCES = {
+    "web": (0.6, 8, 13),
+    "code": (0.3, 4, 9),
+    "books": (0.1, 2, 5),
+}  # weight, shards, samples
+MIX_EPOCH = 120  # web 72 of its 104 samples, code 36 of 36, books 12 of 10 (2 repeats)
+MIX_CHECKPOINTS = (4, 13, 27)  # batches of each rank; 20 per epoch (2 workers x 10)
+
+
+def test_a_sigkilled_mixture_resumes_exactly_and_elastically(s3, tmp_path: Path) -> None:
+    """A 3-source MixtureDataset under torchrun (2 ranks x 2 workers) over the S3 server:
+    the proportions in every epoch, the server's GETs per source, and the same SIGKILL,
+    exact and elastic resumes as the single-source job."""
+    objects, every, first = {}, {}, 0
+    for name, (_weight, shards, per_shard) in MIX_SOURCES.items():
+        every[name] = set()
+        for shard in range(first, first + shards):
+            objects[f"{name}-{shard:06d}.tar"] = tar_bytes(shard_samples(shard, per_shard))
+            every[name] |= {f"{name}/{key}" for key, _ in shard_samples(shard, per_shard)}
+        first += shards
+    s3.put_objects(MIX_BUCKET, objects)
+    spec = ",".join(
+        f"{name}={weight}=s3://{MIX_BUCKET}/{name}-{{{start:06d}..{start + shards - 1:06d}}}.tar"
+        for (name, (weight, shards, _)), start in zip(MIX_SOURCES.items(), (0, 8, 12), strict=True)
+    )
+    s3.clear_requests()
+    job = Job(s3, tmp_path, spec, f"--mixture-epoch-size={MIX_EPOCH}")
+    job.run("full")
+    reference = {rank: job.batches("full", rank) for rank in (0, 1)}
+    assert [len(reference[r]) for r in (0, 1)] == [40, 40]  # 2 epochs x 2 workers x 10
+    for epoch in (0, 1):
+        keys = Counter(k for r in (0, 1) for e, ks in reference[r] if e == epoch for k in ks)
+        by_source = {
+            n: Counter({k: c for k, c in keys.items() if k.startswith(f"{n}/")})
+            for n in MIX_SOURCES
+        }
+        assert {n: c.total() for n, c in by_source.items()} == {"web": 72, "code": 36, "books": 12}
+        assert max(by_source["web"].values()) == 1 and set(by_source["web"]) <= every["web"]
+        assert set(by_source["code"]) == every["code"] and set(by_source["books"]) == every["books"]
+        for r in (0, 1):  # each rank: its 2 consumers' equal shares, 18 : 9 : 3 each
+            mine = Counter(k.split("/")[0] for e, ks in reference[r] if e == epoch for k in ks)
+            assert mine == {"web": 36, "code": 18, "books": 6}
+    # The server's GETs per source: every rank's cache fetched each shard once (learning
+    # the sample offsets), and nothing more in two epochs.
+    gets = Counter(r.key.split("-")[0] for r in s3.requests("GET") if r.bucket == MIX_BUCKET)
+    assert gets == {name: 2 * shards for name, (_w, shards, _n) in MIX_SOURCES.items()}
+
+    points = [str(step) for step in MIX_CHECKPOINTS]
+    job.run_and_kill("killed", "--checkpoint-at", *points, "--then-wait")
+    for rank in (0, 1):
+        assert job.batches("killed", rank) == reference[rank][: max(MIX_CHECKPOINTS)]
+    for step in MIX_CHECKPOINTS:  # exact
+        job.run(f"exact{step}", 2, 2, f"--resume={job.out / f'ckpt-{step}'}")
+        for rank in (0, 1):
+            resumed = job.batches(f"exact{step}", rank)
+            assert reference[rank][:step] + resumed == reference[rank], (step, rank)
+
+    step = 13  # elastic: 3 ranks x 2 workers, the rest of epoch 0 and then epoch 1
+    job.run("elastic", 3, 2, f"--resume={job.out / f'ckpt-{step}'}")
+    delivered = Counter(k for r in (0, 1) for _e, ks in reference[r][:step] for k in ks)
+    planned = Counter(k for r in (0, 1) for e, ks in reference[r] if e == 0 for k in ks)
+    rest = [k for r in range(3) for e, ks in job.batches("elastic", r) if e == 0 for k in ks]
+    assert set(rest) == set(planned - delivered)  # every sample left, none lost
+    after = Counter(
+        k for r in range(3) for e, ks in job.batches("elastic", r) if e == 1 for k in ks
+    )
+    assert {n: sum(c for k, c in after.items() if k.startswith(f"{n}/")) for n in MIX_SOURCES} == {
+        "web": 72,
+        "code": 36,
+        "books": 12,
+    }
