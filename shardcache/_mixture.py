@@ -43,7 +43,7 @@ import webdataset as wds
 from ._cache import ShardCache
 from ._errors import ConfigError, ResumeError, ShardCacheError
 from ._redact import get_logger
-from ._resumable import ResumableDataset, Stage
+from ._resumable import ResumableDataset, Stage, whole
 from ._resume_state import MIXTURE_FORMAT, State, job_state
 from ._urls import Spec
 from ._wds import Handler
@@ -158,14 +158,8 @@ class MixtureDataset(torch.utils.data.IterableDataset):
     ) -> None:
         super().__init__()
         given = _checked(sources)
-        if epoch_size is not None and (
-            isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
-        ):
-            raise ConfigError(
-                f"epoch_size must be a whole number >= 1, not {epoch_size!r}",
-                name="epoch_size",
-                value=epoch_size,
-            )
+        if epoch_size is not None:
+            epoch_size = whole("epoch_size", epoch_size, low=1)
         counts = epoch_counts(given, epoch_size)
         if not any(counts):
             raise ConfigError(

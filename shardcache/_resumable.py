@@ -112,8 +112,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 name="urls",
                 value=STDIN_URL,
             )
-        self.seed = _whole("seed", seed, low=0)
-        self.shuffle_buffer = _whole("shuffle_buffer", shuffle_buffer, low=0)
+        self.seed = whole("seed", seed, low=0)
+        self.shuffle_buffer = whole("shuffle_buffer", shuffle_buffer, low=0)
         if not isinstance(shuffle_shards, bool):
             raise ConfigError(
                 f"shuffle_shards must be True or False, not {shuffle_shards!r}",
@@ -130,7 +130,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 value=remainder,
             )
         self.remainder = remainder
-        self.epoch_size = None if epoch_size is None else _whole("epoch_size", epoch_size, low=1)
+        self.epoch_size = None if epoch_size is None else whole("epoch_size", epoch_size, low=1)
         if index is not None and not isinstance(index, (str, os.PathLike)):
             raise ConfigError(
                 f"index must be a path or URL of a sample index file, not {index!r:.80}",
@@ -145,8 +145,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 value=None,
             )
         if world_size is not None:
-            world_size = _whole("world_size", world_size, low=1)
-            rank = _whole("rank", rank, low=0)
+            world_size = whole("world_size", world_size, low=1)
+            rank = whole("rank", rank, low=0)
             if rank >= world_size:
                 raise ConfigError(
                     f"rank {rank} is not below world_size {world_size}",
@@ -189,7 +189,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         then moves on. Moving to another epoch straight after loading a state that still
         has samples to deliver is refused, so the rest of that epoch is not skipped by
         accident."""
-        epoch = _whole("epoch", epoch, low=0)
+        epoch = whole("epoch", epoch, low=0)
         pending = self._pending
         if pending is not None and pending["epoch"] == epoch:
             self._pending_entered = True
@@ -606,7 +606,8 @@ def _advance(progress: Progress, item: int) -> None:
     progress.taken = 0
 
 
-def _whole(name: str, value: Any, *, low: int) -> int:
+def whole(name: str, value: Any, *, low: int) -> int:
+    """``value`` if it is an int (not a bool) of at least ``low``, else a ConfigError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(
             f"{name} must be a whole number >= {low}, not {value!r}", name=name, value=value

@@ -225,6 +225,7 @@ def test_a_state_of_another_mixture_is_refused_naming_what_changed(tmp_path: Pat
         ([Source("a", weight=1, samples=3)], 10, "give exactly one of weight="),
         ([Source("a", samples=-2)], None, "samples must be a whole number >= 0"),
         ([Source("a", weight=1)], None, "a mixture with weights needs epoch_size"),
+        ([Source("a", weight=1)], 0, "epoch_size must be a whole number >= 1, not 0"),
         ([Source("a", weight=1), Source("b", samples=20)], 10, "smaller than the 20 samples"),
         ([Source("a", samples=1, name="x"), Source("b", samples=1, name="x")], None, "differ"),
         ([], None, "non-empty list of shardcache.Source"),
