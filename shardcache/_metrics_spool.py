@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._identity import start_ticks, start_time
 from ._redact import get_logger
 from ._safefs import SafeFS
 from ._trust import Trust
 
 logger = get_logger(__name__)
 
+CLOCK_SLACK = 2.0  # seconds: a process's start time from /proc is coarse
 MAX_TOTAL_BYTES = 1 << 20  # far above an epoch total (a few kB): a larger file is not ours
 
 
@@ -48,6 +50,13 @@ def spool(total: dict[str, Any]) -> None:
         logger.warning("cannot hand this worker's metrics to its main process: %s", exc)
 
 
+def _started() -> float | None:
+    """When this process started (less a margin for /proc's coarse clock), if known."""
+    ticks = start_ticks(os.getpid())
+    started = None if ticks is None else start_time(ticks)
+    return None if started is None else started - CLOCK_SLACK
+
+
 def unspool() -> list[dict[str, Any]]:
     """The epoch totals this process's DataLoader workers spooled since the last call."""
     fs = SafeFS(spool_root(), Trust.private())
@@ -61,10 +70,14 @@ def unspool() -> list[dict[str, Any]]:
         logger.warning("cannot read the metrics this process's workers spooled: %s", exc)
         return []
     found: list[dict[str, Any]] = []
+    born = _started()
     for name in names:
         path = directory / name
         with contextlib.suppress(OSError, ValueError):
-            found.append(json.loads(fs.read_small(path, MAX_TOTAL_BYTES)))
+            if born is None or fs.lstat(path).st_mtime >= born:
+                found.append(json.loads(fs.read_small(path, MAX_TOTAL_BYTES)))
+            else:  # left by workers of an earlier process that had this pid
+                logger.debug("ignoring %s: spooled before this process started", path)
         with contextlib.suppress(OSError):
             fs.unlink(path)
     with contextlib.suppress(OSError), fs.directory(fs.root) as root_fd:

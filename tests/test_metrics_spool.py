@@ -43,6 +43,17 @@ def test_a_forked_workers_total_reaches_its_parent_once(private_tmp: Path) -> No
     assert oct(spool_root().stat().st_mode & 0o777) == "0o700"
 
 
+def test_totals_spooled_before_this_process_started_are_not_read(private_tmp: Path) -> None:
+    """Workers of an earlier process that had this pid left a total behind (their parent
+    exited first): the next process with the pid must not count it, nor keep it."""
+    _spool_in_a_child(TOTAL)
+    [left] = (spool_root() / str(os.getpid())).iterdir()
+    os.utime(left, (left.stat().st_atime, left.stat().st_mtime - 3600))  # from an hour ago
+    _spool_in_a_child({**TOTAL, "samples": 8})
+    assert [t["samples"] for t in unspool()] == [8]
+    assert not left.exists()
+
+
 def _plant_foreign_spool(private_tmp: Path) -> Path:
     """Another user's spool directory, with a total of theirs for this process to read."""
     root = spool_root()
