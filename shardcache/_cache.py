@@ -281,7 +281,7 @@ class ShardCache:
         try:
             return self._fetch_missing(shard, progress, announce)
         except Exception:  # a cancelled prefetch (a BaseException) is not an error
-            self._count(errors=1)
+            self._count(shard.url, errors=1)
             raise
 
     def _hit(self, shard: ShardId) -> bool:
@@ -289,7 +289,7 @@ class ShardCache:
         st = self._servable_stat(shard.data_path)
         if st is not None and self._freshness.is_current(shard, st, ask_store=True):
             touch(self.layout, shard.data_path, st.st_mtime)
-            self._count(hits=1, bytes_served=st.st_size)
+            self._count(shard.url, hits=1, bytes_served=st.st_size)
             return True
         return False
 
@@ -409,7 +409,7 @@ class ShardCache:
             waited = time.monotonic() - started
             st = self._current_stat(shard)
             if st is not None:  # published by another process while we waited
-                self._count(shared=1, bytes_served=st.st_size, lock_wait_seconds=waited)
+                self._count(url, shared=1, bytes_served=st.st_size, lock_wait_seconds=waited)
                 return final
             if not held:  # published, then evicted before we looked: download unlocked
                 logger.debug("fetching %s without its lock", url)
@@ -425,6 +425,7 @@ class ShardCache:
             info = self._download_and_publish(info, shard, report, announce)
             metrics.collector().shard_downloaded(url, time.monotonic() - t0, info.size)
             self._count(
+                url,
                 misses=1,
                 bytes_downloaded=info.size,
                 bytes_served=info.size,
@@ -924,13 +925,14 @@ class ShardCache:
             self._node_fs = SafeFS(root, Trust.private())
         return self._node_fs
 
-    def _count(self, **deltas: float) -> None:
+    def _count(self, url: str, **deltas: float) -> None:
+        """Add ``deltas`` (about shard ``url``) to the cache's stats and the metrics."""
         with self._stats_lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
         shown = {k: v for k, v in deltas.items() if k in _METRICS_COUNTS}
         if shown:
-            metrics.count(**shown)
+            metrics.count(url, **shown)
 
 
 def _tell_failed(growing: GrowingFile | None, exc: BaseException) -> None:

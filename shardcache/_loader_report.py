@@ -1,7 +1,8 @@
 """The loader report: records summed into one report, its log line, and the job's line.
 
 A report is a dict shaped like a metrics record (``shardcache._metrics``; the same keys,
-``kind`` "report"), with counts summed over the records it was made of, plus
+``kind`` "report", ``sources`` when a mixture counted), with counts summed over the records
+it was made of, plus
 ``processes`` (how many processes contributed) and ``consumer_s`` (the seconds the
 consuming processes ran: ``data_wait_share`` is ``data_wait_s / consumer_s``).
 :func:`log_epoch_summary` makes a rank's report of an epoch, and, when
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from ._metrics_records import COUNTS, RETRY_CAUSES
+from ._metrics_records import COUNTS, RETRY_CAUSES, SOURCE_COUNTS
 from ._redact import get_logger
 
 logger = get_logger(__name__)
@@ -36,6 +37,7 @@ def merge(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "lock_waits": {"count": 0, "seconds": 0.0, "worst_s": 0.0, "worst_holder": None},
         "slowest_shards": [],
     }
+    sources: dict[str, dict[str, Any]] = {}
     spans: dict[tuple[Any, Any], list[float]] = {}  # (host, pid) of raw records: start, end
     consumed: set[tuple[Any, Any]] = set()
     consumer_s = 0.0
@@ -53,6 +55,10 @@ def merge(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         if mine.get("count") and mine.get("worst_s", 0.0) >= waits["worst_s"]:
             waits["worst_s"], waits["worst_holder"] = mine["worst_s"], mine.get("worst_holder")
         out["slowest_shards"].extend(r.get("slowest_shards", []))
+        for name, mine in r.get("sources", {}).items():
+            theirs = sources.setdefault(name, dict.fromkeys(SOURCE_COUNTS, 0))
+            for key in SOURCE_COUNTS:
+                theirs[key] += mine.get(key, 0)
         if "consumer_s" in r:  # a report already
             consumer_s += r["consumer_s"]
             processes += r.get("processes", 1)
@@ -72,6 +78,8 @@ def merge(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         round(min(1.0, out["data_wait_s"] / consumer_s), 6) if consumer_s else 0.0
     )
     out["processes"] = processes
+    if sources:
+        out["sources"] = dict(sorted(sources.items()))
     if records:
         out["start"] = min(r["start"] for r in records)
         out["time"] = max(r["time"] for r in records)
@@ -122,7 +130,14 @@ def _body(r: dict[str, Any]) -> str:
     if r["slowest_shards"]:
         slowest = r["slowest_shards"][0]
         parts.append(f"slowest {slowest['url']} {slowest['seconds']:.1f} s")
-    return ", ".join(parts)
+    line = ", ".join(parts)
+    if r.get("sources"):
+        line += "; by source: " + "; ".join(
+            f"{name} {c['samples']} samples ({c['hits']} hits, {c['misses']} misses, "
+            f"{c['shared']} shared, {_size(c['bytes_downloaded'])} downloaded)"
+            for name, c in r["sources"].items()
+        )
+    return line
 
 
 def format_line(report: dict[str, Any]) -> str:

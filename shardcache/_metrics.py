@@ -11,6 +11,12 @@ with the holder (``_locks.ShardLock.acquire``), the consumer's wait for data and
 warnings/errors (``_prefetch``, ``_growing``), shards and samples delivered (``_wds``;
 samples are counted in batches, no lock per sample).
 
+Mixtures. A ``MixtureDataset`` names its sources' shard URLs (:func:`name_sources`) and
+labels its sources' sample counts, so records also carry ``sources``: per source name, its
+``samples``, ``hits``, ``misses``, ``shared``, ``bytes_downloaded`` and ``bytes_served``
+(a breakdown of the record's own counts; a URL listed by two sources counts for the one
+named last).
+
 Periods. Every process has one :class:`Collector` (made anew after a fork). An
 ``interval`` record is emitted when data flows and ``SHARDCACHE_METRICS_INTERVAL`` passed
 since the last record; an ``epoch`` record closes each epoch with what is left of it (its
@@ -57,7 +63,7 @@ from typing import Any
 from ._config import env_setting
 from ._errors import ShardCacheError
 from ._loader_report import format_line, merge
-from ._metrics_records import COUNTS, RETRY_CAUSES, SCHEMA, VERSION
+from ._metrics_records import COUNTS, RETRY_CAUSES, SCHEMA, SOURCE_COUNTS, VERSION
 from ._metrics_spool import spool, unspool
 from ._redact import get_logger, redact_url
 
@@ -68,6 +74,8 @@ SLOWEST = 5  # slowest shards kept per record
 Sink = Callable[[dict[str, Any]], object]
 _sinks: list[Sink] = []
 _sinks_lock = threading.Lock()
+# Shard URL -> the mixture source it belongs to (name_sources); inherited by forked workers.
+_source_of: dict[str, str] = {}
 
 
 def add_metrics_sink(sink: Sink) -> Callable[[], None]:
@@ -100,10 +108,12 @@ class _Period:
         self.lock_holder: str | None = None
         self.data_wait = 0.0
         self.slowest: list[dict[str, Any]] = []
+        self.sources: dict[str, dict[str, float]] = {}  # per mixture source: SOURCE_COUNTS
 
     def empty(self) -> bool:
         return not (
             any(self.counts.values())
+            or self.sources
             or self.requests
             or any(self.retries.values())
             or self.lock_count
@@ -130,11 +140,17 @@ class Collector:
 
     # -- counting (any thread) -------------------------------------------------------
 
-    def add(self, **deltas: float) -> None:
+    def add(self, source: str | None = None, **deltas: float) -> None:
+        """Add ``deltas`` to the period's counts (and to ``source``'s, when given)."""
         with self._lock:
             counts = self._period.counts
             for name, delta in deltas.items():
                 counts[name] += delta  # type: ignore[assignment]
+            if source is not None:
+                mine = self._period.sources.setdefault(source, dict.fromkeys(SOURCE_COUNTS, 0))
+                for name, delta in deltas.items():
+                    if name in mine:
+                        mine[name] += delta
 
     def request(self, method: str) -> None:
         with self._lock:
@@ -239,6 +255,8 @@ class Collector:
             "data_wait_s": round(p.data_wait, 6),
             "slowest_shards": p.slowest,
         }
+        if p.sources:
+            record["sources"] = p.sources
         record["period_s"] = round(max(0.0, wall - record["start"]), 6)
         record["data_wait_share"] = _share(p.data_wait, record)
         return record
@@ -404,6 +422,7 @@ def reset_for_tests() -> None:
     starts a new collector)."""
     unspool()
     _explicit.clear()
+    _source_of.clear()
     with _state["lock"]:
         _state["made"] = None
     with _sinks_lock:
@@ -413,8 +432,17 @@ def reset_for_tests() -> None:
 # -- shortcuts for the hooks -------------------------------------------------------------
 
 
-def count(**deltas: float) -> None:
-    collector().add(**deltas)
+def name_sources(source: str, urls: Iterable[str]) -> None:
+    """Count what the cache does for ``urls`` also as mixture source ``source``'s."""
+    _source_of.update(dict.fromkeys(urls, source))
+
+
+def count(url: str | None = None, source: str | None = None, **deltas: float) -> None:
+    """Add ``deltas`` to this process's counts; ``source`` (or the source ``url`` was
+    named for) gets them too."""
+    if source is None and url is not None:
+        source = _source_of.get(url)
+    collector().add(source, **deltas)
 
 
 def shard_delivered() -> None:

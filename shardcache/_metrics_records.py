@@ -33,6 +33,9 @@ COUNTS = (
     "stall_errors",
 )
 RETRY_CAUSES = ("reset", "5xx", "slowdown", "truncated", "other")
+# The counts a record also breaks down by mixture source (``sources``: name -> counts),
+# present when a MixtureDataset's sources counted in the period.
+SOURCE_COUNTS = ("samples", "hits", "misses", "shared", "bytes_downloaded", "bytes_served")
 
 # What classify() says about one parsed JSON value.
 OK, NOT_A_RECORD, NEWER = "ok", "not a shardcache.metrics record", "newer version"
@@ -74,6 +77,18 @@ def counts(record: Mapping[str, Any], key: str) -> dict[str, float]:
     if not isinstance(value, dict):
         return {}
     return {str(name): number(value, name) for name in value}
+
+
+def sources(record: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """The record's counts per mixture source (tolerant: malformed entries are left out)."""
+    value = record.get("sources")
+    if not isinstance(value, Mapping):
+        return {}
+    return {
+        str(name): {key: number(part, key) for key in SOURCE_COUNTS}
+        for name, part in value.items()
+        if isinstance(part, Mapping)
+    }
 
 
 def stream_of(record: Mapping[str, Any]) -> tuple[Hashable, ...]:

@@ -40,6 +40,7 @@ from typing import Any
 import torch.utils.data
 import webdataset as wds
 
+from . import _metrics as metrics
 from ._cache import ShardCache
 from ._errors import ConfigError, ResumeError, ShardCacheError
 from ._redact import get_logger
@@ -112,25 +113,35 @@ def next_source(taken: Sequence[int], shares: Sequence[int]) -> int:
     ``i`` is due within the steps ``t`` where ``|j - t * p_i| <= 1 - 1/(2k - 2)`` allows
     it (``p_i`` its share of the total), and of the sources whose next sample is due, the
     one with the earliest last step goes first (ties: the first). Every prefix of the
-    sequence then holds every source less than one sample off its proportion."""
-    live = [i for i, (done, share) in enumerate(zip(taken, shares, strict=True)) if done < share]
-    if len(live) <= 1:
-        return live[0] if live else -1
-    m = 2 * sum(1 for share in shares if share > 0) - 2
-    total, step = sum(shares), sum(taken) + 1
-    best = fallback = -1
-    for i in live:  # deadlines ((taken + 1) * m - 1) / share, in units of total / m steps
-        released = (taken[i] * m + 1) * total <= step * m * shares[i]
-        if released and (best < 0 or _earlier(i, best, taken, shares, m)):
-            best = i
-        if fallback < 0 or _earlier(i, fallback, taken, shares, m):
-            fallback = i
-    return best if best >= 0 else fallback
+    sequence then holds every source less than one sample off its proportion.
 
-
-def _earlier(i: int, j: int, taken: Sequence[int], shares: Sequence[int], m: int) -> bool:
-    """Whether source ``i``'s next sample is due to end strictly before source ``j``'s."""
-    return ((taken[i] + 1) * m - 1) * shares[j] < ((taken[j] + 1) * m - 1) * shares[i]
+    ``taken`` and ``shares`` are counts (whole numbers >= 0). Run once a sample, so in one
+    pass of integer arithmetic: source ``i``'s next sample is due when ``(taken[i] * m + 1)
+    * total <= step * m * shares[i]`` (``m = 2k - 2``, ``step`` the sample's number), and
+    its last step, ``((taken[i] + 1) * m - 1) / shares[i]`` in units of ``total / m``
+    steps, is compared across sources by cross-multiplying."""
+    n = len(shares)
+    if len(taken) != n:
+        raise ValueError(f"{len(taken)} counts taken for {n} shares")
+    m = 2 * (n - shares.count(0)) - 2
+    total = sum(shares)
+    m_total, step_m, m_1 = m * total, (sum(taken) + 1) * m, m - 1
+    best, best_due, best_share = -1, 1, 0  # 0 / 1: later than any source that has a sample left
+    for i, done in enumerate(taken):
+        share = shares[i]
+        if done < share and done * m_total + total <= step_m * share:
+            due = done * m + m_1
+            if due * best_share < best_due * share:
+                best, best_due, best_share = i, due, share
+    if best >= 0:
+        return best
+    for i in range(n):  # none due (one source with samples, or counts off this schedule)
+        done, share = taken[i], shares[i]
+        if done < share:
+            due = done * m + m_1
+            if due * best_share < best_due * share:
+                best, best_due, best_share = i, due, share
+    return best
 
 
 class MixtureDataset(torch.utils.data.IterableDataset):
@@ -196,8 +207,10 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                         world_size=world_size,
                     )
                 )
+        for name, part in zip(self.names, self._parts, strict=True):
+            part._source = name  # its samples count for the source; the mixture ends epochs
         self._stages: list[Stage] = []
-        self._iterating = False
+        self._name_sources()
 
     def compose(self, *stages: Stage) -> MixtureDataset:
         """Append pipeline stages run on the mixed stream (as ``ResumableDataset``'s)."""
@@ -240,7 +253,14 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             with _naming(name):
                 part.load_state_dict(part_state)
 
+    def _name_sources(self) -> None:
+        """Count the cache's work on each source's shards for the source, in this process
+        (called again in every iterating process: spawned workers do not inherit it)."""
+        for name, part in zip(self.names, self._parts, strict=True):
+            metrics.name_sources(name, part.urls)
+
     def __iter__(self) -> Iterator[Any]:
+        self._name_sources()
         streams = []
         for name, part in zip(self.names, self._parts, strict=True):
             with _naming(name):
@@ -266,10 +286,11 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                 sample["__source__"] = self.names[i]
                 yield sample
         finally:
-            for stream in streams:
+            for stream in streams:  # each counts the samples it delivered
                 close = getattr(stream, "close", None)
                 if close is not None:
                     close()
+        metrics.end_epoch()  # the epoch its sources set (metrics.set_epoch)
 
 
 def mixture_job_state(states: Sequence[Mapping[str, Any]]) -> State:

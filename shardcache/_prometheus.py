@@ -7,7 +7,9 @@ collide), served over HTTP and/or written to a node_exporter textfile.
 
 Names follow ``shardcache_<what>_<unit>_total``. Labels are ``job_id``, ``host``, ``rank``
 and ``worker`` (``main`` or the DataLoader worker id), plus ``result`` / ``method`` /
-``cause`` from fixed sets: never a URL or any other unbounded value. (``job_id``, not
+``cause`` from fixed sets and, on the ``shardcache_source_*`` counters, ``source`` (a
+``MixtureDataset``'s source names, which the user chose): never a URL or any other
+unbounded value. (``job_id``, not
 ``job``: Prometheus sets ``job`` itself on every scrape.)
 """
 
@@ -118,6 +120,15 @@ class PrometheusSink:
             return client.Gauge(f"shardcache_{name}", text, LABELS, registry=self.registry)
 
         self._fetches = counter("fetches", "Shards fetched, by result.", "result")
+        self._source_samples = counter(
+            "source_samples", "Samples delivered, per mixture source.", "source"
+        )
+        self._source_fetches = counter(
+            "source_fetches", "Shards fetched, per mixture source and result.", "source", "result"
+        )
+        self._source_downloaded = counter(
+            "source_downloaded_bytes", "Bytes downloaded, per mixture source.", "source"
+        )
         self._requests = counter("requests", "Requests sent to the store.", "method")
         self._retries = counter("retries", "Retried requests, by cause.", "cause")
         self._lock_waits = counter("lock_waits", "Waits for a shard lock held elsewhere.")
@@ -179,6 +190,12 @@ class PrometheusSink:
             _inc(self._counters[name].labels(**labels), mr.number(record, field))
         for result, field in (("hit", "hits"), ("miss", "misses"), ("shared", "shared")):
             _inc(self._fetches.labels(**labels, result=result), mr.number(record, field))
+        for source, part in mr.sources(record).items():
+            _inc(self._source_samples.labels(**labels, source=source), part["samples"])
+            _inc(self._source_downloaded.labels(**labels, source=source), part["bytes_downloaded"])
+            for result, field in (("hit", "hits"), ("miss", "misses"), ("shared", "shared")):
+                fetches = self._source_fetches.labels(**labels, source=source, result=result)
+                _inc(fetches, part[field])
         for sent, n in mr.counts(record, "requests").items():
             method = sent.upper() if sent.upper() in METHODS else "other"
             _inc(self._requests.labels(**labels, method=method), n)

@@ -77,6 +77,7 @@ class RankSummary:
     main_wait: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     worker_wait: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     slowest: dict[str, tuple[float, float]] = field(default_factory=dict)  # url -> (s, bytes)
+    sources: dict[str, Counter[str]] = field(default_factory=dict)  # mixture source -> counts
 
     def add(self, record: dict[str, Any], begin: float, end: float) -> None:
         n = mr.number
@@ -105,6 +106,12 @@ class RankSummary:
             acc[1] += end - begin
             acc[2] += 1
         self._add_slowest(record.get("slowest_shards"))
+        self.add_sources(mr.sources(record))
+
+    def add_sources(self, sources: dict[str, Any]) -> None:
+        """Add counts per mixture source (``{name: {count: n}}``)."""
+        for name, counts in sources.items():
+            self.sources.setdefault(name, Counter()).update(counts)
 
     def _add_lock_waits(self, waits: Any) -> None:
         if not isinstance(waits, dict):
@@ -210,6 +217,10 @@ class RankSummary:
             "stall_warnings": int(self.stall_warnings),
             "stall_errors": int(self.stall_errors),
             "slowest_shards": self.slowest_shards(),
+            "sources": {
+                name: {key: int(counts[key]) for key in mr.SOURCE_COUNTS}
+                for name, counts in sorted(self.sources.items())
+            },
         }
 
 
@@ -421,6 +432,7 @@ def _merge(total: RankSummary, rank: RankSummary) -> None:
         setattr(total, name, getattr(total, name) + getattr(rank, name))
     total.requests.update(rank.requests)
     total.retries.update(rank.retries)
+    total.add_sources(rank.sources)
     if rank.lock_worst_s > total.lock_worst_s:
         total.lock_worst_s, total.lock_worst_holder = rank.lock_worst_s, rank.lock_worst_holder
     if rank.data_wait_source is not None:

@@ -1,5 +1,6 @@
 """The text form of ``shardcache report``: per job a header, one table (worst ranks first,
-then a totals row), the worst ranks' retries, lock waits and stalls, and the slowest shards."""
+then a totals row), the worst ranks' retries, lock waits and stalls, the slowest shards, and
+the counts per mixture source."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def _job_lines(job: JobReport, top: int) -> list[str]:
         )
         lines.append("  ".join(cells).rstrip())
     lines += _wait_note(job)
+    lines += _source_lines(total)
     details = [line for rank in shown for line in _details(rank)]
     if details:
         lines += ["worst ranks in detail:", *details]
@@ -116,6 +118,21 @@ def _row(rank: RankSummary, label: str | None = None) -> tuple[str, ...]:
         f"{rank.lock_waits:.0f}/{rank.lock_wait_s:.1f}s",
         f"{rank.stall_warnings:.0f}/{rank.stall_errors:.0f}",
     )
+
+
+def _source_lines(total: RankSummary) -> list[str]:
+    """The job's counts per mixture source, if it read a mixture."""
+    if not total.sources:
+        return []
+    lines = ["by mixture source:"]
+    for name, c in sorted(total.sources.items()):
+        lines.append(
+            f"  {name}: {c['samples']:.0f} samples, {c['hits']:.0f} hits, "
+            f"{c['misses']:.0f} misses, {c['shared']:.0f} shared, "
+            f"{format_bytes(c['bytes_downloaded'])} downloaded, "
+            f"{format_bytes(c['bytes_served'])} served"
+        )
+    return lines
 
 
 def _hosts(count: int) -> str:

@@ -169,6 +169,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._pending: State | None = None  # loaded, applied when iteration starts
         self._pending_entered = False  # set_epoch() of the loaded state's epoch was called
         self._progress: Progress | None = None  # the running (or last) iteration's
+        self._source: str | None = None  # the mixture source this is (MixtureDataset sets it)
 
     # -- configuration --------------------------------------------------------------
 
@@ -464,51 +465,55 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         if progress.item == 0 and progress.taken == 0 and not progress.buffer:
             _log_sizes(progress)
         delivered = progress.delivered
-        ranged: set[int] = set()
-        if progress.buffer and self._samples is not None:  # a resumed shuffle buffer
-            ranged = restore_ranged(
-                progress, shuffler, self.urls, self._samples, self._cache(), self._threads
-            )
-        for opened in self._stage.opened(self._visits(progress, ranged)):
-            kind, detail = opened["visit"]
-            if kind == "buffer":
-                stream = opened["stream"]
-                shuffler.restore(
-                    opened["url"],
-                    opened.get("local_path"),
-                    detail,
-                    lambda offset, stream=stream: seeked(stream, offset),
+        try:
+            ranged: set[int] = set()
+            if progress.buffer and self._samples is not None:  # a resumed shuffle buffer
+                ranged = restore_ranged(
+                    progress, shuffler, self.urls, self._samples, self._cache(), self._threads
                 )
-                continue
+            for opened in self._stage.opened(self._visits(progress, ranged)):
+                kind, detail = opened["visit"]
+                if kind == "buffer":
+                    stream = opened["stream"]
+                    shuffler.restore(
+                        opened["url"],
+                        opened.get("local_path"),
+                        detail,
+                        lambda offset, stream=stream: seeked(stream, offset),
+                    )
+                    continue
+                shuffler.drop_unrestored()
+                item = detail
+                if progress.item < item:  # the handler skipped the pieces in between
+                    logger.warning(
+                        "pieces %d..%d of consumer %d were skipped by the handler",
+                        progress.item,
+                        item - 1,
+                        progress.slot,
+                    )
+                    _advance(progress, item)
+                try:
+                    for sample in self._piece_samples(progress, opened):
+                        if (out := shuffler.add(sample)) is not None:
+                            progress.delivered += 1
+                            yield out
+                except ShardFormatError as exn:
+                    if not self._stage.handler(exn):
+                        return
+                if progress.item == item:  # an empty piece, or one the handler gave up on
+                    _advance(progress, item + 1)
+                # Counted once a piece, not once a sample.
+                metrics.count(samples=progress.delivered - delivered, source=self._source)
+                delivered = progress.delivered
             shuffler.drop_unrestored()
-            item = detail
-            if progress.item < item:  # the handler skipped the pieces in between
-                logger.warning(
-                    "pieces %d..%d of consumer %d were skipped by the handler",
-                    progress.item,
-                    item - 1,
-                    progress.slot,
-                )
-                _advance(progress, item)
-            try:
-                for sample in self._piece_samples(progress, opened):
-                    if (out := shuffler.add(sample)) is not None:
-                        progress.delivered += 1
-                        yield out
-            except ShardFormatError as exn:
-                if not self._stage.handler(exn):
-                    return
-            if progress.item == item:  # an empty piece, or one the handler gave up on
-                _advance(progress, item + 1)
-            metrics.count(samples=progress.delivered - delivered)  # once a piece, not a sample
-            delivered = progress.delivered
-        shuffler.drop_unrestored()
-        _advance(progress, len(progress.plan))
-        while (out := shuffler.drain_one()) is not None:
-            progress.delivered += 1
-            yield out
-        metrics.count(samples=progress.delivered - delivered)
-        metrics.end_epoch(progress.epoch)
+            _advance(progress, len(progress.plan))
+            while (out := shuffler.drain_one()) is not None:
+                progress.delivered += 1
+                yield out
+        finally:  # what was yielded since the last count (a mixture stops at its share)
+            metrics.count(samples=progress.delivered - delivered, source=self._source)
+        if self._source is None:  # a mixture's source: the mixture closes the epoch
+            metrics.end_epoch(progress.epoch)
 
     def _cache(self) -> ShardCache:
         return self._stage.cache if self._stage.cache is not None else ShardCache.from_env()

@@ -18,6 +18,11 @@ checkpointed after, whether it had been waiting for it), then requeues the job
 (``scontrol requeue``) and exits.
 ``--mixture-epoch-size N`` reads ``--spec`` as a ``MixtureDataset`` of ``NAME=WEIGHT=SPEC``
 sources (comma-separated), each batch's keys logged as ``<source>/<key>``.
+``--model`` steps a tiny model once per batch, ``DistributedDataParallel`` over the gloo
+group (``--timeout`` bounds every collective): ranks yielding different numbers of batches
+fail the job instead of finishing. ``--report`` ends each epoch with
+``shardcache.log_epoch_summary`` (a collective) and rank 0 writes the job's report as
+``report-<run>-epoch<e>.json``.
 ``--resume DIR`` starts from a checkpoint if DIR holds one. ``--run`` names the log; its
 ``{restart}`` is replaced by ``SLURM_RESTART_COUNT`` (0 outside SLURM).
 """
@@ -25,6 +30,7 @@ sources (comma-separated), each batch's keys logged as ``<source>/<key>``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -35,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -97,6 +104,22 @@ class Signalled:
         self.event.set()
 
 
+def make_model(world_size: int) -> Any:
+    """A step of a tiny model (DDP when distributed): ``step(batch_size)``."""
+    torch.manual_seed(0)
+    model: torch.nn.Module = torch.nn.Linear(4, 1)
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(batch_size: int) -> None:
+        optimizer.zero_grad()
+        model(torch.ones(batch_size, 4)).square().mean().backward()  # the all-reduce
+        optimizer.step()
+
+    return step
+
+
 def make_dataset(args: argparse.Namespace) -> Any:
     cache = shardcache.ShardCache(args.cache)
     if args.mixture_epoch_size is None:
@@ -139,15 +162,34 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-on-signal", action="store_true")
     parser.add_argument("--wait-for-signal-at", type=int, default=None)
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--model", action="store_true", help="step a DDP model each batch")
+    parser.add_argument("--report", action="store_true", help="write each epoch's job report")
+    parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
     return parser.parse_args()
+
+
+def resume(
+    args: argparse.Namespace, loader: StatefulDataLoader, dataset: Any, world_size: int, rank: int
+) -> int | None:
+    """Load ``--resume``'s checkpoint, if it holds one; returns its epoch (None: none)."""
+    if args.resume is None or not (args.resume / "meta.json").exists():
+        return None
+    meta = json.loads((args.resume / "meta.json").read_text())
+    if (meta["world_size"], meta["workers"]) == (world_size, args.workers):
+        state = json.loads((args.resume / f"loader-rank{rank}.json").read_text())
+        loader.load_state_dict(state)  # exact: each worker gets its own state back
+    else:  # elastic: every consumer's state, dealt out to the new layout
+        dataset.load_state_dict(json.loads((args.resume / "job.json").read_text()))
+    return int(meta["epoch"])
 
 
 def main() -> int:
     args = parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank() if world_size > 1 else 0
+    step_model = make_model(world_size) if args.model else None
 
     signalled = Signalled()
     if args.checkpoint_on_signal:
@@ -157,16 +199,9 @@ def main() -> int:
     loader = StatefulDataLoader(
         dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=keys_of
     )
-    epoch, resumed = 0, False
-    if args.resume is not None and (args.resume / "meta.json").exists():
-        resumed = True
-        meta = json.loads((args.resume / "meta.json").read_text())
-        epoch = meta["epoch"]
-        if (meta["world_size"], meta["workers"]) == (world_size, args.workers):
-            state = json.loads((args.resume / f"loader-rank{rank}.json").read_text())
-            loader.load_state_dict(state)  # exact: each worker gets its own state back
-        else:  # elastic: every consumer's state, dealt out to the new layout
-            dataset.load_state_dict(json.loads((args.resume / "job.json").read_text()))
+    epoch = resume(args, loader, dataset, world_size, rank)
+    resumed = epoch is not None
+    epoch = epoch or 0
 
     run = args.run.format(restart=os.environ.get("SLURM_RESTART_COUNT", "0"))
     log = (args.out / f"keys-{run}-rank{rank}.jsonl").open("a")
@@ -175,6 +210,8 @@ def main() -> int:
         dataset.set_epoch(epoch)
         for keys in loader:
             step += 1
+            if step_model is not None:
+                step_model(len(keys))
             log.write(json.dumps({"epoch": epoch, "step": step, "keys": keys}) + "\n")
             log.flush()
             meta = {"epoch": epoch, "world_size": world_size, "workers": args.workers}
@@ -200,6 +237,10 @@ def main() -> int:
                 job = os.environ["SLURM_JOB_ID"]
                 subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
                 return 0
+        if args.report:
+            report = shardcache.log_epoch_summary(epoch)
+            if rank == 0:
+                write_json(args.out / f"report-{run}-epoch{epoch}.json", report)
     (args.out / f"done-{run}-rank{rank}").write_text(str(step))
     if world_size > 1:
         dist.destroy_process_group()

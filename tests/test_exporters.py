@@ -210,3 +210,23 @@ def test_tensorboard_step_from_the_training_loop(summary_writer, tmp_path) -> No
 def test_tensorboard_sink_needs_a_writer() -> None:
     with pytest.raises(TypeError, match="SummaryWriter"):
         TensorBoardSink(object())
+
+
+def test_prometheus_counts_per_mixture_source() -> None:
+    sources = {
+        "web": {"samples": 40, "hits": 3, "misses": 1, "shared": 0, "bytes_downloaded": 500},
+        "code": {"samples": 20, "hits": 0, "misses": 2, "shared": 1, "bytes_downloaded": 900},
+        "bad": "not counts",  # tolerated: left out
+    }
+    with PrometheusSink() as sink:
+        sink(record(rank=3, host="scnode2", job_id="77", samples=60, sources=sources))
+        from prometheus_client import generate_latest
+
+        values = _parse(generate_latest(sink.registry).decode())
+    assert values[("shardcache_source_samples_total", _labels(source="web"))] == 40
+    assert values[("shardcache_source_samples_total", _labels(source="code"))] == 20
+    hit, miss = _labels(source="web", result="hit"), _labels(source="code", result="miss")
+    assert values[("shardcache_source_fetches_total", hit)] == 3
+    assert values[("shardcache_source_fetches_total", miss)] == 2
+    assert values[("shardcache_source_downloaded_bytes_total", _labels(source="code"))] == 900
+    assert not any(("source", "bad") in labels for _name, labels in values)

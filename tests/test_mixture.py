@@ -298,3 +298,46 @@ def _take(iterator, count: int) -> list[dict]:
 
 def _pairs(samples: list[dict]) -> list[tuple[str, str]]:
     return [(s["__source__"], s["__key__"]) for s in samples]
+
+
+# -- per-source counts ------------------------------------------------------------------
+
+
+def test_the_loader_report_counts_each_source(tmp_path: Path, spec_of, caplog) -> None:
+    """One epoch record an epoch (not one per source), the samples, misses and bytes of
+    each source, and the rank's line naming them: in-process, then with 2 forked workers
+    whose spooled totals the training process merges."""
+    records: list[dict] = []
+    shardcache.add_metrics_sink(records.append)
+    sizes = {n: sum(Path(u).stat().st_size for u in urls) for n, urls in spec_of.items()}
+    dataset = mixture(tmp_path, spec_of, 0, 1)
+    with caplog.at_level("INFO", logger="shardcache"):
+        got = Counter(source for source, _ in run(dataset))
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert len(epochs) == 1 and epochs[0]["samples"] == 60
+    report = shardcache.log_epoch_summary(0)
+    assert (
+        {n: c["samples"] for n, c in report["sources"].items()}
+        == got
+        == {
+            "web": 30,
+            "code": 18,
+            "books": 12,
+        }
+    )
+    # The sample index was learned by fetching every shard once (a miss each); reading
+    # them was a hit each time a piece of one was opened.
+    for name, counts in report["sources"].items():
+        assert counts["misses"] == len(spec_of[name]), name
+        assert counts["bytes_downloaded"] == sizes[name], name
+        assert counts["hits"] > 0, name
+    assert sum(c["misses"] for c in report["sources"].values()) == report["misses"]
+    assert "by source: books 12 samples (" in caplog.text
+
+    records.clear()
+    dataset.set_epoch(1)
+    loader = StatefulDataLoader(dataset, batch_size=4, num_workers=2, collate_fn=_pairs, timeout=60)
+    got = Counter(source for batch in loader for source, _ in batch)
+    report = shardcache.log_epoch_summary(1)
+    assert {n: c["samples"] for n, c in report["sources"].items()} == got
+    assert got.total() == 60 and all(c["misses"] == 0 for c in report["sources"].values())

@@ -196,3 +196,28 @@ def test_plot_without_matplotlib_says_what_to_install(job, tmp_path, capsys, mon
     captured = capsys.readouterr()
     assert "pip install 'shardcache[plot]'" in captured.err
     assert captured.out == "" and not (tmp_path / "w.png").exists()
+
+
+def test_counts_per_mixture_source_are_summed_over_ranks(tmp_path, capsys) -> None:
+    def of(samples: int, misses: int) -> dict:
+        return {"samples": samples, "hits": 1, "misses": misses, "bytes_downloaded": 10}
+
+    root = tmp_path / "metrics"
+    for rank in (0, 1):
+        sources = {"web": of(30, 2), "code": of(10 + rank, 1)}
+        write_records(root / f"r{rank}.jsonl", [record(rank=rank, world_size=2, sources=sources)])
+    write_records(root / "r2.jsonl", [record(rank=1, world_size=2)])  # no sources: fine
+    assert main(["report", str(root), "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)["jobs"][0]["total"]
+    assert total["sources"]["web"] == {
+        "samples": 60,
+        "hits": 2,
+        "misses": 4,
+        "shared": 0,
+        "bytes_downloaded": 20,
+        "bytes_served": 0,
+    }
+    assert total["sources"]["code"]["samples"] == 21
+    assert main(["report", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert "by mixture source:" in text and "  web: 60 samples, 2 hits, 4 misses" in text

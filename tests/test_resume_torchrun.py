@@ -205,10 +205,34 @@ MIX_EPOCH = 120  # web 72 of its 104 samples, code 36 of 36, books 12 of 10 (2 r
 MIX_CHECKPOINTS = (4, 13, 27)  # batches of each rank; 20 per epoch (2 workers x 10)
 
 
+def _gets_by_source(s3) -> Counter[str]:
+    return Counter(r.key.split("-")[0] for r in s3.requests("GET") if r.bucket == MIX_BUCKET)
+
+
+def _check_reports(job: Job, run: str, ranks: int, epochs: range, gets: Counter[str]) -> None:
+    """Each epoch's job report (rank 0's, gathered from every rank and DataLoader worker)
+    counts each source's samples as the batches logged, and its misses as the server's
+    GETs of the source's shards during the run."""
+    misses: Counter[str] = Counter()
+    for epoch in epochs:
+        report = json.loads((job.out / f"report-{run}-epoch{epoch}.json").read_text())
+        logged = Counter(
+            key.split("/")[0]
+            for rank in range(ranks)
+            for e, keys in job.batches(run, rank)
+            if e == epoch
+            for key in keys
+        )
+        assert {n: c["samples"] for n, c in report["sources"].items()} == logged, (run, epoch)
+        misses.update({n: c["misses"] for n, c in report["sources"].items()})
+    assert +misses == +gets, run
+
+
 def test_a_sigkilled_mixture_resumes_exactly_and_elastically(s3, tmp_path: Path) -> None:
-    """A 3-source MixtureDataset under torchrun (2 ranks x 2 workers) over the S3 server:
-    the proportions in every epoch, the server's GETs per source, and the same SIGKILL,
-    exact and elastic resumes as the single-source job."""
+    """A 3-source MixtureDataset under torchrun (2 ranks x 2 workers, a DDP model stepping
+    once a batch) over the S3 server: the proportions in every epoch, the server's GETs per
+    source against the loader report's, and the same SIGKILL, exact and elastic resumes as
+    the single-source job."""
     objects, every, first = {}, {}, 0
     for name, (_weight, shards, per_shard) in MIX_SOURCES.items():
         every[name] = set()
@@ -222,7 +246,7 @@ def test_a_sigkilled_mixture_resumes_exactly_and_elastically(s3, tmp_path: Path)
         for (name, (weight, shards, _)), start in zip(MIX_SOURCES.items(), (0, 8, 12), strict=True)
     )
     s3.clear_requests()
-    job = Job(s3, tmp_path, spec, f"--mixture-epoch-size={MIX_EPOCH}")
+    job = Job(s3, tmp_path, spec, f"--mixture-epoch-size={MIX_EPOCH}", "--model", "--report")
     job.run("full")
     reference = {rank: job.batches("full", rank) for rank in (0, 1)}
     assert [len(reference[r]) for r in (0, 1)] == [40, 40]  # 2 epochs x 2 workers x 10
@@ -240,21 +264,27 @@ def test_a_sigkilled_mixture_resumes_exactly_and_elastically(s3, tmp_path: Path)
             assert mine == {"web": 36, "code": 18, "books": 6}
     # The server's GETs per source: every rank's cache fetched each shard once (learning
     # the sample offsets), and nothing more in two epochs.
-    gets = Counter(r.key.split("-")[0] for r in s3.requests("GET") if r.bucket == MIX_BUCKET)
+    gets = _gets_by_source(s3)
     assert gets == {name: 2 * shards for name, (_w, shards, _n) in MIX_SOURCES.items()}
+    _check_reports(job, "full", 2, range(2), gets)
 
     points = [str(step) for step in MIX_CHECKPOINTS]
     job.run_and_kill("killed", "--checkpoint-at", *points, "--then-wait")
     for rank in (0, 1):
         assert job.batches("killed", rank) == reference[rank][: max(MIX_CHECKPOINTS)]
+    _check_reports(job, "killed", 2, range(1), _gets_by_source(s3) - gets)  # epoch 0 ended
     for step in MIX_CHECKPOINTS:  # exact
         job.run(f"exact{step}", 2, 2, f"--resume={job.out / f'ckpt-{step}'}")
         for rank in (0, 1):
             resumed = job.batches(f"exact{step}", rank)
             assert reference[rank][:step] + resumed == reference[rank], (step, rank)
+        _check_reports(job, f"exact{step}", 2, range(step // 20, 2), _gets_by_source(s3) - gets)
 
     step = 13  # elastic: 3 ranks x 2 workers, the rest of epoch 0 and then epoch 1
+    before = _gets_by_source(s3)
     job.run("elastic", 3, 2, f"--resume={job.out / f'ckpt-{step}'}")
+    _check_reports(job, "elastic", 3, range(2), _gets_by_source(s3) - before)
+    assert sum((_gets_by_source(s3) - before).values()) > 0  # rank 2's cache was new
     delivered = Counter(k for r in (0, 1) for _e, ks in reference[r][:step] for k in ks)
     planned = Counter(k for r in (0, 1) for e, ks in reference[r] if e == 0 for k in ks)
     rest = [k for r in range(3) for e, ks in job.batches("elastic", r) if e == 0 for k in ks]
