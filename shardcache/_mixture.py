@@ -135,8 +135,8 @@ def next_source(taken: Sequence[int], shares: Sequence[int]) -> int:
                 best, best_due, best_share = i, due, share
     if best >= 0:
         return best
-    for i in range(n):  # none due (one source with samples, or counts off this schedule)
-        done, share = taken[i], shares[i]
+    for i, done in enumerate(taken):  # none due (one source with samples, or counts off it)
+        share = shares[i]
         if done < share:
             due = done * m + m_1
             if due * best_share < best_due * share:

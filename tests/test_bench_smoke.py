@@ -198,6 +198,26 @@ def test_b13_epochs_tiny_counts_requests_per_epoch(tmp_path: Path) -> None:
     assert res["peers"][row_name("mosaic streaming", "rank")]["status"].startswith("not applicable")
 
 
+@pytest.mark.timeout(120)
+def test_b14_mixture_tiny_reports_both_readers_and_their_ratio(tmp_path: Path) -> None:
+    """B14 (bench/b14_mixture.py) at tiny size: the mixture and the one source over the same
+    shards, each every sample once an epoch (checked by the scenario: else row_errors), a
+    row in the table; nothing is timed."""
+    from bench.b14_mixture import ONE, SIZES
+
+    run_bench_module("bench.b14_mixture", tmp_path)
+    report = json.loads((tmp_path / "results.json").read_text())
+    res = report["results"]["B14"]
+    assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
+    assert res["verdict"] in {"met", "MISSED"} and res["target"] and res["what"], res
+    assert set(res["peers"]) == {ONE}, res["peers"]
+    for row in (res["shardcache"], res["peers"][ONE]):
+        assert row["samples_s"] > 0 and row["wall_s"] > 0 and row["cpu_us_per_sample"] >= 0, row
+    assert len(res["ratios"]) == SIZES["tiny"]["reps"] and res["ratio"] > 0, res
+    assert res["cpu_ratio"] > 0 and math.isfinite(res["mixing_cpu_us_per_sample"]), res
+    assert "| B14 |" in (tmp_path / "results.md").read_text()
+
+
 def test_b13_shuffle_quality_places_the_split_between_its_bounds(capsys) -> None:
     """bench/shuffle_quality.py at a small size: Mosaic's entropy measure over the library's
     own split and shuffle buffer; no shuffle is 0 of the way to a global shuffle, a global
