@@ -32,6 +32,7 @@ from scratch rather than mixing two plans.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,8 @@ def epoch_counts(sources: Sequence[Source], epoch_size: int | None) -> list[int]
             value=epoch_size,
         )
     left, total = epoch_size - fixed, sum(weights)
+    if total == 0 and left == 0:  # nothing is left to the weights: they all get 0
+        return [s.samples or 0 for s in sources]
     if total == 0:
         raise ConfigError(
             f"epoch_size={epoch_size} leaves {left} samples to the sources with weights, "
@@ -142,6 +145,34 @@ def next_source(taken: Sequence[int], shares: Sequence[int]) -> int:
             if due * best_share < best_due * share:
                 best, best_due, best_share = i, due, share
     return best
+
+
+ORDER_LIMIT = 1 << 26  # samples of the longest order kept (1 byte each), see picks()
+
+
+def picks(taken: Sequence[int], shares: Sequence[int]) -> Iterator[int]:
+    """The sources to take the rest of an epoch's samples from, in order: the
+    :func:`next_source` picks from ``taken`` on. When ``taken`` is a prefix of the epoch's
+    whole order (a fresh epoch, an exact resume), that order is read from memory: computed
+    once a process for these ``shares`` (one byte a sample) and kept for the next epochs,
+    so mixing costs a lookup a sample, not a schedule step."""
+    step = sum(taken)
+    if len(shares) <= 256 and sum(shares) <= ORDER_LIMIT:
+        order = _order(tuple(shares))
+        if all(order.count(i, 0, step) == done for i, done in enumerate(taken)):
+            return iter(memoryview(order)[step:])
+    return _online(list(taken), shares)
+
+
+@functools.lru_cache(maxsize=4)
+def _order(shares: tuple[int, ...]) -> bytes:
+    return bytes(_online([0] * len(shares), shares))
+
+
+def _online(taken: list[int], shares: Sequence[int]) -> Iterator[int]:
+    while (i := next_source(taken, shares)) >= 0:
+        taken[i] += 1
+        yield i
 
 
 class MixtureDataset(torch.utils.data.IterableDataset):
@@ -276,14 +307,13 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             own, delivered = part.share_taken()
             shares.append(own)
             taken.append(delivered)
+        names = self.names
         try:
-            while (i := next_source(taken, shares)) >= 0:
-                taken[i] += 1
+            for i in picks(taken, shares):
                 sample = next(streams[i], None)
-                if sample is None:  # the handler left a shard out: the source ends early
-                    taken[i] = shares[i]
+                if sample is None:  # the handler left a shard out: the source ended early
                     continue
-                sample["__source__"] = self.names[i]
+                sample["__source__"] = names[i]
                 yield sample
         finally:
             for stream in streams:  # each counts the samples it delivered

@@ -17,7 +17,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
 from shardcache import ConfigError, MixtureDataset, ResumeError, ShardCache, Source
-from shardcache._mixture import epoch_counts, next_source
+from shardcache._mixture import _online, epoch_counts, next_source, picks
 
 pytestmark = pytest.mark.timeout(120)
 SOURCES = {"web": (12, 9, 15, 7), "code": (6, 5), "books": (4,)}  # samples per shard
@@ -75,6 +75,7 @@ def test_epoch_counts_split_the_epoch_by_weight_and_add_up_exactly() -> None:
     mixed = [Source("a", weight=1), Source("b", samples=30), Source("c", weight=3)]
     assert epoch_counts(mixed, 70) == [10, 30, 30]
     assert epoch_counts([Source("a", samples=3), Source("b", samples=0)], None) == [3, 0]
+    assert epoch_counts([Source("a", samples=5), Source("b", weight=0)], 5) == [5, 0]
 
 
 @settings(max_examples=300, deadline=None)
@@ -121,6 +122,20 @@ def test_a_window_of_global_batches_holds_each_source_within_the_stated_bound(
         for i, share in enumerate(shares):
             deviation = abs(ranks * counts[i] - ranks * size * share / total)
             assert deviation < 2 * ranks * min(window, workers)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=5).filter(any), st.data())
+def test_picks_from_the_kept_order_are_next_sources_picks(shares: list[int], data) -> None:
+    """From no sample taken, any prefix of the order, or counts off every prefix (a source
+    that ended early), picks() gives next_source's picks."""
+    order = list(_online([0] * len(shares), shares))
+    assert list(picks([0] * len(shares), shares)) == order
+    step = data.draw(st.integers(0, len(order)))
+    taken = [order[:step].count(i) for i in range(len(shares))]
+    assert list(picks(taken, shares)) == order[step:]
+    off = [max(0, done - data.draw(st.integers(0, 2))) for done in taken]
+    assert list(picks(off, shares)) == list(_online(off, shares))
 
 
 # -- the dataset --------------------------------------------------------------------------
