@@ -33,8 +33,8 @@
 #     pipeline = wds.DataPipeline(wds.SimpleShardList(os.environ["SHARDS"]),
 #                                 shardcache.split_by_node, wds.split_by_worker,
 #                                 shardcache.tarfile_to_samples(), ...)
-# shardcache takes rank / world size from SLURM_PROCID / SLURM_NTASKS (see the README's
-# configuration table) and SHARDCACHE_DIR / SHARDCACHE_SCOPE from this script. For
+# shardcache takes rank / world size from SLURM_PROCID / SLURM_NTASKS (see the launcher
+# table in docs/reference/configuration.md) and SHARDCACHE_DIR / SHARDCACHE_SCOPE from this script. For
 # torch.distributed, init_process_group(init_method="env://", rank=int(SLURM_PROCID),
 # world_size=int(SLURM_NTASKS)) with the MASTER_ADDR / MASTER_PORT exported below.
 #

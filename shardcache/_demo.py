@@ -121,7 +121,7 @@ def _start_server(server_class: type[S3Server], port: int) -> S3Server:
 def _run_pipeline(
     spec: str, cache: ShardCache, *, fresh: bool, workers: int, decode: bool
 ) -> DemoReport:
-    """The README's pipeline (WebDataset + DataLoader) over ``spec``, through ``cache``."""
+    """The documented pipeline (WebDataset + DataLoader) over ``spec``, through ``cache``."""
     import torch.utils.data
     import webdataset as wds
 

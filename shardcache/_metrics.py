@@ -1,6 +1,6 @@
 """Loader metrics: what each process counts, its periods and records, and where they go.
 
-The record format is ``shardcache.metrics`` version 1 (README "Observability"): one JSON
+The record format is ``shardcache.metrics`` version 1 (docs/guides/observability.md): one JSON
 object per period, counts per record (deltas), never cumulative, so a reader sums records.
 
 Who counts what (each fact where it is born, thread-safe: prefetch threads count too):

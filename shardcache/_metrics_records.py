@@ -1,6 +1,6 @@
 """Reading "shardcache.metrics" records, the consumers' side (report, Prometheus, TensorBoard).
 
-The record format is the contract of issue 17 (README "Observability"): one JSON object per
+The record format is the contract of issue 17 (docs/guides/observability.md): one JSON object per
 line, ``schema`` "shardcache.metrics", integer ``version``; counts are deltas over the
 record's own period, never cumulative. Readers must be tolerant: unknown keys are ignored,
 a missing or malformed count is 0, a missing mapping is empty. A record of a newer

@@ -99,9 +99,9 @@ class RetryPolicy:
     ``retries`` is the number of *re*-tries: a request is attempted ``retries + 1`` times,
     not counting the store's refusals for its request rate (:func:`is_throttled`) during
     ``slowdown_time`` from the first of them. A job start far above the store's limit is
-    refused for a while however well its processes throttle themselves (README "At
-    scale"); a shard must not fail for that, while a store that keeps refusing for longer
-    still ends in an error.
+    refused for a while however well its processes throttle themselves
+    (docs/guides/at-scale.md); a shard must not fail for that, while a store that keeps
+    refusing for longer still ends in an error.
     """
 
     retries: int = SPECS["retries"].default  # SHARDCACHE_RETRIES

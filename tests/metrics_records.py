@@ -1,4 +1,4 @@
-"""Schema-valid "shardcache.metrics" records (version 1, see README "Observability"), made
+"""Schema-valid "shardcache.metrics" records (version 1, see docs/guides/observability.md), made
 by hand for the consumers' tests: ``record(...)`` one record, ``write_job(...)`` the files a
 multi-rank job with DataLoader workers writes (one ``.jsonl`` per process)."""
 

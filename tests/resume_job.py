@@ -2,7 +2,7 @@
 
 It reads a ResumableDataset through torchdata's StatefulDataLoader, logs every batch's
 sample keys (``keys-<run>-rank<r>.jsonl``, one flushed line per batch) and saves
-checkpoints the way the README's "Resume" section shows:
+checkpoints the way docs/guides/resume.md shows:
 
 - each rank's ``loader.state_dict()`` (``loader-rank<r>.json``): the exact resume, with
   the same world size and DataLoader workers;
