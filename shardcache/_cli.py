@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._config import Settings, parse_size
+from ._config import Settings, format_setting, parse_size
 from ._errors import ConfigError, ShardCacheError, UrlError
 from ._redact import RedactingFilter
 
@@ -422,17 +422,37 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    settings = Settings.resolve()
+    settings, errors = Settings.diagnose()
     rows = settings.describe()
     if args.json:
         out = {
-            name: {"value": _jsonable(v), "env": env, "source": src} for name, env, v, src in rows
+            name: {
+                "value": _jsonable(v),
+                "text": format_setting(name, v),
+                "env": env,
+                "source": src,
+            }
+            | (
+                {"value": None, "text": None, "error": _one_line(errors[name])}
+                if name in errors
+                else {}
+            )
+            for name, env, v, src in rows
         }
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
-        return EXIT_OK
-    width = max(len(name) for name, *_ in rows)
-    for name, env, value, source in rows:
-        sys.stdout.write(f"{name:<{width}}  {_jsonable(value)!s:<40}  {source}  [{env}]\n")
+    else:
+        width = max(len(name) for name, *_ in rows)
+        for name, env, value, source in rows:
+            shown = "INVALID (below)" if name in errors else format_setting(name, value)
+            sys.stdout.write(f"{name:<{width}}  {shown:<40}  {source}  [{env}]\n")
+            if name in errors:
+                sys.stdout.write(f"  error: {_one_line(errors[name])}\n")
+    if errors:
+        sys.stderr.write(
+            f"shardcache config: invalid: {', '.join(errors)} (the error is shown under each; "
+            "the other settings are as resolved)\n"
+        )
+        return EXIT_USAGE
     return EXIT_OK
 
 
