@@ -269,7 +269,9 @@ def _add_maintenance(commands: Any) -> None:
         "Show the cache directory's shards and bytes, the free disk, downloads in progress, "
         "every lock held right now and by whom (host, pid, rank, phase, bytes, alive?), "
         "stale locks (leases of dead processes) and orphan files (temp files of killed "
-        "downloads, metadata of shards that are gone). Changes nothing.",
+        "downloads, metadata of shards that are gone), and the other scope directories of "
+        "the root. Changes nothing. Exit code 1 when the scope directory does not exist (the "
+        "message names the ones the root holds).",
         [
             "shardcache status",
             "shardcache status --json --scope node",
@@ -651,12 +653,14 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_evict(args: argparse.Namespace) -> int:
+    from ._maintenance import require_scope_dir
     from ._units import format_bytes
 
     cache = _cache(args)
     limit = args.max_bytes if args.max_bytes is not None else cache.settings.max_bytes
     if limit is None:
         raise UsageError("give --max-bytes SIZE (e.g. 500G) or set SHARDCACHE_MAX_BYTES")
+    require_scope_dir(cache.settings)
     report = cache.evict(limit)
     if args.json:
         out = {

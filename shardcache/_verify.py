@@ -21,7 +21,7 @@ from ._cache import ShardCache
 from ._checksums import Hasher
 from ._errors import ShardCacheError
 from ._eviction import scan
-from ._maintenance import unreadable_json, unreadable_lines
+from ._maintenance import require_scope_dir, unreadable_json, unreadable_lines
 from ._metadata import read_meta
 from ._redact import get_logger
 from ._safefs import SafeFS
@@ -118,6 +118,7 @@ def verify(
         for entry in read_manifest(manifest, allow_pipes=True):
             if {"size", "md5", "sha256"} & entry.meta.keys():
                 expected[cache.path_for(entry.url)] = entry.meta
+    require_scope_dir(cache.settings)
     report = VerifyReport(scope_dir=cache.layout.scope_dir)
     entries = scan(cache.layout, with_meta=True, unreadable=report.unreadable)[0]
     if quick:
