@@ -193,6 +193,12 @@ def _check_protocol(url: str, spec: object, where: str) -> None:
         )
 
 
+def check_url(url: str) -> None:
+    """Raise the :class:`UrlError` :func:`expand_urls` raises for ``url``, if any (for URLs
+    given one at a time, as to ``ShardCache.fetch``)."""
+    _check_url(url, url)
+
+
 def _check_url(url: str, spec: object, where: str = "") -> str:
     if is_pipe_url(url) and not url[len(PIPE_PREFIX) :].strip():
         raise _fail(
