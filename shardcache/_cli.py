@@ -151,9 +151,12 @@ def _add_warm(commands: Any) -> None:
         "fetch shards into the cache ahead of training",
         "Fetch every shard of the specs into the cache, several at a time, with a progress "
         "bar (plain progress lines every 5 s when stderr is not a terminal). A shard that "
-        "fails does not stop the others. Prints a summary; exit code 0 when every shard is "
-        "cached, 1 when some failed (they are listed with their errors), 2 on usage errors. "
-        "Shards already cached are hits, so a second run is fast.\n\n"
+        "fails does not stop the others, but the run stops early after --max-failures "
+        "failed shards, or when 5 shards in a row fail with the same error that is not about "
+        "the shard itself (the cache directory, credentials, an unreachable store). Prints a "
+        "summary (--json: as JSON), failures grouped by error; exit code 0 when every shard "
+        "is cached, 1 when some failed or were not attempted, 2 on usage errors. Shards "
+        "already cached are hits, so a second run is fast.\n\n"
         "--split auto (the default) under torchrun or SLURM: with rank scope each rank warms "
         "its own share, shards[RANK::WORLD_SIZE] (what shardcache.split_by_node gives it), "
         "into its own rank-<RANK> directory; with node scope only local rank 0 of each node "
@@ -181,6 +184,14 @@ def _add_warm(commands: Any) -> None:
     warm.add_argument(
         "--threads", type=_positive_int, help="parallel downloads (default: SHARDCACHE_THREADS)"
     )
+    warm.add_argument(
+        "--max-failures",
+        type=_positive_int,
+        metavar="N",
+        help="stop after N shards failed (default: no limit; warm always stops when 5 shards "
+        "in a row fail with the same error that is not about the shard itself)",
+    )
+    warm.add_argument("--json", action="store_true", help="machine-readable summary")
     warm.add_argument(
         "--split",
         choices=("auto", "none", "dataset"),
@@ -413,7 +424,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
         plot(report.jobs[0], args.plot)  # before any output: a missing extra fails cleanly
     if args.json:
-        sys.stdout.write(json.dumps(report.as_json(args.top), indent=2) + "\n")
+        _write_json(report.as_json(args.top))
     else:
         sys.stdout.write(report.format(args.top) + "\n")
     if args.plot is not None:
@@ -441,7 +452,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
             )
             for name, env, v, src in rows
         }
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        _write_json(out)
     else:
         width = max(len(name) for name, *_ in rows)
         for name, env, value, source in rows:
@@ -500,7 +511,7 @@ _DATASET_OPTIONS = ("--index", "--seed", "--no-shuffle-shards", "--remainder")
 def _cmd_warm(args: argparse.Namespace) -> int:
     from ._urls import expand_urls
     from .distributed import rank_info
-    from .warm import plan_dataset_warm, plan_warm, warm
+    from .warm import WarmResult, plan_dataset_warm, plan_warm, warm
 
     specs = _specs(args)
     values = (args.index, args.seed, None if args.shuffle_shards else True, args.remainder)
@@ -530,7 +541,10 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     else:  # an idle task of --split dataset gets --split auto's answer without the dataset
         plan = plan_warm(urls, split="auto" if args.split == "dataset" else args.split, **where)
     if not plan.active or not plan.urls:
-        sys.stdout.write(f"warm: nothing to do ({plan.reason})\n")
+        if args.json:
+            _write_json({"plan": plan.reason, **WarmResult(settings.scope_dir, 0).as_json()})
+        else:
+            sys.stdout.write(f"warm: nothing to do ({plan.reason})\n")
         return EXIT_OK
     threads = args.threads or settings.threads
     sys.stderr.write(
@@ -538,9 +552,14 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         f"with {threads} threads\n"
     )
     sys.stderr.flush()
-    result = warm(cache, plan.urls, threads=threads, stream=sys.stderr)
-    sys.stdout.write(result.summary() + "\n")
-    return EXIT_FAILED if result.failed else EXIT_OK
+    result = warm(
+        cache, plan.urls, threads=threads, stream=sys.stderr, max_failures=args.max_failures
+    )
+    if args.json:
+        _write_json({"plan": plan.reason, **result.as_json()})
+    else:
+        sys.stdout.write(result.summary() + "\n")
+    return EXIT_FAILED if result.failed or result.not_attempted else EXIT_OK
 
 
 def _dataset(args: argparse.Namespace, specs: list[str], cache: Any) -> Any:
@@ -582,7 +601,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     result = build_index(cache, urls, threads=threads, stream=sys.stderr)
     _write_index(target, index_document(result.index, urls))
     if args.json:
-        sys.stdout.write(json.dumps(result.as_json(target), indent=2) + "\n")
+        _write_json(result.as_json(target))
     else:
         sys.stdout.write(result.summary(target) + "\n")
     return EXIT_OK
@@ -621,9 +640,13 @@ def _write_index(target: str, document: dict[str, Any]) -> None:
         ) from None
 
 
+def _write_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
 def _emit(report: Any, as_json: bool) -> None:
     if as_json:
-        sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
+        _write_json(report.as_json())
     else:
         sys.stdout.write(report.format() + "\n")
 
@@ -674,7 +697,7 @@ def _cmd_evict(args: argparse.Namespace) -> int:
             "kept_bytes": report.kept_bytes,
             "in_use": report.in_use,
         }
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        _write_json(out)
         return EXIT_OK
     lines = [
         f"evict {cache.settings.scope_dir} to {format_bytes(limit)} ({limit} bytes): removed "

@@ -83,6 +83,81 @@ def test_warm_lists_failures_and_caches_the_rest(s3, shards, tmp_path) -> None:
     assert not cache.contains(missing)
 
 
+def test_warm_groups_failures_by_error_and_lists_all_with_json(s3, shards, tmp_path) -> None:
+    missing = [f"s3://nobucket/train-{i:06d}.tar" for i in range(30)]
+    result = _run(tmp_path, "warm", *missing, next(iter(shards)), "--threads", "4")
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("warm: 1 of 31 shards ok, 30 failed (hits 0, misses 1")
+    assert lines[1:3] == [
+        "failed shards (30):",
+        "  30 shards: RemoteNotFoundError: <url> does not exist (HTTP 404 404: Not Found); "
+        "failed at once, without retries. Check the bucket and key (and the endpoint: "
+        "AWS_ENDPOINT_URL / storage_options).",
+    ]
+    assert lines[3:] == [f"    {url}" for url in missing[:5]] + [
+        "    ... and 25 more (--json lists all)"
+    ]
+
+    as_json = _run(tmp_path, "warm", *missing, "--json")
+    assert as_json.returncode == 1
+    report = json.loads(as_json.stdout)
+    assert (report["total"], report["ok"], report["not_attempted"], report["stopped"]) == (
+        30,
+        0,
+        0,
+        None,
+    )
+    assert [f["url"] for f in report["failed"]] == missing
+    assert report["plan"] == "every shard, world size 1"
+
+
+def test_warm_stops_when_the_same_cache_level_error_repeats(tmp_path) -> None:
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for i in range(200):
+        (sources / f"{i:03d}.tar").write_bytes(b"x" * 100)
+    (tmp_path / "cache").write_text("a file where the cache root should be")
+    result = _run(tmp_path, "warm", f"{sources}/{{000..199}}.tar", "--threads", "2")
+    assert result.returncode == 1
+    first, stopped, header, group, *listed = result.stdout.splitlines()
+    failed = int(first.split(" failed")[0].rsplit(" ", 1)[1])
+    assert header == f"failed shards ({failed}):"
+    assert 5 <= failed <= 5 + 2, first  # the streak, and what was in flight
+    assert first.startswith(
+        f"warm: 0 of 200 shards ok, {failed} failed, {200 - failed} not attempted"
+    )
+    assert stopped == (
+        "stopped early: 5 shards in a row failed with CacheDirError, an error that is not "
+        "about one shard (the other shards would fail alike): fix it and run warm again, "
+        "which fetches only what is missing"
+    )
+    assert group.startswith(f"  {failed} shards: CacheDirError: ")
+    assert listed[:5] == [f"    {sources}/{i:03d}.tar" for i in range(5)]
+    assert len(listed) == 5 + (failed > 5)  # "... and N more"
+
+
+def test_warm_stops_after_max_failures(s3, shards, tmp_path) -> None:
+    missing = [f"s3://{BUCKET}/gone-{i:03d}.tar" for i in range(40)]
+    result = _run(tmp_path, "warm", *missing, "--max-failures", "3", "--threads", "1", "--json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert len(report["failed"]) == 3 and report["not_attempted"] == 37
+    assert report["stopped"] == "3 shards failed (max_failures 3)"
+    # Shard errors alone (not found) never stop a run early.
+    result = _run(tmp_path, "warm", *missing, "--threads", "1", "--json")
+    assert len(json.loads(result.stdout)["failed"]) == 40
+
+
+def test_warm_json_of_a_task_with_nothing_to_do(tmp_path) -> None:
+    env = {"SHARDCACHE_SCOPE": "node", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    result = _run(tmp_path, "warm", "s3://b/x-{0..3}.tar", "--json", **env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["plan"].startswith("local rank 1; local rank 0 warms")
+    assert (report["total"], report["failed"], report["stopped"]) == (0, [], None)
+
+
 def test_warm_rank_scope_under_torchrun_warms_this_ranks_share(s3, shards, tmp_path) -> None:
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
     result = _run(tmp_path, "warm", SPEC, **env)
