@@ -124,7 +124,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "WebDataset, read it with a WebDataset pipeline and a DataLoader through the cache "
         "(shardcache.tarfile_to_samples) and print a report. A second run shows all hits. "
         "With --source, run on real data instead (AWS_* env applies; samples are counted, "
-        "not decoded).",
+        "not decoded). Progress on stderr (a bar on a terminal, else a line every 5 s), the "
+        "report on stdout.",
         epilog="examples:\n  shardcache demo\n"
         "  shardcache demo --source 's3://bucket/train-{000000..000015}.tar'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -135,6 +136,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, help="parallel downloads (SHARDCACHE_THREADS)")
     demo.add_argument("--fresh", action="store_true", help="empty the demo's cache first")
     demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    demo.add_argument("--json", action="store_true", help="machine-readable report")
     demo.set_defaults(func=_cmd_demo)
 
     _add_warm(commands)
@@ -349,7 +351,8 @@ def _add_maintenance(commands: Any) -> None:
         "are removed (the next fetch downloads them again) and listed. Shards without a "
         "metadata record are reported as of unknown origin and left alone. Exit code 1 when "
         "a shard was bad or could not be checked, else 0. With --quick, only each shard's "
-        "size against the one recorded when it was cached (nothing read, no source asked).",
+        "size against the one recorded when it was cached (nothing read, no source asked). "
+        "Progress on stderr as 'warm' shows it, the report on stdout.",
         [
             "shardcache verify",
             "shardcache verify --manifest shards.json --threads 8",
@@ -479,8 +482,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         threads=args.threads,
         fresh=args.fresh,
         workers=args.workers,
+        stream=sys.stderr,
     )
-    sys.stdout.write(format_report(report) + "\n")
+    if args.json:
+        _write_json(report.as_json())
+    else:
+        sys.stdout.write(format_report(report) + "\n")
     return EXIT_OK if not report.failed else EXIT_FAILED
 
 
@@ -715,7 +722,9 @@ def _cmd_evict(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ._verify import verify
 
-    report = verify(_cache(args), args.manifest, threads=args.threads, quick=args.quick)
+    report = verify(
+        _cache(args), args.manifest, threads=args.threads, quick=args.quick, stream=sys.stderr
+    )
     _emit(report, args.json)
     return EXIT_FAILED if report.failed else EXIT_OK
 

@@ -16,6 +16,7 @@ import pytest
 
 from shardcache import ShardCache
 from shardcache._cli import main
+from shardcache._units import format_bytes
 from shardcache.warm import WarmPlan, plan_warm
 
 BUCKET = "warm"
@@ -323,7 +324,9 @@ def test_evict_cli_reduces_the_cache_to_the_size(s3, shards, tmp_path) -> None:
     assert cache.entries() == []
 
 
-def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
+def _on_terminal(tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    """``python -m shardcache ARGS`` with stderr on a terminal (120 columns): its exit code,
+    stdout and what it drew on the terminal."""
     import fcntl
     import pty
     import struct
@@ -333,7 +336,7 @@ def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     env = {**os.environ, "SHARDCACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardcache", "warm", SPEC],
+        [sys.executable, "-m", "shardcache", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=follower,
@@ -350,10 +353,46 @@ def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
         err += chunk
     os.close(leader)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
-    bar = err.decode()
+    return proc.returncode, out.decode(), err.decode()
+
+
+def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
+    code, out, bar = _on_terminal(tmp_path, "warm", SPEC)
+    assert code == 0
     assert "warm: 100%|" in bar and "8/8 [" in bar and "MB/s" in bar
-    assert b"8 of 8 shards ok" in out
+    assert "8 of 8 shards ok" in out
+
+
+def test_verify_shows_progress_on_a_terminal_and_lines_elsewhere(s3, shards, tmp_path) -> None:
+    assert _run(tmp_path, "warm", SPEC).returncode == 0
+    code, out, bar = _on_terminal(tmp_path, "verify")
+    assert code == 0, bar
+    assert "verify: 100%|" in bar and "8/8 [" in bar
+    assert out.startswith("verify ") and "8 shards, 8 ok" in out
+    plain = _run(tmp_path, "verify", "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert "\r" not in plain.stderr
+    (last,) = [line for line in plain.stderr.splitlines() if line.startswith("verify: 8/8")]
+    size = format_bytes(sum(len(data) for data in shards.values()))
+    assert last.startswith(f"verify: 8/8 shards (0 failed), {size} checked, ")
+    assert last.endswith(", done")
+    assert json.loads(plain.stdout)["counts"]["ok"] == 8
+
+
+@pytest.mark.timeout(180)
+def test_demo_shows_progress_and_reports_json(tmp_path) -> None:
+    args = ("demo", "--shards", "2", "--workers", "0", "--cache-dir", str(tmp_path / "demo"))
+    code, out, bar = _on_terminal(tmp_path, *args)
+    assert code == 0, bar
+    assert "demo: starting an embedded S3 server and writing 2 shards" in bar
+    assert "demo: 100%|" in bar and "64/64 [" in bar
+    assert "hits       0" in out
+    plain = _run(tmp_path, *args, "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert "\r" not in plain.stderr
+    assert plain.stderr.splitlines()[-1].startswith("demo: 64/64 samples, elapsed ")
+    report = json.loads(plain.stdout)
+    assert (report["shards"], report["hits"], report["samples"], report["failed"]) == (2, 2, 64, [])
 
 
 @pytest.mark.timeout(90)
