@@ -427,3 +427,45 @@ def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> Non
     assert proc.returncode == 130, err
     assert err.rstrip().endswith("shardcache: interrupted")
     assert [p for p in data_dir.rglob("*") if not p.is_dir()] == []  # no .part, no shard
+
+
+# ------------------------------------------------------------------ the sbatch template
+
+
+def test_sbatch_template_gives_the_warm_threads_to_the_warm_step_alone(tmp_path) -> None:
+    """scripts/sbatch-example.sh run by bash with stand-ins for srun and scontrol that record
+    each step's arguments and environment (tests/test_slurm.py submits it to a real cluster)."""
+    bin_dir, steps = tmp_path / "bin", tmp_path / "steps"
+    bin_dir.mkdir()
+    steps.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        'n=$(find "$STEPS" -name "*.args" | wc -l)\n'
+        'printf "%s\\n" "$@" > "$STEPS/$n.args"\n'
+        'env > "$STEPS/$n.env"\n'
+    )
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "STEPS": str(steps),
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NTASKS": "8",
+        "SHARDS": "s3://b/train-{0..9}.tar",
+        "SLURM_TMPDIR": str(tmp_path),
+    }
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sbatch-example.sh"
+    subprocess.run(["bash", str(script)], env=env, check=True, timeout=60, capture_output=True)
+    warm_args, train_args = ((steps / f"{n}.args").read_text().split("\n") for n in (0, 1))
+    assert warm_args[:4] == ["--kill-on-bad-exit=1", "shardcache", "warm", env["SHARDS"]]
+    assert warm_args[4:8] == ["--split", "auto", "--threads", "16"]
+    assert train_args[1:3] == ["python", "train.py"]
+    for n in (0, 1):
+        step_env = (steps / f"{n}.env").read_text().splitlines()
+        assert "SHARDCACHE_SCOPE=node" in step_env
+        assert not [v for v in step_env if v.startswith("SHARDCACHE_THREADS=")]
+    subprocess.run(["bash", str(script)], env={**env, "WARM_THREADS": "32"}, check=True, timeout=60)
+    assert (steps / "2.args").read_text().split("\n")[6:8] == ["--threads", "32"]
