@@ -226,15 +226,19 @@ def test_settings_pickle(tmp_path: Path) -> None:
     assert pickle.loads(pickle.dumps(s)) == s
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _python(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "shardcache", *args],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=60,
         check=False,
     )
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return _python("-m", "shardcache", *args, env=env)
 
 
 def test_config_command_json_shows_value_and_source(tmp_path: Path) -> None:
@@ -347,14 +351,7 @@ def test_library_warns_of_an_unknown_variable_once_per_process(tmp_path: Path) -
         "print(shardcache.Settings.resolve().threads)\n"
     )
     env = {"PATH": "/usr/bin:/bin", "SHARDCACHE_DIR": str(tmp_path), "SHARDCACHE_THRADS": "8"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    out = _python("-c", code, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "4\n"
     assert out.stderr == (
