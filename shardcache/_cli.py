@@ -441,20 +441,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
     settings, errors = Settings.diagnose()
     rows = settings.describe()
     if args.json:
-        out = {
-            name: {
-                "value": _jsonable(v),
-                "text": format_setting(name, v),
-                "env": env,
-                "source": src,
-            }
-            | (
-                {"value": None, "text": None, "error": _one_line(errors[name])}
-                if name in errors
-                else {}
-            )
-            for name, env, v, src in rows
-        }
+        out = {}
+        for name, env, value, source in rows:
+            text = format_setting(name, value)
+            out[name] = {"value": _jsonable(value), "text": text, "env": env, "source": source}
+            if name in errors:
+                out[name] |= {"value": None, "text": None, "error": _one_line(errors[name])}
         _write_json(out)
     else:
         width = max(len(name) for name, *_ in rows)

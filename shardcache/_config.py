@@ -565,10 +565,11 @@ class Settings:
             values["storage_options"] = {}
         job_id = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or None
         sources["job_id"] = "env SLURM_JOB_ID / TORCHELASTIC_RUN_ID" if job_id else "default"
-        try:
-            _check_ranks(values, sources)
-        except ConfigError as exc:
-            errors.setdefault(exc.name, exc)
+        if not errors.keys() & {"rank", "node_rank", "world_size"}:
+            try:
+                _check_ranks(values, sources)
+            except ConfigError as exc:
+                errors[exc.name] = exc
         return cls(**values, job_id=job_id, sources=sources), errors
 
     @property

@@ -386,3 +386,13 @@ def test_readme_documents_every_variable() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [spec.env for spec in SPECS.values() if f"`{spec.env}`" not in readme]
     assert not missing, f"README's configuration table lacks {missing}"
+
+
+def test_diagnose_reports_each_bad_value_once() -> None:
+    settings, errors = Settings.diagnose(env={"RANK": "1", "WORLD_SIZE": "two"})
+    assert list(errors) == ["world_size"]  # not also "rank 1 is not below world_size 1"
+    assert (settings.rank, settings.world_size) == (1, 1)
+    _, errors = Settings.diagnose(env={"RANK": "3", "WORLD_SIZE": "2"})
+    assert list(errors) == ["rank"]
+    with pytest.raises(ConfigError, match="not below world_size"):
+        Settings.resolve(env={"RANK": "3", "WORLD_SIZE": "2"})
