@@ -27,7 +27,10 @@
 #   TRAIN_CMD         training command run by every task (default "python train.py"); it
 #                     is split on whitespace, so use a script for anything with quoting.
 #   AWS_*             S3 endpoint / credentials, as for any boto3 / s3fs program.
-#   SHARDCACHE_THREADS  parallel downloads of the warming task on each node (default 16).
+#   WARM_THREADS      parallel downloads of the warming task on each node (default 16),
+#                     given to the warm step alone (--threads): exported as
+#                     SHARDCACHE_THREADS it would also give every DataLoader worker of every
+#                     training rank that many prefetch threads.
 #
 # train.py reads the data through the cache, e.g.
 #     pipeline = wds.DataPipeline(wds.SimpleShardList(os.environ["SHARDS"]),
@@ -64,8 +67,7 @@ set -euo pipefail
 SHARDCACHE_DIR="${SHARDCACHE_DIR:-${SLURM_TMPDIR:-/tmp}/shardcache-${USER:-$(id -un)}}"
 # One cache per node, shared by its ranks: each shard is downloaded once per node.
 SHARDCACHE_SCOPE=node
-SHARDCACHE_THREADS="${SHARDCACHE_THREADS:-16}"
-export SHARDCACHE_DIR SHARDCACHE_SCOPE SHARDCACHE_THREADS
+export SHARDCACHE_DIR SHARDCACHE_SCOPE
 
 # Rendezvous for torch.distributed (env://): the first node of the allocation.
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
@@ -77,7 +79,7 @@ echo "job $SLURM_JOB_ID: ${SLURM_JOB_NUM_NODES} node(s), ${SLURM_NTASKS} tasks; 
 # Step 1: warm each node's cache (local rank 0 per node downloads; see the header).
 # A shard that cannot be fetched fails the step (exit 1, the failures listed) and so the
 # job: append `|| true` to train anyway and let training fetch (or skip) what is missing.
-srun --kill-on-bad-exit=1 shardcache warm "$SHARDS" --split auto
+srun --kill-on-bad-exit=1 shardcache warm "$SHARDS" --split auto --threads "${WARM_THREADS:-16}"
 
 # Step 2: train. Every task reads its shards through the node's cache.
 # shellcheck disable=SC2086  # TRAIN_CMD is a command line, split on purpose

@@ -38,6 +38,7 @@ from ._errors import (
     UrlError,
     WaitTimeout,
 )
+from ._eviction import CacheEntry, EvictReport
 from ._loader_report import log_epoch_summary
 from ._metrics import add_metrics_sink
 from ._prefetch import PrefetchedShard, Prefetcher
@@ -80,10 +81,12 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "CacheDirError",
+    "CacheEntry",
     "CacheError",
     "CacheFullError",
     "CacheStats",
     "ConfigError",
+    "EvictReport",
     "FetchError",
     "IntegrityError",
     "LockFileError",

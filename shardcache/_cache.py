@@ -52,7 +52,7 @@ from ._retry import RetryPolicy
 from ._safefs import SafeFS
 from ._throttle import process_throttle
 from ._trust import Trust, describe_owner
-from ._urls import LOCAL_PROTOCOLS, url_protocol
+from ._urls import LOCAL_PROTOCOLS, check_url, url_protocol
 
 logger = get_logger(__name__)
 _T = TypeVar("_T")
@@ -188,6 +188,7 @@ class ShardCache:
         shard = self._identities.get(url)
         if shard is not None:
             return shard
+        check_url(url)
         protocol = url_protocol(url)
         store = self._namespaces.get(protocol)
         if store is None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._config import Settings, parse_size
+from ._config import Settings, format_setting, parse_size
 from ._errors import ConfigError, ShardCacheError, UrlError
 from ._redact import RedactingFilter
 
@@ -124,7 +124,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "WebDataset, read it with a WebDataset pipeline and a DataLoader through the cache "
         "(shardcache.tarfile_to_samples) and print a report. A second run shows all hits. "
         "With --source, run on real data instead (AWS_* env applies; samples are counted, "
-        "not decoded).",
+        "not decoded). Progress on stderr (a bar on a terminal, else a line every 5 s), the "
+        "report on stdout.",
         epilog="examples:\n  shardcache demo\n"
         "  shardcache demo --source 's3://bucket/train-{000000..000015}.tar'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -135,6 +136,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, help="parallel downloads (SHARDCACHE_THREADS)")
     demo.add_argument("--fresh", action="store_true", help="empty the demo's cache first")
     demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    demo.add_argument("--json", action="store_true", help="machine-readable report")
     demo.set_defaults(func=_cmd_demo)
 
     _add_warm(commands)
@@ -151,9 +153,12 @@ def _add_warm(commands: Any) -> None:
         "fetch shards into the cache ahead of training",
         "Fetch every shard of the specs into the cache, several at a time, with a progress "
         "bar (plain progress lines every 5 s when stderr is not a terminal). A shard that "
-        "fails does not stop the others. Prints a summary; exit code 0 when every shard is "
-        "cached, 1 when some failed (they are listed with their errors), 2 on usage errors. "
-        "Shards already cached are hits, so a second run is fast.\n\n"
+        "fails does not stop the others, but the run stops early after --max-failures "
+        "failed shards, or when 5 shards in a row fail with the same error that is not about "
+        "the shard itself (the cache directory, credentials, an unreachable store). Prints a "
+        "summary (--json: as JSON), failures grouped by error; exit code 0 when every shard "
+        "is cached, 1 when some failed or were not attempted, 2 on usage errors. Shards "
+        "already cached are hits, so a second run is fast.\n\n"
         "--split auto (the default) under torchrun or SLURM: with rank scope each rank warms "
         "its own share, shards[RANK::WORLD_SIZE] (what shardcache.split_by_node gives it), "
         "into its own rank-<RANK> directory; with node scope only local rank 0 of each node "
@@ -181,6 +186,14 @@ def _add_warm(commands: Any) -> None:
     warm.add_argument(
         "--threads", type=_positive_int, help="parallel downloads (default: SHARDCACHE_THREADS)"
     )
+    warm.add_argument(
+        "--max-failures",
+        type=_positive_int,
+        metavar="N",
+        help="stop after N shards failed (default: no limit; warm always stops when 5 shards "
+        "in a row fail with the same error that is not about the shard itself)",
+    )
+    warm.add_argument("--json", action="store_true", help="machine-readable summary")
     warm.add_argument(
         "--split",
         choices=("auto", "none", "dataset"),
@@ -269,7 +282,9 @@ def _add_maintenance(commands: Any) -> None:
         "Show the cache directory's shards and bytes, the free disk, downloads in progress, "
         "every lock held right now and by whom (host, pid, rank, phase, bytes, alive?), "
         "stale locks (leases of dead processes) and orphan files (temp files of killed "
-        "downloads, metadata of shards that are gone). Changes nothing.",
+        "downloads, metadata of shards that are gone), and the other scope directories of "
+        "the root. Changes nothing. Exit code 1 when the scope directory does not exist (the "
+        "message names the ones the root holds).",
         [
             "shardcache status",
             "shardcache status --json --scope node",
@@ -336,7 +351,8 @@ def _add_maintenance(commands: Any) -> None:
         "are removed (the next fetch downloads them again) and listed. Shards without a "
         "metadata record are reported as of unknown origin and left alone. Exit code 1 when "
         "a shard was bad or could not be checked, else 0. With --quick, only each shard's "
-        "size against the one recorded when it was cached (nothing read, no source asked).",
+        "size against the one recorded when it was cached (nothing read, no source asked). "
+        "Progress on stderr as 'warm' shows it, the report on stdout.",
         [
             "shardcache verify",
             "shardcache verify --manifest shards.json --threads 8",
@@ -411,7 +427,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
         plot(report.jobs[0], args.plot)  # before any output: a missing extra fails cleanly
     if args.json:
-        sys.stdout.write(json.dumps(report.as_json(args.top), indent=2) + "\n")
+        _write_json(report.as_json(args.top))
     else:
         sys.stdout.write(report.format(args.top) + "\n")
     if args.plot is not None:
@@ -422,17 +438,29 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    settings = Settings.resolve()
+    settings, errors = Settings.diagnose()
     rows = settings.describe()
     if args.json:
-        out = {
-            name: {"value": _jsonable(v), "env": env, "source": src} for name, env, v, src in rows
-        }
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
-        return EXIT_OK
-    width = max(len(name) for name, *_ in rows)
-    for name, env, value, source in rows:
-        sys.stdout.write(f"{name:<{width}}  {_jsonable(value)!s:<40}  {source}  [{env}]\n")
+        out = {}
+        for name, env, value, source in rows:
+            text = format_setting(name, value)
+            out[name] = {"value": _jsonable(value), "text": text, "env": env, "source": source}
+            if name in errors:
+                out[name] |= {"value": None, "text": None, "error": _one_line(errors[name])}
+        _write_json(out)
+    else:
+        width = max(len(name) for name, *_ in rows)
+        for name, env, value, source in rows:
+            shown = "INVALID (below)" if name in errors else format_setting(name, value)
+            sys.stdout.write(f"{name:<{width}}  {shown:<40}  {source}  [{env}]\n")
+            if name in errors:
+                sys.stdout.write(f"  error: {_one_line(errors[name])}\n")
+    if errors:
+        sys.stderr.write(
+            f"shardcache config: invalid: {', '.join(errors)} (the error is shown under each; "
+            "the other settings are as resolved)\n"
+        )
+        return EXIT_USAGE
     return EXIT_OK
 
 
@@ -446,8 +474,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         threads=args.threads,
         fresh=args.fresh,
         workers=args.workers,
+        stream=sys.stderr,
     )
-    sys.stdout.write(format_report(report) + "\n")
+    if args.json:
+        _write_json(report.as_json())
+    else:
+        sys.stdout.write(format_report(report) + "\n")
     return EXIT_OK if not report.failed else EXIT_FAILED
 
 
@@ -478,7 +510,7 @@ _DATASET_OPTIONS = ("--index", "--seed", "--no-shuffle-shards", "--remainder")
 def _cmd_warm(args: argparse.Namespace) -> int:
     from ._urls import expand_urls
     from .distributed import rank_info
-    from .warm import plan_dataset_warm, plan_warm, warm
+    from .warm import WarmResult, plan_dataset_warm, plan_warm, warm
 
     specs = _specs(args)
     values = (args.index, args.seed, None if args.shuffle_shards else True, args.remainder)
@@ -508,7 +540,10 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     else:  # an idle task of --split dataset gets --split auto's answer without the dataset
         plan = plan_warm(urls, split="auto" if args.split == "dataset" else args.split, **where)
     if not plan.active or not plan.urls:
-        sys.stdout.write(f"warm: nothing to do ({plan.reason})\n")
+        if args.json:
+            _write_json({"plan": plan.reason, **WarmResult(settings.scope_dir, 0).as_json()})
+        else:
+            sys.stdout.write(f"warm: nothing to do ({plan.reason})\n")
         return EXIT_OK
     threads = args.threads or settings.threads
     sys.stderr.write(
@@ -516,9 +551,14 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         f"with {threads} threads\n"
     )
     sys.stderr.flush()
-    result = warm(cache, plan.urls, threads=threads, stream=sys.stderr)
-    sys.stdout.write(result.summary() + "\n")
-    return EXIT_FAILED if result.failed else EXIT_OK
+    result = warm(
+        cache, plan.urls, threads=threads, stream=sys.stderr, max_failures=args.max_failures
+    )
+    if args.json:
+        _write_json({"plan": plan.reason, **result.as_json()})
+    else:
+        sys.stdout.write(result.summary() + "\n")
+    return EXIT_FAILED if result.failed or result.not_attempted else EXIT_OK
 
 
 def _dataset(args: argparse.Namespace, specs: list[str], cache: Any) -> Any:
@@ -560,7 +600,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     result = build_index(cache, urls, threads=threads, stream=sys.stderr)
     _write_index(target, index_document(result.index, urls))
     if args.json:
-        sys.stdout.write(json.dumps(result.as_json(target), indent=2) + "\n")
+        _write_json(result.as_json(target))
     else:
         sys.stdout.write(result.summary(target) + "\n")
     return EXIT_OK
@@ -599,9 +639,13 @@ def _write_index(target: str, document: dict[str, Any]) -> None:
         ) from None
 
 
+def _write_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
 def _emit(report: Any, as_json: bool) -> None:
     if as_json:
-        sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
+        _write_json(report.as_json())
     else:
         sys.stdout.write(report.format() + "\n")
 
@@ -631,12 +675,14 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_evict(args: argparse.Namespace) -> int:
+    from ._maintenance import require_scope_dir
     from ._units import format_bytes
 
     cache = _cache(args)
     limit = args.max_bytes if args.max_bytes is not None else cache.settings.max_bytes
     if limit is None:
         raise UsageError("give --max-bytes SIZE (e.g. 500G) or set SHARDCACHE_MAX_BYTES")
+    require_scope_dir(cache.settings)
     report = cache.evict(limit)
     if args.json:
         out = {
@@ -650,7 +696,7 @@ def _cmd_evict(args: argparse.Namespace) -> int:
             "kept_bytes": report.kept_bytes,
             "in_use": report.in_use,
         }
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        _write_json(out)
         return EXIT_OK
     lines = [
         f"evict {cache.settings.scope_dir} to {format_bytes(limit)} ({limit} bytes): removed "
@@ -668,7 +714,9 @@ def _cmd_evict(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ._verify import verify
 
-    report = verify(_cache(args), args.manifest, threads=args.threads, quick=args.quick)
+    report = verify(
+        _cache(args), args.manifest, threads=args.threads, quick=args.quick, stream=sys.stderr
+    )
     _emit(report, args.json)
     return EXIT_FAILED if report.failed else EXIT_OK
 

@@ -8,22 +8,25 @@ naming the variable, the value and the accepted form.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import getpass
 import json
 import math
 import os
 import re
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ._errors import ConfigError
-from ._redact import redact_options, redact_text
+from ._redact import get_logger, redact_options, redact_text
 from ._trust import group_id
 
 T = TypeVar("T")
+logger = get_logger(__name__)
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -237,6 +240,7 @@ class _Spec:
     help: str
     low: float | None = None
     high: float | None = None
+    unset: str = "unset"  # what a value of None means, as ``shardcache config`` shows it
 
 
 SPECS: dict[str, _Spec] = {
@@ -248,7 +252,11 @@ SPECS: dict[str, _Spec] = {
         "rank: <dir>/rank-<RANK> per process; node: one <dir>/node per node",
     ),
     "max_bytes": _Spec(
-        "SHARDCACHE_MAX_BYTES", _optional_size, None, "size bound of the cache (0/none: unlimited)"
+        "SHARDCACHE_MAX_BYTES",
+        _optional_size,
+        None,
+        "size bound of the cache (0/none: unlimited)",
+        unset="unlimited",
     ),
     "lock_mode": _Spec(
         "SHARDCACHE_LOCK_MODE",
@@ -261,6 +269,7 @@ SPECS: dict[str, _Spec] = {
         _node_lock_dir,
         None,
         "lease locks: node-local directory of the lock taken before the lease (off: none)",
+        unset="<temp dir>/shardcache-<uid>/node-locks",
     ),
     "lock_timeout": _Spec(
         "SHARDCACHE_LOCK_TIMEOUT",
@@ -355,6 +364,7 @@ SPECS: dict[str, _Spec] = {
         None,
         "requests/s this process sends to S3 at most (HEADs, GETs, ranged parts, retries); "
         "0/none: no cap. Either way a SlowDown answer slows the whole process down",
+        unset="no cap",
     ),
     "job_request_rate": _Spec(
         "SHARDCACHE_JOB_REQUEST_RATE",
@@ -363,6 +373,7 @@ SPECS: dict[str, _Spec] = {
         "requests/s the whole job sends to S3 at most, shared evenly: each process takes "
         "this / (world size x its rank's DataLoader workers), e.g. 5500 for one S3 prefix; "
         "0/none: no cap",
+        unset="no cap",
     ),
     "preallocate": _Spec(
         "SHARDCACHE_PREALLOCATE",
@@ -422,6 +433,7 @@ SPECS: dict[str, _Spec] = {
         "one cache shared on purpose by the members of this group (name or gid): "
         "directories 2770 and group-owned, files group-readable; unset: private to the user "
         "(directories 0700, files 0600; anything another user could write is refused)",
+        unset="unset (private)",
     ),
     "manifest_pipes": _Spec(
         "SHARDCACHE_MANIFEST_PIPES",
@@ -436,6 +448,7 @@ SPECS: dict[str, _Spec] = {
         None,
         "append metrics records (JSON lines) to a file per process in this directory "
         "(or a file name pattern with {pid}); off (the default): no files",
+        unset="off",
     ),
     "metrics_interval": _Spec(
         "SHARDCACHE_METRICS_INTERVAL",
@@ -511,7 +524,22 @@ class Settings:
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Resolve every setting; ``overrides`` (explicit arguments, ``None`` = unset) win."""
+        """Resolve every setting; ``overrides`` (explicit arguments, ``None`` = unset) win.
+
+        Raises the :class:`ConfigError` of the first bad value. ``SHARDCACHE_*`` variables
+        that no setting reads are logged as warnings, with the closest setting's variable
+        (once per variable and process)."""
+        settings, errors = cls.diagnose(env, **overrides)
+        if errors:
+            raise next(iter(errors.values()))
+        return settings
+
+    @classmethod
+    def diagnose(
+        cls, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> tuple[Settings, dict[str, ConfigError]]:
+        """:meth:`resolve`, but a bad value does not hide the others: its setting keeps its
+        default and its error is returned, by setting name (``shardcache config``)."""
         env = os.environ if env is None else env
         unknown = set(overrides) - set(SPECS)
         if unknown:
@@ -520,20 +548,29 @@ class Settings:
                 name=", ".join(sorted(unknown)),
                 value=None,
             )
+        warn_unknown_env(env)
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
+        errors: dict[str, ConfigError] = {}
         for name, spec in SPECS.items():
-            value, source = _resolve_one(name, spec, env, overrides.get(name))
-            values[name] = value
-            sources[name] = source
+            given = _given(name, spec, env, overrides.get(name))
+            sources[name] = "default" if given is None else given[2]
+            try:
+                values[name] = _parse_given(spec, given)
+            except ConfigError as exc:
+                values[name], errors[name] = spec.default, exc
         if values["cache_dir"] is None:
             values["cache_dir"] = default_cache_root(env)
         if values["storage_options"] is None:
             values["storage_options"] = {}
         job_id = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or None
         sources["job_id"] = "env SLURM_JOB_ID / TORCHELASTIC_RUN_ID" if job_id else "default"
-        _check_ranks(values, sources)
-        return cls(**values, job_id=job_id, sources=sources)
+        if not errors.keys() & {"rank", "node_rank", "world_size"}:
+            try:
+                _check_ranks(values, sources)
+            except ConfigError as exc:
+                errors[exc.name] = exc
+        return cls(**values, job_id=job_id, sources=sources), errors
 
     @property
     def scope_dir(self) -> Path:
@@ -547,7 +584,7 @@ class Settings:
         merged = {n: getattr(self, n) for n in SPECS} | changes
         sources = dict(self.sources) | {n: "argument" for n in changes}
         for name, value in changes.items():
-            merged[name], _ = _resolve_one(name, SPECS[name], {}, value)
+            merged[name] = _resolve_one(name, SPECS[name], {}, value)
         return dataclasses.replace(self, **merged, sources=sources)
 
     def __repr__(self) -> str:
@@ -566,10 +603,26 @@ class Settings:
         return rows
 
 
+def format_setting(name: str, value: Any) -> str:
+    """``value`` of setting ``name`` written as the documentation writes it (``1h``, ``8M``,
+    ``unlimited``): a form its variable accepts, where the setting has one."""
+    spec = SPECS.get(name)
+    if value is None:
+        return spec.unset if spec is not None else "none"
+    if spec is not None and spec.parse is parse_duration:
+        return _format_duration(value) if value else "0"
+    if spec is not None and spec.parse in (parse_size, _optional_size):
+        return _format_size(value)
+    if spec is not None and spec.parse is _optional_rate:
+        return f"{value:g}/s"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
 def env_setting(name: str, env: Mapping[str, str] | None = None) -> Any:
     """One setting from the environment alone (for code that runs without a cache)."""
-    value, _ = _resolve_one(name, SPECS[name], os.environ if env is None else env, None)
-    return value
+    return _resolve_one(name, SPECS[name], os.environ if env is None else env, None)
 
 
 def _shown(name: str, value: Any) -> Any:
@@ -579,24 +632,78 @@ def _shown(name: str, value: Any) -> Any:
     return redact_text(value) if isinstance(value, str) else value
 
 
-def _resolve_one(name: str, spec: _Spec, env: Mapping[str, str], explicit: Any) -> tuple[Any, str]:
+def _resolve_one(name: str, spec: _Spec, env: Mapping[str, str], explicit: Any) -> Any:
+    return _parse_given(spec, _given(name, spec, env, explicit))
+
+
+def _given(
+    name: str, spec: _Spec, env: Mapping[str, str], explicit: Any
+) -> tuple[str, Any, str] | None:
+    """(label, raw value, source) of setting ``name``, or None when nothing sets it."""
     if explicit is not None:
-        label, raw, source = f"argument {name}", explicit, "argument"
-    elif spec.env in env:
-        label, raw, source = spec.env, env[spec.env], f"env {spec.env}"
-    else:
-        for var, launcher in LAUNCHER_ENV.get(name, ()):
-            if var in env:
-                label, raw, source = f"{var} ({launcher})", env[var], f"env {var} ({launcher})"
-                break
-        else:
-            return spec.default, "default"
+        return f"argument {name}", explicit, "argument"
+    if spec.env in env:
+        return spec.env, env[spec.env], f"env {spec.env}"
+    for var, launcher in LAUNCHER_ENV.get(name, ()):
+        if var in env:
+            return f"{var} ({launcher})", env[var], f"env {var} ({launcher})"
+    return None
+
+
+def _parse_given(spec: _Spec, given: tuple[str, Any, str] | None) -> Any:
+    if given is None:
+        return spec.default
+    label, raw, _source = given
     # A rate given in code is checked by the same parser (it has no bounds of its own: None
     # means no cap).
     parse_it = isinstance(raw, str) or (spec.parse is _optional_rate and not isinstance(raw, bool))
     value = spec.parse(str(raw), label) if parse_it else raw
     _check_bounds(label, raw, spec, value)
-    return value, source
+    return value
+
+
+DEVELOPER_ENV = frozenset(
+    {
+        "SHARDCACHE_BENCH_VENV",
+        "SHARDCACHE_HYPOTHESIS",
+        "SHARDCACHE_REQUIRE_ACCOUNTS",
+        "SHARDCACHE_REQUIRE_SLURM",
+        "SHARDCACHE_TEST_CLOCK_SKEW",
+        "SHARDCACHE_TORTURE",
+        "SHARDCACHE_TORTURE_RESULTS",
+    }
+)
+"""``SHARDCACHE_*`` variables of the test suite and scripts (see Development), not settings."""
+
+_PREFIX = "SHARDCACHE_"
+_warned_env: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """Every ``SHARDCACHE_*`` variable of ``env`` that no setting reads, with the closest
+    setting's variable (difflib), or None when none is close."""
+    env = os.environ if env is None else env
+    known = {spec.env.removeprefix(_PREFIX): spec.env for spec in SPECS.values()}
+    unknown: dict[str, str | None] = {}
+    for var in sorted(env):
+        if var.startswith(_PREFIX) and var not in DEVELOPER_ENV:
+            tail = var.removeprefix(_PREFIX)
+            if tail not in known:
+                close = difflib.get_close_matches(tail, known, n=1)
+                unknown[var] = known[close[0]] if close else None
+    return unknown
+
+
+def warn_unknown_env(env: Mapping[str, str] | None = None) -> None:
+    """Log a warning for each :func:`unknown_env` variable, once per variable and process."""
+    for var, close in unknown_env(env).items():
+        with _warned_lock:
+            if var in _warned_env:
+                continue
+            _warned_env.add(var)
+        hint = f"did you mean {close}?" if close else "'shardcache config' lists the settings"
+        logger.warning("%s is not a shardcache setting and is ignored: %s", var, hint)
 
 
 def _show_bound(spec: _Spec, bound: float) -> str:

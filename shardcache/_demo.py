@@ -14,12 +14,14 @@ import shutil
 import tarfile
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 import numpy as np
 
 from ._cache import ShardCache
+from ._fetch_progress import LOG_EVERY, FetchProgress
 from ._redact import get_logger
 from ._urls import expand_urls
 from .testing.s3server import S3Server
@@ -55,6 +57,11 @@ class DemoReport:
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
+    def as_json(self) -> dict[str, Any]:
+        """The report as JSON (``shardcache demo --json``)."""
+        out = asdict(self) | {"cache_dir": str(self.cache_dir), "seconds": round(self.seconds, 3)}
+        return out | {"failed": [{"source": src, "error": err} for src, err in self.failed]}
+
 
 def make_shard(index: int, samples: int = SAMPLES_PER_SHARD) -> bytes:
     """A WebDataset tar of ``samples`` image-like samples (``.npy`` 64x64x3 uint8 + ``.cls``)."""
@@ -81,11 +88,16 @@ def run_demo(
     threads: int | None = None,
     fresh: bool = False,
     workers: int = 2,
+    stream: TextIO | None = None,
 ) -> DemoReport:
-    """Run the demo (embedded S3 unless ``source`` is given) and return its report."""
+    """Run the demo (embedded S3 unless ``source`` is given) and return its report; what it
+    does and the samples read go to ``stream`` as progress (None: nothing)."""
     if source is not None:
         cache = ShardCache(cache_dir, threads=threads)
-        return _run_pipeline(source, cache, fresh=fresh, workers=workers, decode=False)
+        return _run_pipeline(
+            source, cache, fresh=fresh, workers=workers, decode=False, stream=stream
+        )
+    _say(stream, f"demo: starting an embedded S3 server and writing {shards} shards to it")
     server = _start_server(S3Server, demo_port(cache_dir))
     try:
         server.put_objects(
@@ -93,7 +105,15 @@ def run_demo(
         )
         cache = ShardCache(cache_dir, storage_options=server.storage_options(), threads=threads)
         spec = f"s3://{DEMO_BUCKET}/train-{{000000..{shards - 1:06d}}}.tar"
-        report = _run_pipeline(spec, cache, fresh=fresh, workers=workers, decode=True)
+        report = _run_pipeline(
+            spec,
+            cache,
+            fresh=fresh,
+            workers=workers,
+            decode=True,
+            stream=stream,
+            samples=shards * SAMPLES_PER_SHARD,
+        )
         report.endpoint = server.endpoint_url
         return report
     finally:
@@ -118,10 +138,24 @@ def _start_server(server_class: type[S3Server], port: int) -> S3Server:
         return server_class().start()
 
 
+def _say(stream: TextIO | None, line: str) -> None:
+    if stream is not None:
+        stream.write(line + "\n")
+        stream.flush()
+
+
 def _run_pipeline(
-    spec: str, cache: ShardCache, *, fresh: bool, workers: int, decode: bool
+    spec: str,
+    cache: ShardCache,
+    *,
+    fresh: bool,
+    workers: int,
+    decode: bool,
+    stream: TextIO | None,
+    samples: int | None = None,
 ) -> DemoReport:
-    """The documented pipeline (WebDataset + DataLoader) over ``spec``, through ``cache``."""
+    """The documented pipeline (WebDataset + DataLoader) over ``spec``, through ``cache``;
+    progress in samples (of ``samples``, None: unknown) on ``stream``."""
     import torch.utils.data
     import webdataset as wds
 
@@ -141,12 +175,19 @@ def _run_pipeline(
     )
     loader = torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=workers)
     report = DemoReport(source=spec, cache_dir=cache.settings.scope_dir, shards=len(urls))
+    _say(stream, f"demo: reading {len(urls)} shards through {cache.settings.scope_dir}")
+    progress = FetchProgress(
+        samples, stream, LOG_EVERY, label="demo", failures=False, verb=None, unit="sample"
+    )
     started = time.monotonic()
     try:
         for _sample in loader:
             report.samples += 1
+            progress.finished(spec, ok=True)
     except Exception as exc:  # reported, and the exit code says so
         report.failed.append((spec, f"{type(exc).__name__}: {exc}"))
+    finally:
+        progress.close()
     report.seconds = time.monotonic() - started
     for url in urls:
         if cache.contains(url):

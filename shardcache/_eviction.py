@@ -67,7 +67,8 @@ class CacheEntry:
 
 @dataclass
 class EvictReport:
-    """What an eviction did."""
+    """What :meth:`ShardCache.evict` did: the shards it removed (least recently used first),
+    the bytes freed and kept, and the shards it skipped because a reader had them open."""
 
     removed: list[CacheEntry] = field(default_factory=list)
     freed_bytes: int = 0

@@ -1,5 +1,6 @@
-"""The progress of a fetch of many shards (``warm``, ``index``): a tqdm bar on a terminal or
-a plain line every few seconds, the thread count, and the cache counters' change."""
+"""The progress of work on many shards (``warm``, ``index``, ``verify``): a tqdm bar on a
+terminal or a plain line every few seconds, the thread count, and the cache counters'
+change."""
 
 from __future__ import annotations
 
@@ -17,22 +18,29 @@ BAR_REFRESH = 0.5  # seconds between progress-bar refreshes (bytes and rate)
 
 
 class FetchProgress:
-    """Progress on ``stream``: a tqdm bar on a terminal, else a plain line every ``every`` s."""
+    """Progress on ``stream``: a tqdm bar on a terminal, else a plain line every ``every`` s.
+
+    Counts ``unit``s (of ``total``, None: unknown) and the bytes :meth:`moved` reports, shown
+    as ``verb`` (None: no bytes shown)."""
 
     def __init__(
         self,
-        total: int,
+        total: int | None,
         stream: TextIO | None,
         every: float,
         *,
         label: str = "warm",
         downloaded: Callable[[], int] | None = None,
         failures: bool = True,
+        verb: str | None = "downloaded",
+        unit: str = "shard",
     ) -> None:
         self.total = total
         self.stream = stream
         self.every = every
         self.label = label
+        self.verb = verb  # what happened to the bytes counted: downloaded, checked
+        self.unit = unit
         self._failures = failures  # whether the line counts failed shards (warm goes on)
         self._downloaded = downloaded  # bytes downloaded so far, when not reported by moved()
         self.done = 0
@@ -52,12 +60,12 @@ class FetchProgress:
             sized = _columns(stream) > 0  # a pty without a size would get an empty bar
             self._bar = tqdm(
                 total=total,
-                unit="shard",
+                unit=unit,
                 desc=label,
                 file=stream,
                 dynamic_ncols=sized,
                 ncols=None if sized else 100,
-                postfix="0 B, 0.0 MB/s",
+                postfix="0 B, 0.0 MB/s" if verb else None,
             )
         self._thread = threading.Thread(target=self._tick, name="shardcache-warm-progress")
         self._thread.daemon = True
@@ -80,15 +88,19 @@ class FetchProgress:
             done, failed, moved = self.done, self.failed, self._moved()
         elapsed = time.monotonic() - self.started
         rate = moved / 1e6 / elapsed if elapsed > 0 else 0.0
-        if done == self.total:
-            eta = "done"
+        if self.total is None:
+            count, eta = f"{done} {self.unit}s", ""
         else:
-            eta = "ETA ?" if done == 0 else f"ETA {elapsed / done * (self.total - done):.0f}s"
+            count = f"{done}/{self.total} {self.unit}s"
+            if done == self.total:
+                eta = ", done"
+            else:
+                eta = (
+                    ", ETA ?" if done == 0 else f", ETA {elapsed / done * (self.total - done):.0f}s"
+                )
         failures = f" ({failed} failed)" if self._failures else ""
-        return (
-            f"{self.label}: {done}/{self.total} shards{failures}, {format_bytes(moved)} "
-            f"downloaded, {rate:.1f} MB/s, elapsed {elapsed:.1f}s, {eta}"
-        )
+        moved_text = f", {format_bytes(moved)} {self.verb}, {rate:.1f} MB/s" if self.verb else ""
+        return f"{self.label}: {count}{failures}{moved_text}, elapsed {elapsed:.1f}s{eta}"
 
     def _postfix(self) -> str:
         with self._lock:
@@ -110,7 +122,8 @@ class FetchProgress:
 
     def _show(self) -> None:
         if self._bar is not None:
-            self._bar.set_postfix_str(self._postfix())
+            if self.verb:
+                self._bar.set_postfix_str(self._postfix())
         elif self.stream is not None:
             self.stream.write(self.line() + "\n")
             self.stream.flush()

@@ -139,16 +139,18 @@ class StatusReport:
     in_use: int = 0  # shards pinned by readers right now
     downloads: int = 0  # temp files of live downloads
     download_bytes: int = 0
-    disk_total: int = 0
-    disk_free: int = 0
+    disk_total: int | None = None  # None: the file system could not be asked
+    disk_free: int | None = None
     locks_held: list[HeldLock] = field(default_factory=list)
     stale_locks: list[Leftover] = field(default_factory=list)
     orphans: list[Leftover] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)  # (directory, why)
+    other_scopes: list[str] = field(default_factory=list)  # sibling scope directories
 
     def as_json(self) -> dict[str, Any]:
         return {
             "scope_dir": str(self.scope_dir),
+            "other_scopes": self.other_scopes,
             "unreadable": unreadable_json(self.unreadable),
             "entries": self.entries,
             "bytes": self.bytes,
@@ -164,12 +166,21 @@ class StatusReport:
 
     def format(self) -> str:
         root = self.scope_dir
-        lines = [
-            f"cache       {root}",
+        if self.disk_free is None or self.disk_total is None:
+            disk = "unknown (the file system did not say)"
+        else:
+            disk = f"{format_bytes(self.disk_free)} free of {format_bytes(self.disk_total)}"
+        lines = [f"cache       {root}"]
+        if self.other_scopes:
+            lines.append(
+                f"also here   {', '.join(self.other_scopes)} (other scopes of {root.parent}: "
+                "--scope node, --rank N, or --all for every one)"
+            )
+        lines += [
             f"entries     {self.entries} shards, {format_bytes(self.bytes)}"
             f" ({self.in_use} in use by readers)",
             f"downloads   {self.downloads} in progress ({format_bytes(self.download_bytes)})",
-            f"disk        {format_bytes(self.disk_free)} free of {format_bytes(self.disk_total)}",
+            f"disk        {disk}",
             f"locks held  {len(self.locks_held)}",
         ]
         lines += [f"  {lock.describe()}" for lock in self.locks_held]
@@ -299,10 +310,61 @@ class StatusSummary:
         return "\n".join(lines)
 
 
-def scope_caches(settings: Settings) -> list[ShardCache]:
-    """A cache for every scope directory under ``settings.cache_dir``: ``node`` first, then
-    ``rank-N`` by rank. Symbolic links are not followed."""
-    root = settings.cache_dir
+def require_scope_dir(settings: Settings) -> None:
+    """Raise :class:`CacheDirError` unless the scope directory of ``settings`` exists
+    (``status``, ``clean``, ``evict`` and ``verify`` look at a cache; they never make one),
+    saying what is missing and which scope directories the root holds instead."""
+    root, scope_dir = settings.cache_dir, settings.scope_dir
+    for path in (root, scope_dir):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            break
+        except OSError as exc:
+            raise CacheDirError(
+                f"cannot look at the cache directory {path}: {exc.strerror or exc}; expected "
+                "a directory this user can read: fix its permissions, or give another "
+                "--cache-dir",
+                path=str(path),
+                errno=exc.errno,
+            ) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise CacheDirError(
+                f"{path} is not a directory (a {_kind(st.st_mode)}); expected the cache root "
+                "SHARDCACHE_DIR / --cache-dir names, holding rank-N and node directories: "
+                "give the right --cache-dir",
+                path=str(path),
+            )
+    else:
+        return
+    sources = settings.sources
+    why = (
+        f"cache root from {sources.get('cache_dir', 'default')}, {settings.scope} scope from "
+        f"{sources.get('scope', 'default')}"
+    )
+    if path == root:
+        where = "check --cache-dir / SHARDCACHE_DIR, or warm it first"
+    elif others := [name for name, *_ in _scopes(root)]:
+        where = (
+            f"the cache root holds {', '.join(others)}: pick one with --scope node or --rank N, "
+            "or give --all"
+        )
+    else:
+        where = "the cache root holds no scope directory: nothing has been cached there yet"
+    raise CacheDirError(
+        f"no cache at {scope_dir}: {path} does not exist ({why}); {where}",
+        path=str(scope_dir),
+    )
+
+
+def _kind(mode: int) -> str:
+    return "regular file" if stat.S_ISREG(mode) else "special file"
+
+
+def _scopes(root: Path) -> list[tuple[str, str, int]]:
+    """(name, scope, rank) of every scope directory under ``root``: ``node`` first, then
+    ``rank-N`` by rank; symbolic links are not followed. CacheDirError if it cannot be
+    listed."""
     try:
         names = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
     except OSError as exc:
@@ -312,11 +374,16 @@ def scope_caches(settings: Settings) -> list[ShardCache]:
             path=str(root),
             errno=exc.errno,
         ) from exc
-    scopes = sorted(
-        (parsed for name in names if (parsed := parse_scope_dir(name)) is not None),
-        key=lambda scope_rank: (scope_rank[0] != "node", scope_rank[1]),
-    )
-    return [ShardCache(settings=settings.replace(scope=scope, rank=rank)) for scope, rank in scopes]
+    scopes = [(name, *parsed) for name in names if (parsed := parse_scope_dir(name)) is not None]
+    return sorted(scopes, key=lambda item: (item[1] != "node", item[2]))
+
+
+def scope_caches(settings: Settings) -> list[ShardCache]:
+    """A cache for every scope directory under ``settings.cache_dir`` (:func:`_scopes`)."""
+    return [
+        ShardCache(settings=settings.replace(scope=scope, rank=rank))
+        for _name, scope, rank in _scopes(settings.cache_dir)
+    ]
 
 
 def status_all(settings: Settings) -> StatusSummary:
@@ -325,7 +392,9 @@ def status_all(settings: Settings) -> StatusSummary:
 
 
 def status(cache: ShardCache) -> StatusReport:
-    """Entries, disk, locks held and by whom, stale locks and orphan files of ``cache``."""
+    """Entries, disk, locks held and by whom, stale locks and orphan files of ``cache``
+    (:func:`require_scope_dir` first)."""
+    require_scope_dir(cache.settings)
     layout = cache.layout
     report = StatusReport(scope_dir=layout.scope_dir)
     entries = scan(layout, unreadable=report.unreadable)[0]  # counts only: no records read
@@ -333,11 +402,12 @@ def status(cache: ShardCache) -> StatusReport:
     report.bytes = sum(e.size for e in entries)
     with _DirFds(layout.fs) as dirs:
         report.in_use = sum(1 for e in entries if is_held(layout.fs, e.path, dirs.fd(e.path)))
-    try:
+    with contextlib.suppress(OSError):
         usage = shutil.disk_usage(layout.scope_dir)
         report.disk_total, report.disk_free = usage.total, usage.free
-    except OSError:
-        pass
+    name = layout.scope_dir.name
+    with contextlib.suppress(CacheDirError):
+        report.other_scopes = [n for n, *_ in _scopes(layout.scope_dir.parent) if n != name]
     _scan_locks(layout, report)
     for path in _files(layout.fs, layout.data_dir, report.unreadable):
         if parse_temp_name(path.name) is None:
@@ -632,5 +702,6 @@ __all__ = [
     "Leftover",
     "StatusReport",
     "clean",
+    "require_scope_dir",
     "status",
 ]

@@ -36,7 +36,7 @@ from ._pipes import check_allowed
 from ._redact import get_logger
 from ._retry import describe, fetch_error, is_transient
 from ._throttle import throttled_call
-from ._urls import LOCAL_PROTOCOLS, local_path, url_protocol
+from ._urls import LOCAL_PROTOCOLS, check_url, local_path, url_protocol
 
 logger = get_logger(__name__)
 
@@ -116,17 +116,9 @@ class Remote:
     def _make_filesystem(self, url: str, protocol: str) -> fsspec.AbstractFileSystem:
         try:
             fs = fsspec.filesystem(protocol, **_fresh(self.storage_options_for(protocol)))
-        except ValueError as exc:
-            if protocol in fsspec.available_protocols():
-                raise
-            raise UrlError(
-                f"{url}: unknown URL protocol {protocol!r}; expected one fsspec knows (s3, gs, "
-                "http, https, file, ...). webdataset opens some schemes with command-line tools: "
-                "give those as pipe: commands (e.g. 'pipe:curl -s -L https://...'), or install "
-                "the fsspec implementation of the protocol.",
-                url=url,
-                protocol=protocol,
-            ) from exc
+        except ValueError:
+            check_url(url)  # an unknown protocol: the UrlError expand_urls raises for it
+            raise
         if protocol in {"s3", "s3a"}:
             fs.retries = 1
             _share_service_models(fs)

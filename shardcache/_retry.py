@@ -42,6 +42,7 @@ from ._errors import (
     RemotePermissionError,
     TransientFetchError,
 )
+from ._urls import LOCAL_PROTOCOLS, local_path, url_protocol
 
 T = TypeVar("T")
 
@@ -319,14 +320,24 @@ def is_transient(exc: BaseException) -> bool:
     return classify(exc) == TRANSIENT
 
 
+def _not_found_advice(url: str) -> str:
+    """What to check when ``url`` does not exist, by its kind."""
+    protocol = url_protocol(url)
+    if protocol in LOCAL_PROTOCOLS:
+        return f"Check the path (read as {local_path(url)}) and that the file system is mounted."
+    if protocol == "s3":
+        return "Check the bucket and key (and the endpoint: AWS_ENDPOINT_URL / storage_options)."
+    return "Check the URL (and the endpoint in storage_options, if any)."
+
+
 def fetch_error(url: str, attempts: int, exc: BaseException, what: str = "download") -> FetchError:
     """The :class:`FetchError` to raise for ``exc`` after ``attempts`` attempts to ``what``
     ``url``: its class and advice follow the kind of the error (:func:`classify`)."""
     kind, cause = classify(exc), describe(exc)
     if kind == NOT_FOUND:
         return RemoteNotFoundError(
-            f"{url} does not exist ({cause}); failed at once, without retries. Check the "
-            "bucket and key (and the endpoint: AWS_ENDPOINT_URL / storage_options).",
+            f"{url} does not exist ({cause}); failed at once, without retries. "
+            f"{_not_found_advice(url)}",
             url=url,
             attempts=attempts,
             cause=cause,

@@ -186,11 +186,19 @@ def _check_protocol(url: str, spec: object, where: str) -> None:
             "Unknown URL protocol",
             "a protocol fsspec knows (s3, gs, az, http, https, file, ...) or a plain local path",
             repr(proto),
-            "Fix the scheme, or install the fsspec implementation for it.",
+            "Fix the scheme. webdataset opens some schemes (ais://, scp://) with command-line "
+            "tools: give those as pipe: commands (e.g. 'pipe:curl -s -L https://...'), or "
+            "install the fsspec implementation of the protocol.",
             url=url,
             protocol=proto,
             where=where,
         )
+
+
+def check_url(url: str) -> None:
+    """Raise the :class:`UrlError` :func:`expand_urls` raises for ``url``, if any (for URLs
+    given one at a time, as to ``ShardCache.fetch``)."""
+    _check_url(url, url)
 
 
 def _check_url(url: str, spec: object, where: str = "") -> str:

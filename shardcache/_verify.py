@@ -15,13 +15,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ._cache import ShardCache
 from ._checksums import Hasher
 from ._errors import ShardCacheError
-from ._eviction import scan
-from ._maintenance import unreadable_json, unreadable_lines
+from ._eviction import CacheEntry, scan
+from ._fetch_progress import LOG_EVERY, FetchProgress
+from ._maintenance import require_scope_dir, unreadable_json, unreadable_lines
 from ._metadata import read_meta
 from ._redact import get_logger
 from ._safefs import SafeFS
@@ -100,6 +101,7 @@ def verify(
     *,
     threads: int | None = None,
     quick: bool = False,
+    stream: TextIO | None = None,
 ) -> VerifyReport:
     """Check every cached shard against its remote object (size, MD5 of single-part
     objects, ETag recorded at download) or, for URLs a manifest lists with ``size`` /
@@ -111,21 +113,32 @@ def verify(
 
     ``quick``: only each shard's size against the size recorded in its metadata record
     when it was cached (a truncated or replaced file); no source is asked, nothing is
-    hashed, the manifest is not used. Seconds for 100,000 shards."""
+    hashed, the manifest is not used. Seconds for 100,000 shards.
+
+    Progress goes to ``stream`` as :func:`shardcache.warm.warm` shows it (None: none)."""
     expected: dict[Path, dict[str, Any]] = {}  # by cached path: recorded URLs may be redacted
     if manifest is not None:
         # Checksums only: nothing in a manifest is run here, so pipe: entries are data.
         for entry in read_manifest(manifest, allow_pipes=True):
             if {"size", "md5", "sha256"} & entry.meta.keys():
                 expected[cache.path_for(entry.url)] = entry.meta
+    require_scope_dir(cache.settings)
     report = VerifyReport(scope_dir=cache.layout.scope_dir)
     entries = scan(cache.layout, with_meta=True, unreadable=report.unreadable)[0]
-    if quick:
-        report.items = [_verify_quick(cache, e) for e in entries]
-        return report
-    threads = cache.settings.threads if threads is None else threads
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardcache-verify") as pool:
-        report.items = list(pool.map(lambda e: _verify_one(cache, e, expected), entries))
+    progress = FetchProgress(len(entries), stream, LOG_EVERY, label="verify", verb="checked")
+
+    def check(entry: CacheEntry) -> VerifyItem:
+        item = _verify_quick(cache, entry) if quick else _verify_one(cache, entry, expected)
+        progress.moved(str(entry.path), entry.size)
+        progress.finished(str(entry.path), ok=item.outcome not in ("bad", "error"))
+        return item
+
+    threads = 1 if quick else cache.settings.threads if threads is None else threads
+    try:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardcache-verify") as pool:
+            report.items = list(pool.map(check, entries))
+    finally:
+        progress.close()
     return report
 
 

@@ -35,9 +35,17 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ._cache import ShardCache
+from ._errors import (
+    IntegrityError,
+    LockTimeout,
+    PipeCommandError,
+    RemoteIsADirectoryError,
+    RemoteNotFoundError,
+    ShardFormatError,
+)
 from ._fetch_progress import LOG_EVERY, FetchProgress, stats_delta, thread_count
 from ._index_build import IndexResult, build_index
 from ._redact import get_logger, redact_text
@@ -49,6 +57,19 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 SPLITS = ("auto", "none")
+SAME_ERROR_STOP = 5
+"""warm stops when this many shards in a row fail with the same error that is not about the
+shard itself (the cache directory, the credentials, the store unreachable): the rest would too."""
+SHARD_ERRORS = (
+    RemoteNotFoundError,
+    RemoteIsADirectoryError,
+    IntegrityError,
+    ShardFormatError,
+    PipeCommandError,
+    LockTimeout,
+)
+"""Errors about one shard: never a reason to stop warming the others."""
+FAILURES_LISTED = 5  # URLs listed per kind of error in the summary (as_json lists all)
 
 
 @dataclass(frozen=True)
@@ -157,12 +178,18 @@ class WarmFailure:
 
 @dataclass
 class WarmResult:
-    """What one :func:`warm` run did; hits/misses/shared count this run only."""
+    """What one :func:`warm` run did; hits/misses/shared count this run only.
+
+    ``stopped`` says why the run stopped before trying every shard (``not_attempted`` of
+    them): ``max_failures`` reached, or :data:`SAME_ERROR_STOP` shards in a row failed with
+    the same error that is not about the shard itself."""
 
     scope_dir: Path
     total: int
     ok: int = 0
     failed: list[WarmFailure] = field(default_factory=list)
+    not_attempted: int = 0
+    stopped: str | None = None
     hits: int = 0
     misses: int = 0
     shared: int = 0
@@ -176,18 +203,100 @@ class WarmResult:
         return self.bytes_downloaded / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
     def summary(self) -> str:
-        """A summary line, then one line per failed shard."""
+        """A summary line, then the failed shards grouped by error: one line per kind of
+        error, with up to :data:`FAILURES_LISTED` of its shards."""
+        skipped = f", {self.not_attempted} not attempted" if self.not_attempted else ""
         lines = [
-            f"warm: {self.ok} of {self.total} shards ok, {len(self.failed)} failed "
+            f"warm: {self.ok} of {self.total} shards ok, {len(self.failed)} failed{skipped} "
             f"(hits {self.hits}, misses {self.misses}, shared {self.shared}); "
             f"{format_bytes(self.bytes_served)} cached, {format_bytes(self.bytes_downloaded)} "
             f"downloaded in {self.seconds:.1f} s ({self.mb_per_s:.1f} MB/s); "
             f"cache {self.scope_dir}"
         ]
+        if self.stopped is not None:
+            lines.append(f"stopped early: {self.stopped}")
         if self.failed:
             lines.append(f"failed shards ({len(self.failed)}):")
-            lines += [redact_text(f"  {f.url}: {f.error}") for f in self.failed]
+        for error, urls in _by_error(self.failed).items():
+            if len(urls) == 1:
+                lines.append(redact_text(f"  {urls[0]}: {error.replace(_URL, urls[0])}"))
+                continue
+            lines.append(redact_text(f"  {len(urls)} shards: {error}"))
+            lines += [redact_text(f"    {url}") for url in urls[:FAILURES_LISTED]]
+            if len(urls) > FAILURES_LISTED:
+                lines.append(f"    ... and {len(urls) - FAILURES_LISTED} more (--json lists all)")
         return "\n".join(lines)
+
+    def as_json(self) -> dict[str, Any]:
+        """The result as JSON: every failed shard with its error."""
+        return {
+            "scope_dir": str(self.scope_dir),
+            "total": self.total,
+            "ok": self.ok,
+            "failed": [
+                {"url": redact_text(f.url), "error": redact_text(f.error)} for f in self.failed
+            ],
+            "not_attempted": self.not_attempted,
+            "stopped": self.stopped,
+            "hits": self.hits,
+            "misses": self.misses,
+            "shared": self.shared,
+            "bytes_served": self.bytes_served,
+            "bytes_downloaded": self.bytes_downloaded,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+_URL = "<url>"
+
+
+def _by_error(failed: list[WarmFailure]) -> dict[str, list[str]]:
+    """The failed shards' URLs by their error, the URL in it written as ``<url>``."""
+    groups: dict[str, list[str]] = {}
+    for failure in failed:
+        error = failure.error.replace(failure.url, _URL).replace(redact_text(failure.url), _URL)
+        groups.setdefault(error, []).append(failure.url)
+    return groups
+
+
+class _Stopper:
+    """Decides when a warm run stops early (``reason`` set): ``max_failures`` failed shards,
+    or :data:`SAME_ERROR_STOP` failures in a row of one error type not in
+    :data:`SHARD_ERRORS`."""
+
+    def __init__(self, max_failures: int | None) -> None:
+        self.max_failures = max_failures
+        self.reason: str | None = None
+        self._lock = threading.Lock()
+        self.attempted = 0
+        self._failures = 0
+        self._streak: tuple[type[BaseException] | None, int] = (None, 0)
+
+    def start(self) -> bool:
+        """Whether the next shard is to be tried (then counted as attempted)."""
+        with self._lock:
+            self.attempted += self.reason is None
+            return self.reason is None
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._streak = (None, 0)
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self._failures += 1
+            kind, count = self._streak
+            self._streak = (type(exc), count + 1 if kind is type(exc) else 1)
+            if self.reason is not None:
+                return
+            if self.max_failures is not None and self._failures >= self.max_failures:
+                self.reason = f"{self._failures} shards failed (max_failures {self.max_failures})"
+            elif self._streak[1] >= SAME_ERROR_STOP and not isinstance(exc, SHARD_ERRORS):
+                self.reason = (
+                    f"{SAME_ERROR_STOP} shards in a row failed with {type(exc).__name__}, an "
+                    "error that is not about one shard (the other shards would fail alike): fix "
+                    "it and run warm again, which fetches only what is missing"
+                )
 
 
 class _Cancelled(BaseException):
@@ -201,21 +310,27 @@ def warm(
     threads: int | None = None,
     stream: TextIO | None = None,
     log_every: float = LOG_EVERY,
+    max_failures: int | None = None,
 ) -> WarmResult:
     """Fetch every URL into ``cache`` with ``threads`` downloads at a time.
 
     A failed shard does not stop the others: failures are collected in the result, in
-    input order. Progress goes to ``stream`` (a tqdm bar when it is a terminal, else a
-    plain line every ``log_every`` seconds and at the end); None shows none. On
-    ``KeyboardInterrupt`` downloads in flight are unwound (no temp file stays) and the
-    interrupt propagates.
+    input order. The run stops early, leaving the rest ``not_attempted``, after
+    ``max_failures`` failed shards (None: no limit) or when :data:`SAME_ERROR_STOP` shards
+    in a row fail with the same error that is not about the shard itself. Progress goes to
+    ``stream`` (a tqdm bar when it is a terminal, else a plain line every ``log_every``
+    seconds and at the end); None shows none. On ``KeyboardInterrupt`` downloads in flight
+    are unwound (no temp file stays) and the interrupt propagates.
     """
     threads = thread_count(cache, threads)
+    if max_failures is not None and max_failures < 1:
+        raise ValueError(f"max_failures must be at least 1 or None, got {max_failures}")
     urls = list(urls)
     before = cache.stats()
     started = time.monotonic()
     progress = FetchProgress(len(urls), stream, log_every)
     stop = threading.Event()
+    stopper = _Stopper(max_failures)
     errors: dict[int, WarmFailure] = {}
 
     def fetch_one(index: int, url: str) -> None:
@@ -224,13 +339,17 @@ def warm(
                 raise _Cancelled
             progress.moved(url, bytes_done)
 
+        if not stopper.start():
+            return  # queued before the run stopped: not attempted
         try:
             cache.fetch(url, progress=report)
         except Exception as exc:
             errors[index] = WarmFailure(url, f"{type(exc).__name__}: {_one_line(exc)}")
+            stopper.failed(exc)
             progress.finished(url, ok=False)
             logger.debug("warming %s failed", url, exc_info=True)
         else:
+            stopper.succeeded()
             progress.finished(url, ok=True)
 
     pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="shardcache-warm")
@@ -239,6 +358,8 @@ def warm(
         for index, url in enumerate(urls):
             if len(pending) >= 2 * threads:  # bounded queue: 10M URLs need not be 10M futures
                 _, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            if stopper.reason is not None:
+                break
             pending.add(pool.submit(fetch_one, index, url))
         cf.wait(pending)
     except BaseException:
@@ -253,8 +374,10 @@ def warm(
     return WarmResult(
         scope_dir=cache.settings.scope_dir,
         total=len(urls),
-        ok=len(urls) - len(failed),
+        ok=stopper.attempted - len(failed),
         failed=failed,
+        not_attempted=len(urls) - stopper.attempted,
+        stopped=stopper.reason,
         **stats_delta(before, after),
         seconds=time.monotonic() - started,
     )

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardcache import CacheFullError, RemoteNotFoundError, ShardCache
+from shardcache import CacheFullError, RemoteNotFoundError, ShardCache, UrlError, expand_urls
+from shardcache._cli import main
 from shardcache._demo import DEMO_PORT, demo_port, run_demo
 from shardcache._fsinfo import mount_for, parse_mountinfo
 
@@ -49,6 +50,42 @@ def test_local_paths_and_file_urls_share_one_entry(tmp_path: Path) -> None:
     assert cache.fetch(src).read_bytes() == data
     assert cache.fetch(f"file://{src}") == cache.fetch(src)
     assert cache.stats().misses == 1
+
+
+@pytest.mark.parametrize("url", ["s3:/bucket/x.tar", "s3:bucket/x.tar", "gs:/bucket/x.tar"])
+def test_fetch_refuses_a_broken_scheme_as_expand_urls_does(url: str, tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path / "cache")
+    with pytest.raises(UrlError) as expanded:
+        expand_urls(url)
+    for call in (cache.fetch, cache.open, cache.contains, cache.path_for):
+        with pytest.raises(UrlError) as refused:
+            call(url)
+        assert str(refused.value) == str(expanded.value)
+        assert refused.value.url == url
+    assert "(it would be read as a local path)" in str(expanded.value)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_fetch_still_takes_file_urls_of_one_slash(tmp_path: Path) -> None:
+    src, data = _source(tmp_path)
+    assert ShardCache(tmp_path / "cache").fetch(f"file:{src}").read_bytes() == data
+
+
+def test_a_missing_local_file_gets_advice_about_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cache = ShardCache(tmp_path / "cache")
+    with pytest.raises(RemoteNotFoundError) as missing:
+        cache.fetch("data/missing.tar")
+    message = str(missing.value)
+    assert message.endswith(
+        f"Check the path (read as {tmp_path}/data/missing.tar) and that the file system is mounted."
+    )
+    assert "bucket" not in message
+    assert main(["warm", "data/missing.tar", "--cache-dir", str(tmp_path / "cache")]) == 1
+    out = capsys.readouterr().out
+    assert "Check the path (read as " in out and "bucket" not in out
 
 
 def test_auto_lock_mode_follows_the_file_system(
@@ -136,5 +173,5 @@ def test_http_urls_are_cached_and_verified_by_size(http_dir, tmp_path: Path) -> 
     url = f"{base}/train-000000.tar"
     assert cache.fetch(url).read_bytes() == data
     assert cache.contains(url)
-    with pytest.raises(RemoteNotFoundError):
+    with pytest.raises(RemoteNotFoundError, match=r"Check the URL \(and the endpoint"):
         cache.fetch(f"{base}/missing.tar")

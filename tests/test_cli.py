@@ -16,6 +16,7 @@ import pytest
 
 from shardcache import ShardCache
 from shardcache._cli import main
+from shardcache._units import format_bytes
 from shardcache.warm import WarmPlan, plan_warm
 
 BUCKET = "warm"
@@ -81,6 +82,81 @@ def test_warm_lists_failures_and_caches_the_rest(s3, shards, tmp_path) -> None:
     cache = ShardCache(tmp_path / "cache")
     assert [cache.contains(url) for url in list(shards)[:3]] == [True] * 3
     assert not cache.contains(missing)
+
+
+def test_warm_groups_failures_by_error_and_lists_all_with_json(s3, shards, tmp_path) -> None:
+    missing = [f"s3://nobucket/train-{i:06d}.tar" for i in range(30)]
+    result = _run(tmp_path, "warm", *missing, next(iter(shards)), "--threads", "4")
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("warm: 1 of 31 shards ok, 30 failed (hits 0, misses 1")
+    assert lines[1:3] == [
+        "failed shards (30):",
+        "  30 shards: RemoteNotFoundError: <url> does not exist (HTTP 404 404: Not Found); "
+        "failed at once, without retries. Check the bucket and key (and the endpoint: "
+        "AWS_ENDPOINT_URL / storage_options).",
+    ]
+    assert lines[3:] == [f"    {url}" for url in missing[:5]] + [
+        "    ... and 25 more (--json lists all)"
+    ]
+
+    as_json = _run(tmp_path, "warm", *missing, "--json")
+    assert as_json.returncode == 1
+    report = json.loads(as_json.stdout)
+    assert (report["total"], report["ok"], report["not_attempted"], report["stopped"]) == (
+        30,
+        0,
+        0,
+        None,
+    )
+    assert [f["url"] for f in report["failed"]] == missing
+    assert report["plan"] == "every shard, world size 1"
+
+
+def test_warm_stops_when_the_same_cache_level_error_repeats(tmp_path) -> None:
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for i in range(200):
+        (sources / f"{i:03d}.tar").write_bytes(b"x" * 100)
+    (tmp_path / "cache").write_text("a file where the cache root should be")
+    result = _run(tmp_path, "warm", f"{sources}/{{000..199}}.tar", "--threads", "2")
+    assert result.returncode == 1
+    first, stopped, header, group, *listed = result.stdout.splitlines()
+    failed = int(first.split(" failed")[0].rsplit(" ", 1)[1])
+    assert header == f"failed shards ({failed}):"
+    assert 5 <= failed <= 5 + 2, first  # the streak, and what was in flight
+    assert first.startswith(
+        f"warm: 0 of 200 shards ok, {failed} failed, {200 - failed} not attempted"
+    )
+    assert stopped == (
+        "stopped early: 5 shards in a row failed with CacheDirError, an error that is not "
+        "about one shard (the other shards would fail alike): fix it and run warm again, "
+        "which fetches only what is missing"
+    )
+    assert group.startswith(f"  {failed} shards: CacheDirError: ")
+    assert listed[:5] == [f"    {sources}/{i:03d}.tar" for i in range(5)]
+    assert len(listed) == 5 + (failed > 5)  # "... and N more"
+
+
+def test_warm_stops_after_max_failures(s3, shards, tmp_path) -> None:
+    missing = [f"s3://{BUCKET}/gone-{i:03d}.tar" for i in range(40)]
+    result = _run(tmp_path, "warm", *missing, "--max-failures", "3", "--threads", "1", "--json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert len(report["failed"]) == 3 and report["not_attempted"] == 37
+    assert report["stopped"] == "3 shards failed (max_failures 3)"
+    # Shard errors alone (not found) never stop a run early.
+    result = _run(tmp_path, "warm", *missing, "--threads", "1", "--json")
+    assert len(json.loads(result.stdout)["failed"]) == 40
+
+
+def test_warm_json_of_a_task_with_nothing_to_do(tmp_path) -> None:
+    env = {"SHARDCACHE_SCOPE": "node", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    result = _run(tmp_path, "warm", "s3://b/x-{0..3}.tar", "--json", **env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["plan"].startswith("local rank 1; local rank 0 warms")
+    assert (report["total"], report["failed"], report["stopped"]) == (0, [], None)
 
 
 def test_warm_rank_scope_under_torchrun_warms_this_ranks_share(s3, shards, tmp_path) -> None:
@@ -248,7 +324,9 @@ def test_evict_cli_reduces_the_cache_to_the_size(s3, shards, tmp_path) -> None:
     assert cache.entries() == []
 
 
-def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
+def _on_terminal(tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    """``python -m shardcache ARGS`` with stderr on a terminal (120 columns): its exit code,
+    stdout and what it drew on the terminal."""
     import fcntl
     import pty
     import struct
@@ -258,7 +336,7 @@ def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     env = {**os.environ, "SHARDCACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardcache", "warm", SPEC],
+        [sys.executable, "-m", "shardcache", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=follower,
@@ -275,10 +353,46 @@ def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
         err += chunk
     os.close(leader)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
-    bar = err.decode()
+    return proc.returncode, out.decode(), err.decode()
+
+
+def test_warm_draws_a_progress_bar_on_a_terminal(s3, shards, tmp_path) -> None:
+    code, out, bar = _on_terminal(tmp_path, "warm", SPEC)
+    assert code == 0
     assert "warm: 100%|" in bar and "8/8 [" in bar and "MB/s" in bar
-    assert b"8 of 8 shards ok" in out
+    assert "8 of 8 shards ok" in out
+
+
+def test_verify_shows_progress_on_a_terminal_and_lines_elsewhere(s3, shards, tmp_path) -> None:
+    assert _run(tmp_path, "warm", SPEC).returncode == 0
+    code, out, bar = _on_terminal(tmp_path, "verify")
+    assert code == 0, bar
+    assert "verify: 100%|" in bar and "8/8 [" in bar
+    assert out.startswith("verify ") and "8 shards, 8 ok" in out
+    plain = _run(tmp_path, "verify", "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert "\r" not in plain.stderr
+    (last,) = [line for line in plain.stderr.splitlines() if line.startswith("verify: 8/8")]
+    size = format_bytes(sum(len(data) for data in shards.values()))
+    assert last.startswith(f"verify: 8/8 shards (0 failed), {size} checked, ")
+    assert last.endswith(", done")
+    assert json.loads(plain.stdout)["counts"]["ok"] == 8
+
+
+@pytest.mark.timeout(180)
+def test_demo_shows_progress_and_reports_json(tmp_path) -> None:
+    args = ("demo", "--shards", "2", "--workers", "0", "--cache-dir", str(tmp_path / "demo"))
+    code, out, bar = _on_terminal(tmp_path, *args)
+    assert code == 0, bar
+    assert "demo: starting an embedded S3 server and writing 2 shards" in bar
+    assert "demo: 100%|" in bar and "64/64 [" in bar
+    assert "hits       0" in out
+    plain = _run(tmp_path, *args, "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert "\r" not in plain.stderr
+    assert plain.stderr.splitlines()[-1].startswith("demo: 64/64 samples, elapsed ")
+    report = json.loads(plain.stdout)
+    assert (report["shards"], report["hits"], report["samples"], report["failed"]) == (2, 2, 64, [])
 
 
 @pytest.mark.timeout(90)
@@ -313,3 +427,45 @@ def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> Non
     assert proc.returncode == 130, err
     assert err.rstrip().endswith("shardcache: interrupted")
     assert [p for p in data_dir.rglob("*") if not p.is_dir()] == []  # no .part, no shard
+
+
+# ------------------------------------------------------------------ the sbatch template
+
+
+def test_sbatch_template_gives_the_warm_threads_to_the_warm_step_alone(tmp_path) -> None:
+    """scripts/sbatch-example.sh run by bash with stand-ins for srun and scontrol that record
+    each step's arguments and environment (tests/test_slurm.py submits it to a real cluster)."""
+    bin_dir, steps = tmp_path / "bin", tmp_path / "steps"
+    bin_dir.mkdir()
+    steps.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        'n=$(find "$STEPS" -name "*.args" | wc -l)\n'
+        'printf "%s\\n" "$@" > "$STEPS/$n.args"\n'
+        'env > "$STEPS/$n.env"\n'
+    )
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "STEPS": str(steps),
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NTASKS": "8",
+        "SHARDS": "s3://b/train-{0..9}.tar",
+        "SLURM_TMPDIR": str(tmp_path),
+    }
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sbatch-example.sh"
+    subprocess.run(["bash", str(script)], env=env, check=True, timeout=60, capture_output=True)
+    warm_args, train_args = ((steps / f"{n}.args").read_text().split("\n") for n in (0, 1))
+    assert warm_args[:4] == ["--kill-on-bad-exit=1", "shardcache", "warm", env["SHARDS"]]
+    assert warm_args[4:8] == ["--split", "auto", "--threads", "16"]
+    assert train_args[1:3] == ["python", "train.py"]
+    for n in (0, 1):
+        step_env = (steps / f"{n}.env").read_text().splitlines()
+        assert "SHARDCACHE_SCOPE=node" in step_env
+        assert not [v for v in step_env if v.startswith("SHARDCACHE_THREADS=")]
+    subprocess.run(["bash", str(script)], env={**env, "WARM_THREADS": "32"}, check=True, timeout=60)
+    assert (steps / "2.args").read_text().split("\n")[6:8] == ["--threads", "32"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import re
 import subprocess
@@ -11,13 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from shardcache import _config
 from shardcache._config import (
     PREFETCH_OPTIONS,
     SPECS,
     Settings,
+    format_setting,
     parse_duration,
     parse_size,
     prefetch_overrides,
+    unknown_env,
 )
 from shardcache._errors import ConfigError
 
@@ -222,15 +226,19 @@ def test_settings_pickle(tmp_path: Path) -> None:
     assert pickle.loads(pickle.dumps(s)) == s
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _python(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "shardcache", *args],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=60,
         check=False,
     )
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return _python("-m", "shardcache", *args, env=env)
 
 
 def test_config_command_json_shows_value_and_source(tmp_path: Path) -> None:
@@ -245,19 +253,133 @@ def test_config_command_json_shows_value_and_source(tmp_path: Path) -> None:
     data = json.loads(out.stdout)
     assert data["cache_dir"] == {
         "value": str(tmp_path),
+        "text": str(tmp_path),
         "env": "SHARDCACHE_DIR",
         "source": "env SHARDCACHE_DIR",
     }
+    assert data["lock_timeout"]["value"] == 3600.0 and data["lock_timeout"]["text"] == "1h"
     assert data["rank"]["value"] == 1 and data["rank"]["source"] == "env SLURM_PROCID (slurm)"
     assert data["scope_dir"]["value"] == str(tmp_path / "rank-1")
     text = _cli("config", env=env)
     assert text.returncode == 0 and "SHARDCACHE_DIR" in text.stdout
 
 
-def test_config_command_bad_env_is_one_clear_line(tmp_path: Path) -> None:
-    out = _cli("config", env={"PATH": "/usr/bin:/bin", "SHARDCACHE_THREADS": "lots"})
+def test_config_command_shows_every_setting_and_marks_the_bad_ones(tmp_path: Path) -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SHARDCACHE_DIR": str(tmp_path),
+        "SHARDCACHE_THREADS": "lots",
+        "SHARDCACHE_CHUNK_SIZE": "1x",
+        "SHARDCACHE_SCOPE": "node",
+    }
+    out = _cli("config", env=env)
     assert out.returncode == 2
-    assert out.stderr.count("\n") == 1 and "SHARDCACHE_THREADS" in out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line[:1] != " "}
+    assert set(rows) == {*SPECS, "job_id", "scope_dir"}
+    assert rows["scope"].split()[1] == "node" and "env SHARDCACHE_SCOPE" in rows["scope"]
+    assert rows["threads"].split()[1] == "INVALID"
+    lines = out.stdout.splitlines()
+    below = lines[lines.index(rows["threads"]) + 1]
+    assert below.startswith("  error: SHARDCACHE_THREADS='lots' is not an integer")
+    assert "  error: SHARDCACHE_CHUNK_SIZE='1x' is not a size" in out.stdout
+    assert out.stderr == (
+        "shardcache config: invalid: chunk_size, threads (the error is shown under each; "
+        "the other settings are as resolved)\n"
+    )
+    data = json.loads(_cli("config", "--json", env=env).stdout)
+    assert data["threads"]["value"] is None and "'lots'" in data["threads"]["error"]
+    assert data["scope_dir"]["value"] == str(tmp_path / "node")
+    assert "error" not in data["scope"]
+
+
+def test_config_command_shows_values_as_the_documentation_writes_them(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "SHARDCACHE_DIR": str(tmp_path)}
+    out = _cli("config", env=env)
+    assert out.returncode == 0, out.stderr
+    shown = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()}
+    assert (shown["lock_timeout"], shown["chunk_size"], shown["max_bytes"]) == (
+        "1h",
+        "8M",
+        "unlimited",
+    )
+    env |= {"SHARDCACHE_MAX_BYTES": "1.5T", "SHARDCACHE_MAX_REQUEST_RATE": "2.5"}
+    shown = {
+        line.split()[0]: line.split()[1] for line in _cli("config", env=env).stdout.splitlines()
+    }
+    assert (shown["max_bytes"], shown["max_request_rate"]) == ("1536G", "2.5/s")
+
+
+def test_a_shown_value_reads_back_as_the_same_value() -> None:
+    values = {"lock_timeout": 5400.0, "retry_backoff": 0.25, "chunk_size": 3 << 20}
+    for name, value in values.items():
+        env = {SPECS[name].env: format_setting(name, value)}
+        assert getattr(Settings.resolve(env=env), name) == value
+
+
+def test_documented_defaults_are_what_config_shows() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "configuration.md").read_text()
+    defaults = Settings.resolve(env={})
+    for name, spec in SPECS.items():
+        row = re.search(rf"^\| `{spec.env}` \| `{name}` \| ([^|]*) \|", readme, re.M)
+        assert row, f"README's configuration table has no row for {spec.env}"
+        if name != "cache_dir":  # computed from TMPDIR and the user
+            shown = format_setting(name, getattr(defaults, name))
+            assert shown in row.group(1).replace("`", ""), (spec.env, shown, row.group(1))
+
+
+def test_unknown_variables_are_warned_with_the_closest_name() -> None:
+    env = {
+        "SHARDCACHE_THRADS": "8",
+        "SHARDCACHE_MAXBYTES": "1G",
+        "SHARDCACHE_FROBNICATE": "1",
+        "SHARDCACHE_THREADS": "2",
+        "SHARDCACHE_REQUIRE_SLURM": "1",  # the test suite's own
+        "OTHER_THRADS": "1",
+    }
+    assert unknown_env(env) == {
+        "SHARDCACHE_FROBNICATE": None,
+        "SHARDCACHE_MAXBYTES": "SHARDCACHE_MAX_BYTES",
+        "SHARDCACHE_THRADS": "SHARDCACHE_THREADS",
+    }
+
+
+def test_library_warns_of_an_unknown_variable_once_per_process(tmp_path: Path) -> None:
+    code = (
+        "import shardcache\n"
+        "shardcache.Settings.resolve()\n"
+        "shardcache.ShardCache()\n"
+        "print(shardcache.Settings.resolve().threads)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "SHARDCACHE_DIR": str(tmp_path), "SHARDCACHE_THRADS": "8"}
+    out = _python("-c", code, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "4\n"
+    assert out.stderr == (
+        "SHARDCACHE_THRADS is not a shardcache setting and is ignored: "
+        "did you mean SHARDCACHE_THREADS?\n"
+    )
+
+
+def test_cli_warns_of_an_unknown_variable(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "SHARDCACHE_DIR": str(tmp_path), "SHARDCACHE_SCOPES": "node"}
+    out = _cli("config", env=env)
+    assert out.returncode == 0
+    (line,) = out.stderr.splitlines()
+    assert line.endswith(
+        "WARNING shardcache._config: SHARDCACHE_SCOPES is not a shardcache setting and is "
+        "ignored: did you mean SHARDCACHE_SCOPE?"
+    )
+
+
+def test_warning_names_each_variable_once(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(_config, "_warned_env", set())
+    with caplog.at_level(logging.WARNING, logger="shardcache._config"):
+        for _ in range(3):
+            Settings.resolve(env={"SHARDCACHE_THRADS": "8", "SHARDCACHE_FOO": "1"})
+    assert [r.getMessage().split()[0] for r in caplog.records] == [
+        "SHARDCACHE_FOO",
+        "SHARDCACHE_THRADS",
+    ]
 
 
 def test_docs_document_every_variable() -> None:
@@ -265,3 +387,13 @@ def test_docs_document_every_variable() -> None:
     rows = set(re.findall(r"^\| `(SHARDCACHE_\w+)` \|", page.read_text(), re.M))
     missing = [spec.env for spec in SPECS.values() if spec.env not in rows]
     assert not missing, f"the configuration table (docs/reference/configuration.md) lacks {missing}"
+
+
+def test_diagnose_reports_each_bad_value_once() -> None:
+    settings, errors = Settings.diagnose(env={"RANK": "1", "WORLD_SIZE": "two"})
+    assert list(errors) == ["world_size"]  # not also "rank 1 is not below world_size 1"
+    assert (settings.rank, settings.world_size) == (1, 1)
+    _, errors = Settings.diagnose(env={"RANK": "3", "WORLD_SIZE": "2"})
+    assert list(errors) == ["rank"]
+    with pytest.raises(ConfigError, match="not below world_size"):
+        Settings.resolve(env={"RANK": "3", "WORLD_SIZE": "2"})

@@ -563,3 +563,57 @@ def test_sample_records_go_with_their_shard(tmp_path: Path) -> None:
     assert {i.path for i in cleaned.removed} == {cache.layout.meta_path(finals[1]), records[1]}
     assert not records[1].exists() and records[2].exists()
     assert status(cache).orphans == []
+
+
+def test_status_of_a_cache_that_is_not_there_says_what_is(tmp_path: Path, capsys) -> None:
+    from shardcache._cli import main
+
+    root = tmp_path / "cache"
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main([*args, "--cache-dir", str(root)])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    for command in (
+        ["status"],
+        ["status", "--json"],
+        ["clean"],
+        ["verify"],
+        ["evict", "--max-bytes", "1G"],
+    ):
+        code, out, err = run(*command)
+        assert (code, out) == (1, ""), err
+        assert err == (
+            f"shardcache: CacheDirError: no cache at {root}/rank-0: {root} does not exist "
+            "(cache root from argument, rank scope from default); check --cache-dir / "
+            "SHARDCACHE_DIR, or warm it first\n"
+        )
+    root.write_text("not a directory")
+    code, out, err = run("status")
+    assert (code, out) == (1, "")
+    assert err.splitlines() == [
+        f"shardcache: CacheDirError: {root} is not a directory (a regular file); expected the "
+        "cache root SHARDCACHE_DIR / --cache-dir names, holding rank-N and node directories: "
+        "give the right --cache-dir"
+    ]
+    root.unlink()
+
+    # A node-scope job's cache, looked at with the default rank scope.
+    source = tmp_path / "a.tar"
+    source.write_bytes(b"x" * 1000)
+    ShardCache(root, scope="node").fetch(str(source))
+    code, out, err = run("status")
+    assert (code, out) == (1, "")
+    assert err.endswith(
+        "the cache root holds node: pick one with --scope node or --rank N, or give --all\n"
+    )
+    code, out, err = run("status", "--scope", "node")
+    assert code == 0 and "entries     1 shards, 1.0 KB" in out
+    (root / "rank-0").mkdir()
+    code, out, err = run("status")
+    assert code == 0, err
+    assert out.splitlines()[1].startswith("also here   node (other scopes of ")
+    assert "entries     0 shards" in out and " free of 0 B" not in out
+    shown = json.loads(run("status", "--json")[1])
+    assert shown["other_scopes"] == ["node"] and shown["disk_total"] > 0

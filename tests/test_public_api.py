@@ -4,11 +4,13 @@ directions."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 import re
 import shutil
 import subprocess
 import sys
+import typing
 import zipfile
 from pathlib import Path
 
@@ -69,6 +71,30 @@ def test_public_names_belong_to_the_package() -> None:
         obj = getattr(shardcache, name)
         if isinstance(obj, type):
             assert obj.__module__ == "shardcache", name
+
+
+def _classes(annotation: object) -> typing.Iterator[type]:
+    if isinstance(annotation, type):
+        yield annotation
+    for arg in typing.get_args(annotation):
+        yield from _classes(arg)
+
+
+def test_what_the_cache_returns_is_exported(tmp_path: Path) -> None:
+    """Every class a public ``ShardCache`` method returns can be imported from
+    ``shardcache`` (to annotate, to isinstance), as ``evict``'s ``EvictReport`` and
+    ``entries``' ``CacheEntry``."""
+    exported = {getattr(shardcache, name) for name in shardcache.__all__}
+    for name, method in inspect.getmembers(shardcache.ShardCache, inspect.isfunction):
+        if not name.startswith("_"):
+            returned = typing.get_type_hints(method).get("return")
+            for cls in _classes(returned):
+                assert cls in exported or cls.__module__ in ("builtins", "pathlib", "typing"), (
+                    f"ShardCache.{name} returns {cls.__module__}.{cls.__qualname__}, not exported"
+                )
+    report = shardcache.ShardCache(tmp_path).evict(0)
+    assert isinstance(report, shardcache.EvictReport)
+    assert type(report).__module__ == "shardcache"
 
 
 def test_wheel_ships_the_typed_marker_and_no_tests(tmp_path: Path) -> None:

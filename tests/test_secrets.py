@@ -142,7 +142,7 @@ def test_config_text_and_json_show_option_names_not_secrets(s3, tmp_path: Path) 
     assert shown["key"] == shown["secret"] == shown["token"] == REDACTED
     assert shown["client_kwargs"] == {"aws_session_token": REDACTED}
     assert shown["endpoint_url"] == f"http://{REDACTED}@127.0.0.1:9"
-    assert "'secret': '***'" in text.stdout
+    assert '"secret": "***"' in text.stdout
 
 
 def test_unparsable_storage_options_are_not_echoed() -> None:
