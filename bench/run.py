@@ -1,4 +1,4 @@
-"""shardcache benchmarks B1-B11, B13 and B14 against their peers; writes bench/results.{md,json}.
+"""shardcache benchmarks B1-B11 and B13-B15 against their peers; writes bench/results.{md,json}.
 
     python -m bench.run [--size tiny|full] [--out DIR] [--only B2,B6]
 
@@ -30,6 +30,7 @@ from bench.b10_resume import b10_resume
 from bench.b11_bookkeeping import b11_bookkeeping
 from bench.b13_epochs import b13_epochs
 from bench.b14_mixture import b14_mixture
+from bench.b15_fast_server import b15_fast_server
 from bench.common import (
     SIZES,
     Bench,
@@ -610,6 +611,10 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B11": ("bookkeeping cost vs the number of cached shards", b11_bookkeeping),
     "B13": ("requests and bytes per epoch over 3 epochs, rank and node scope", b13_epochs),
     "B14": ("mixture throughput against one source alone, hot cache", b14_mixture),
+    "B15": (
+        "cold throughput against a fast server (rclone), equal objects in flight",
+        b15_fast_server,
+    ),
 }
 
 
@@ -682,7 +687,7 @@ def render(report: dict[str, Any]) -> str:
             in {"link_fraction", "lock_ratio", "gets_exactly_one_per_shard", "best_peer"}
             | {"limit_mb_s", "limit_is", "s3torchconnector_ratio", "speedup_vs_naive"}
             | {"cold_ratio", "resume_overhead_warm_s", "resume_overhead_cold_s"}
-            | {"cost_pct", "cpu_ratio", "mixing_cpu_us_per_sample"}
+            | {"cost_pct", "cpu_ratio", "mixing_cpu_us_per_sample", "curl_ratio", "verdicts"}
         ]
         if "server_ranged_ceiling" in res:
             extra.append(
