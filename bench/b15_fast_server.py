@@ -23,18 +23,19 @@ Readers, each run in a fresh process (spawned: its imports, client and threads i
 - boto3 ``download_file`` on a pool of T threads, one shared client, default TransferConfig
   (objects above 8 MiB in 8 MiB parts, 10 threads each) and client config.
 - s3torchconnector 1.5.0 ``S3Client.get_object`` on a pool of T threads, each body copied to
-  its file; its CRT client hung against rclone here, so a run that does not finish within
-  ``timeout`` is killed and the row reads "hangs".
+  its file (its CRT client takes its credentials from AWS_*, set to the fast server's).
 - curl, one process per object, T at a time, ``--aws-sigv4`` (the floor: a C client writing
   the file, no verification).
 
-Before the clock each reader makes its client and reads the warm-up object through it (a
-training job makes its client once). Timed: from the first request to the last byte on
-disk; ``cpu_s_per_gb`` is the reader process's user + system CPU in that window (its
-threads and waited children: curl), per GB of objects; the same window gives the machine's
-busy share of all cores and the server's CPU. Every run's files must have the objects'
-sizes, else the row is an error. Medians of ``reps`` runs, the readers' order alternated;
-``mb_s_runs`` keeps every run's figure.
+A run that does not finish within ``timeout`` is killed and its row reads "hangs" (an
+earlier probe saw s3torchconnector's CRT client hang against rclone; with its credentials
+pointing at rclone it works). Before the clock each reader makes its client and reads the
+warm-up object through it (a training job makes its client once). Timed: from the first
+request to the last byte on disk; ``cpu_s_per_gb`` is the reader process's user + system CPU
+in that window (its threads and waited children: curl), per GB of objects; the same window
+gives the machine's busy share of all cores and the server's CPU. Every run's files must
+have the objects' sizes, else the row is an error. Medians of ``reps`` runs, the readers'
+order alternated; ``mb_s_runs`` keeps every run's figure.
 
 Targets (issue 29, verification on): throughput >= 1.0x the best peer's (the fastest of
 s3fs, boto3 and s3torchconnector), client CPU per GB <= 1.0x that peer's, throughput >=
@@ -166,8 +167,10 @@ def _cpu() -> float:
 
 
 def _child(kind: str, env: dict[str, str], job: dict[str, Any], q: Any) -> None:
-    """One run of one reader in a fresh process; puts its figures (or its error) on ``q``."""
-    os.environ.update(env)
+    """One run of one reader in a fresh process; puts its figures (or its error) on ``q``.
+    AWS_* point at the fast server (the Bench's point at moto): s3torchconnector's CRT client
+    takes its credentials from them, not from the storage options."""
+    os.environ.update(job["aws_env"] | env)
     try:
         run = _reader(kind, job["so"], job["keys"], Path(job["dest"]), job["inflight"])
         busy0, cpu0, server0 = _machine_busy(), _cpu(), _proc_cpu(job["server_pid"])
@@ -232,6 +235,36 @@ def _summary(runs: list[dict[str, Any]], gb: float) -> dict[str, Any]:
     }
 
 
+def _measure(
+    b: Bench, server: Any, rows: dict[str, tuple[str, dict[str, str]]], keys: list[str], cfg: dict
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str], dict[str, str]]:
+    """Every row's runs (``reps`` each, order alternated), and the rows that could not run
+    (name -> status: not installed, hangs) or failed (name -> error)."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in rows}
+    statuses = {name: why for name, (kind, _) in rows.items() if (why := _missing(kind))}
+    errors: dict[str, str] = {}
+    for rep in range(cfg["reps"]):
+        order = list(rows) if rep % 2 == 0 else list(reversed(rows))  # alternate
+        for name in order:
+            if name in statuses or name in errors:
+                continue
+            kind, env = rows[name]
+            dest = b.fresh_dir("b15")
+            job = {"so": server.storage_options(), "aws_env": server.env(), "keys": keys}
+            job |= {"dest": str(dest), "inflight": cfg["inflight"], "size": cfg["size"]}
+            job["server_pid"] = server.pid
+            res = _run(kind, env, job, cfg["timeout"])
+            shutil.rmtree(dest, ignore_errors=True)  # outside the clock: disk and dirty pages
+            if "status" in res:
+                statuses[name] = res["status"]
+            elif "error" in res:
+                errors[name] = res["error"]
+                print(f"B15 row {name!r} FAILED: {res['error']}", file=sys.stderr, flush=True)
+            else:
+                runs[name].append(res)
+    return runs, statuses, errors
+
+
 # ---------------------------------------------------------------------------- the scenario
 def b15_fast_server(b: Bench) -> dict[str, Any]:
     from shardcache.testing import RcloneS3Server
@@ -242,35 +275,11 @@ def b15_fast_server(b: Bench) -> dict[str, Any]:
     keys = [f"obj-{i:03d}.bin" for i in range(count)]
     gb = count * size / 1e9
     load_before = os.getloadavg()
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in rows}
-    statuses: dict[str, str] = {}
-    errors: dict[str, str] = {}
     with RcloneS3Server() as server:
         server.put_objects(BUCKET, {WARM: os.urandom(1024)})
         for key in keys:  # one at a time: the bench never holds them all
             server.put_objects(BUCKET, {key: os.urandom(size)})
-        for name, (kind, _env) in rows.items():
-            missing = _missing(kind)
-            if missing:
-                statuses[name] = missing
-        for rep in range(cfg["reps"]):
-            order = list(rows) if rep % 2 == 0 else list(reversed(rows))  # alternate
-            for name in order:
-                if name in statuses or name in errors:
-                    continue
-                kind, env = rows[name]
-                dest = b.fresh_dir("b15")
-                job = {"so": server.storage_options(), "keys": keys, "dest": str(dest)}
-                job |= {"inflight": t, "size": size, "server_pid": server.pid}
-                res = _run(kind, env, job, cfg["timeout"])
-                shutil.rmtree(dest, ignore_errors=True)  # outside the clock: disk and dirty pages
-                if "status" in res:
-                    statuses[name] = res["status"]
-                elif "error" in res:
-                    errors[name] = res["error"]
-                    print(f"B15 row {name!r} FAILED: {res['error']}", file=sys.stderr, flush=True)
-                else:
-                    runs[name].append(res)
+        runs, statuses, errors = _measure(b, server, rows, keys, cfg)
     results: dict[str, Any] = {}
     for name in rows:
         if name in errors:

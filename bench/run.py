@@ -49,6 +49,7 @@ from bench.infra import (
     CpuMeter,
     Link,
     MiB,
+    env_vars,
     install_wds_s3_opener,
     machine,
     median,
@@ -498,7 +499,6 @@ def _b8_readers(  # noqa: PLR0917
     keys: list[str],
     warm: str,
     curl_args: Callable[[str], list[str]],
-    s3tc: bool,
 ) -> dict[str, Callable[[], Callable[[], None]]]:
     """B8's readers against the server ``so`` points at: name -> make the client, warm it
     up, return the timed run. ``curl_args(key)``: curl's URL (and signing) for ``key``."""
@@ -552,7 +552,7 @@ def _b8_readers(  # noqa: PLR0917
         "boto3 download_file": boto3_download,
         "s3fs streaming read (no file)": s3fs_read,
     }
-    if s3tc and not peers.missing(["s3torchconnector"]):
+    if not peers.missing(["s3torchconnector"]):
         readers[S3TC] = s3torchconnector_get
     if shutil.which("curl"):
         readers["curl -o (floor)"] = curl
@@ -581,15 +581,14 @@ def _b8_measure(
 
 def b8_cpu(b: Bench) -> dict[str, Any]:
     """Client CPU per GB of a cold fetch, every reader one object at a time, unshaped, from
-    moto and from the fast server (rclone serve s3, where the server costs the client less
-    waiting and the client's own work shows; the verdict takes both).
+    moto and from the fast server (rclone serve s3, whose client-side cost is the same work
+    against a server that is not Python; the verdict takes both).
 
     Each reader is prepared before the clock starts: its client made and one small warm-up
     object read through it, so no row counts a client's creation (shardcache shares
     botocore's parsed models across caches in a process; a fresh s3fs or boto3 client parses
-    them again, and a training job makes its client once). s3torchconnector runs against
-    moto only: its CRT client hangs against rclone, which would hang this process (B15 runs
-    it in a child process with a timeout)."""
+    them again, and a training job makes its client once). s3torchconnector's CRT client
+    takes its credentials from AWS_*, so they point at the server being measured."""
     from shardcache.testing import RcloneS3Server
 
     count, size = b.cfg["b8"]
@@ -605,9 +604,9 @@ def b8_cpu(b: Bench) -> dict[str, Any]:
         key: signer.generate_presigned_url("get_object", {"Bucket": BUCKET, "Key": key}, 3600)
         for key in keys
     }
-    readers = _b8_readers(b, b.direct, b.s3.boto3_client, keys, warm, lambda k: [signed[k]], True)
+    readers = _b8_readers(b, b.direct, b.s3.boto3_client, keys, warm, lambda k: [signed[k]])
     results = _b8_measure(readers, b.cfg["reps"], gb)
-    with RcloneS3Server() as fast:
+    with RcloneS3Server() as fast, env_vars(**fast.env()):
         fast.put_objects(BUCKET, objects_and_warm)
         so = fast.storage_options()
         sigv4 = ["--aws-sigv4", f"aws:amz:{so['client_kwargs']['region_name']}:s3"]
@@ -616,18 +615,20 @@ def b8_cpu(b: Bench) -> dict[str, Any]:
         def curl_args(key: str) -> list[str]:  # rclone refuses boto3's presigned URLs
             return [*sigv4, f"{fast.endpoint_url}/{BUCKET}/{key}"]
 
-        readers = _b8_readers(b, so, fast.boto3_client, keys, warm, curl_args, False)
+        readers = _b8_readers(b, so, fast.boto3_client, keys, warm, curl_args)
         fast_results = _b8_measure(readers, b.cfg["reps"], gb)
     s = results.pop("shardcache fetch")
     fast_s = fast_results.pop("shardcache fetch")
     ratio = round(s["cpu_s_per_gb"] / results["s3fs get"]["cpu_s_per_gb"], 2)
     fast_ratio = round(fast_s["cpu_s_per_gb"] / fast_results["s3fs get"]["cpu_s_per_gb"], 2)
-    s3tc = results.get(S3TC)
-    if s3tc is None:
-        results[S3TC] = {"status": "not installed"}
+    s3tc, fast_s3tc = results.get(S3TC), fast_results.get(S3TC)
     s3tc_ratio = round(s["cpu_s_per_gb"] / s3tc["cpu_s_per_gb"], 2) if s3tc else None
+    fast_s3tc_ratio = (
+        round(fast_s["cpu_s_per_gb"] / fast_s3tc["cpu_s_per_gb"], 2) if fast_s3tc else None
+    )
     results |= {name + B8_FAST: r for name, r in fast_results.items()}
-    results[S3TC + B8_FAST] = {"status": "not run: its CRT client hangs against rclone (B15)"}
+    for name in (S3TC, S3TC + B8_FAST):
+        results.setdefault(name, {"status": "not installed"})
     return {
         "what": f"{count} x {size / MiB:g} MiB objects fetched cold, one at a time, direct to "
         "moto, then direct to the fast server (rclone serve s3, rows marked so); client CPU "
@@ -638,10 +639,12 @@ def b8_cpu(b: Bench) -> dict[str, Any]:
         "ratio": ratio,
         "fast_server_ratio": fast_ratio,
         "s3torchconnector_ratio": s3tc_ratio if s3tc else "not measured (not installed)",
-        "target": "<= 0.8 x s3fs get CPU per GB (from moto and from the fast server) and "
-        "<= 1.2 x s3torchconnector (moto), verification on",
+        "fast_server_s3torchconnector_ratio": fast_s3tc_ratio,
+        "target": "<= 0.8 x s3fs get CPU per GB and <= 1.2 x s3torchconnector, from moto and "
+        "from the fast server, verification on",
         "verdict": verdict(
-            ratio <= 0.8 and fast_ratio <= 0.8 and (s3tc_ratio is None or s3tc_ratio <= 1.2)
+            max(ratio, fast_ratio) <= 0.8
+            and all(r is None or r <= 1.2 for r in (s3tc_ratio, fast_s3tc_ratio))
         ),
     }
 
@@ -735,7 +738,7 @@ def render(report: dict[str, Any]) -> str:
             if k
             in {"link_fraction", "lock_ratio", "gets_exactly_one_per_shard", "best_peer"}
             | {"limit_mb_s", "limit_is", "s3torchconnector_ratio", "speedup_vs_naive"}
-            | {"fast_server_ratio"}
+            | {"fast_server_ratio", "fast_server_s3torchconnector_ratio"}
             | {"cold_ratio", "resume_overhead_warm_s", "resume_overhead_cold_s"}
             | {"cost_pct", "cpu_ratio", "mixing_cpu_us_per_sample", "curl_ratio", "verdicts"}
         ]
