@@ -7,7 +7,13 @@ server is ``rclone serve s3`` (Go, local files, SigV4, ranged GETs, MD5 ETags;
 client's CPU per GB decides the throughput, as on a training node with a fast store.
 
 Data: ``count`` random objects of ``size`` bytes (full: 15 x 64 MiB) written into the
-server's directory, plus a 1 KiB warm-up object.
+server's directory, plus a 1 KiB warm-up object; the server computes each object's MD5
+once, before the clock, and keeps it (S3 computes an ETag at upload; rclone alone would hash
+the whole object again for every HEAD and every ranged GET, on the cores the readers use).
+
+Requests per 64 MiB object, counted through a proxy: shardcache 1 HEAD + 4 ranged GETs (1
+HEAD + 1 GET with one stream), s3fs ``get`` 3 GETs, boto3 ``download_file`` 1 HEAD + 8
+ranged GETs, s3torchconnector 8 ranged GETs, curl 1 GET.
 
 Readers, each run in a fresh process (spawned: its imports, client and threads its own),
 ``inflight`` objects in flight (full: 8), objects written to files in a fresh directory:
