@@ -39,7 +39,8 @@ pointing at rclone it works). Before the clock each reader makes its client and 
 warm-up object through it (a training job makes its client once). Timed: from the first
 request to the last byte on disk; ``cpu_s_per_gb`` is the reader process's user + system CPU
 in that window (its threads and waited children: curl), per GB of objects; the same window
-gives the machine's busy share of all cores and the server's CPU. Every run's files must
+gives the machine's busy share of all cores and the server's CPU (``server_cpu_s_per_gb``:
+what this reader's requests cost the server). Every run's files must
 have the objects' sizes, else the row is an error. Medians of ``reps`` runs, the readers'
 order alternated; ``mb_s_runs`` keeps every run's figure.
 
@@ -191,6 +192,7 @@ def _child(kind: str, env: dict[str, str], job: dict[str, Any], q: Any) -> None:
             {
                 "wall": wall,
                 "cpu": cpu,
+                "server_cpu": server - server0,
                 "machine_cpu_pct": 100 * (busy[0] - busy0[0]) / max(busy[1] - busy0[1], 1),
                 "server_cpu_pct": 100 * (server - server0) / wall,
                 "client_cpu_pct": 100 * cpu / wall,
@@ -231,6 +233,7 @@ def _summary(runs: list[dict[str, Any]], gb: float) -> dict[str, Any]:
     return {
         "mb_s": round(gb * 1000 / wall, 1),
         "cpu_s_per_gb": round(median([r["cpu"] for r in runs]) / gb, 2),
+        "server_cpu_s_per_gb": round(median([r["server_cpu"] for r in runs]) / gb, 2),
         "wall_s": round(wall, 3),
         "mb_s_runs": [round(gb * 1000 / r["wall"], 1) for r in runs],
         "reps": len(runs),
