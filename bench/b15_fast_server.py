@@ -160,7 +160,10 @@ def _boto3_client(so: dict[str, Any]) -> Any:
     )
 
 
-def _pool(t: int, get: Callable[[str, Path], Any], keys: list[str], files: list[Path]):
+def _pool(
+    t: int, get: Callable[[str, Path], Any], keys: list[str], files: list[Path]
+) -> list[Path]:
+    """``get(key, file)`` of every object on ``t`` threads; returns the files."""
     with ThreadPoolExecutor(t) as pool:
         list(pool.map(get, keys, files))
     return files
