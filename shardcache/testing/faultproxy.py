@@ -637,6 +637,7 @@ class FaultProxy(LoopbackService):
         self._forwarded = 0
         self._faults: Counter[str] = Counter()
         self._injected: deque[InjectedFault] = deque(maxlen=10_000)
+        self._seen: Counter[tuple[str, str]] = Counter()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -738,6 +739,7 @@ class FaultProxy(LoopbackService):
         rule = self.rules.take(method, target)
         with self._lock:
             self._requests += 1
+            self._seen[method, target.partition("?")[0]] += 1
             if rule is not None:
                 self._faults[rule.label] += 1
                 self._injected.append(InjectedFault(rule.label, method, target))
@@ -811,6 +813,12 @@ class FaultProxy(LoopbackService):
                 rate_passed=self._rate_passed,
                 rate_refused=self._rate_refused,
             )
+
+    def requests_seen(self) -> Counter[tuple[str, str]]:
+        """(method, decoded path without the query) -> how many such requests arrived,
+        counted as each one arrives (before it is answered, faulted or forwarded)."""
+        with self._lock:
+            return Counter(self._seen)
 
     def faults_injected(self, kind: str | None = None) -> int:
         """How many faults were applied, optionally only of ``kind`` (e.g. ``"status:503"``)."""

