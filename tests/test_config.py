@@ -317,11 +317,12 @@ def test_a_shown_value_reads_back_as_the_same_value() -> None:
 
 
 def test_documented_defaults_are_what_config_shows() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "configuration.md").read_text()
+    page = Path(__file__).resolve().parents[1] / "docs" / "reference" / "configuration.md"
+    table = page.read_text()
     defaults = Settings.resolve(env={})
     for name, spec in SPECS.items():
-        row = re.search(rf"^\| `{spec.env}` \| `{name}` \| ([^|]*) \|", readme, re.M)
-        assert row, f"README's configuration table has no row for {spec.env}"
+        row = re.search(rf"^\| `{spec.env}` \| `{name}` \| ([^|]*) \|", table, re.M)
+        assert row, f"the configuration table ({page.name}) has no row for {spec.env}"
         if name != "cache_dir":  # computed from TMPDIR and the user
             shown = format_setting(name, getattr(defaults, name))
             assert shown in row.group(1).replace("`", ""), (spec.env, shown, row.group(1))
