@@ -11,6 +11,8 @@ torchrun).
 ...     path = cache.fetch(url)
 """
 
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it
+
 from ._cache import CacheStats, ShardCache
 from ._config import Settings
 from ._errors import (
@@ -46,8 +48,6 @@ from ._redact import RedactingFilter
 from ._resume_state import job_state
 from ._tensorboard import TensorBoardSink  # imports nothing of TensorBoard
 from ._urls import expand_urls
-
-__version__ = "0.1.0"
 
 # The WebDataset integration imports webdataset, which imports torch (over a second):
 # load it on first use only.
