@@ -524,15 +524,11 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 def _dataset(args: argparse.Namespace, specs: list[str], cache: Any) -> Any:
     """The training's ResumableDataset as the --split dataset arguments describe it (its
     rank and world size detected, as in training)."""
-    from ._errors import MissingExtraError
+    from ._extras import require_extras
 
-    try:
-        from ._resumable import ResumableDataset
-    except ImportError as exc:
-        raise MissingExtraError(
-            f"shardcache warm --split dataset needs torch ({exc}): pip install 'shardcache[torch]'",
-            extra="torch",
-        ) from None
+    require_extras("shardcache warm --split dataset", "torch")
+    from ._resumable import ResumableDataset
+
     return ResumableDataset(
         specs,
         seed=0 if args.seed is None else args.seed,

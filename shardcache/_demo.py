@@ -1,6 +1,6 @@
 """The demo: read a small WebDataset through the cache with WebDataset + DataLoader.
 
-Without ``source`` it starts an embedded S3 (a moto server on 127.0.0.1, from the ``test``
+Without ``source`` it starts an embedded S3 (a moto server on 127.0.0.1, from the ``testing``
 extra), writes a deterministic dataset of image-like samples, and fetches it. The server
 listens on a port fixed by the cache directory (:func:`demo_port`) so that cache keys (which
 include the endpoint) stay the same across runs and a second run shows all hits, while demos
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cache import ShardCache
+from ._extras import require_extras
 from ._redact import get_logger
 from ._urls import expand_urls
 from .testing.s3server import S3Server
@@ -83,6 +84,7 @@ def run_demo(
     workers: int = 2,
 ) -> DemoReport:
     """Run the demo (embedded S3 unless ``source`` is given) and return its report."""
+    require_extras("shardcache demo", "torch", *(("testing",) if source is None else ()))
     if source is not None:
         cache = ShardCache(cache_dir, threads=threads)
         return _run_pipeline(source, cache, fresh=fresh, workers=workers, decode=False)

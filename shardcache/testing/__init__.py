@@ -1,6 +1,7 @@
 """Test and demo infrastructure: a real S3 server (moto) on loopback and a fault proxy.
 
-Needs the ``test`` extra (moto[server], boto3).
+``S3Server`` needs the ``testing`` extra (``pip install 'shardcache[testing]'``: moto's
+server and boto3); ``FaultProxy`` needs nothing more.
 """
 
 from shardcache.testing.faultproxy import (
