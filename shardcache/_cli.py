@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from ._config import Settings, parse_size
 from ._errors import ConfigError, ShardCacheError, UrlError
 from ._redact import RedactingFilter
@@ -103,6 +104,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "  shardcache demo\n"
         "\nexit codes: 0 ok, 1 failed (or some shards failed), 2 usage error",
     )
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -141,6 +143,14 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_index(commands)
     _add_maintenance(commands)
     _add_report(commands)
+    for command in commands.choices.values():  # -v after the command too: "warm -v ..."
+        command.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,  # absent: the value before the command stands
+            help="log debug details",
+        )
     return parser
 
 
