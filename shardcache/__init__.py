@@ -11,6 +11,11 @@ torchrun).
 ...     path = cache.fetch(url)
 """
 
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it
+
+from importlib import import_module as _import_module
+
+from . import _extras
 from ._cache import CacheStats, ShardCache
 from ._config import Settings
 from ._errors import (
@@ -48,11 +53,17 @@ from ._resume_state import job_state
 from ._tensorboard import TensorBoardSink  # imports nothing of TensorBoard
 from ._urls import expand_urls
 
-__version__ = "0.1.0"
-
-# The WebDataset integration imports webdataset, which imports torch (over a second):
-# load it on first use only.
+# The WebDataset integration imports webdataset, which imports torch if installed (over a
+# second): load it on first use only. It works without torch, as webdataset does.
 _WDS_NAMES = ("split_by_node", "stage", "tarfile_samples", "tarfile_to_samples")
+# Classes built on torch.utils.data, loaded on first use. Without the torch extra their
+# names import as stand-ins that raise MissingExtraError when used.
+_TORCH_CLASSES = {
+    "ResumableDataset": "_resumable",
+    "MixtureDataset": "_mixture",
+    "Source": "_mixture",
+}
+_stand_ins: dict[str, type] = {}
 
 
 def __getattr__(name: str) -> object:
@@ -60,15 +71,11 @@ def __getattr__(name: str) -> object:
         from . import _wds as wds
 
         return getattr(wds, name)
-    if name == "ResumableDataset":
-        from ._resumable import ResumableDataset
-
-        ResumableDataset.__module__ = __name__
-        return ResumableDataset
-    if name in ("MixtureDataset", "Source"):
-        from . import _mixture
-
-        found = getattr(_mixture, name)
+    if name in _TORCH_CLASSES:
+        error = _extras.missing_extras(f"shardcache.{name}", "torch")
+        if error is not None:
+            return _stand_ins.setdefault(name, _extras.stand_in(name, error))
+        found = getattr(_import_module(f".{_TORCH_CLASSES[name]}", __name__), name)
         found.__module__ = __name__
         return found
     if name == "WebDataset":

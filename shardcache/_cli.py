@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from ._config import Settings, format_setting, parse_size
 from ._errors import ConfigError, ShardCacheError, UrlError
 from ._redact import RedactingFilter
@@ -103,6 +104,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "  shardcache demo\n"
         "\nexit codes: 0 ok, 1 failed (or some shards failed), 2 usage error",
     )
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -143,6 +145,14 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_index(commands)
     _add_maintenance(commands)
     _add_report(commands)
+    for command in commands.choices.values():  # -v after the command too: "warm -v ..."
+        command.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,  # absent: the value before the command stands
+            help="log debug details",
+        )
     return parser
 
 
@@ -564,15 +574,11 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 def _dataset(args: argparse.Namespace, specs: list[str], cache: Any) -> Any:
     """The training's ResumableDataset as the --split dataset arguments describe it (its
     rank and world size detected, as in training)."""
-    from ._errors import MissingExtraError
+    from ._extras import require_extras
 
-    try:
-        from ._resumable import ResumableDataset
-    except ImportError as exc:
-        raise MissingExtraError(
-            f"shardcache warm --split dataset needs torch ({exc}): pip install 'shardcache[torch]'",
-            extra="torch",
-        ) from None
+    require_extras("shardcache warm --split dataset", "torch")
+    from ._resumable import ResumableDataset
+
     return ResumableDataset(
         specs,
         seed=0 if args.seed is None else args.seed,

@@ -1,6 +1,6 @@
 """The demo: read a small WebDataset through the cache with WebDataset + DataLoader.
 
-Without ``source`` it starts an embedded S3 (a moto server on 127.0.0.1, from the ``test``
+Without ``source`` it starts an embedded S3 (a moto server on 127.0.0.1, from the ``testing``
 extra), writes a deterministic dataset of image-like samples, and fetches it. The server
 listens on a port fixed by the cache directory (:func:`demo_port`) so that cache keys (which
 include the endpoint) stay the same across runs and a second run shows all hits, while demos
@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from ._cache import ShardCache
+from ._extras import require_extras
 from ._fetch_progress import LOG_EVERY, FetchProgress
 from ._redact import get_logger
 from ._urls import expand_urls
@@ -92,6 +93,7 @@ def run_demo(
 ) -> DemoReport:
     """Run the demo (embedded S3 unless ``source`` is given) and return its report; what it
     does and the samples read go to ``stream`` as progress (None: nothing)."""
+    require_extras("shardcache demo", "torch", *(("testing",) if source is None else ()))
     if source is not None:
         cache = ShardCache(cache_dir, threads=threads)
         return _run_pipeline(

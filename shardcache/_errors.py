@@ -167,8 +167,9 @@ class MetricsError(ShardCacheError, ValueError):
 
 
 class MissingExtraError(ShardCacheError, ImportError):
-    """An optional dependency is not installed; ``extra`` names the shardcache extra and the
-    message gives the ``pip install 'shardcache[...]'`` command."""
+    """An optional dependency is not installed; ``extra`` names the shardcache extra (or
+    extras, comma-separated: what goes between the brackets), ``modules`` the modules not
+    installed, and the message gives the ``pip install 'shardcache[...]'`` command."""
 
 
 class StallError(ShardCacheError, TimeoutError):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _metrics_records as mr
-from ._errors import MissingExtraError
+from ._extras import require_extras
 from ._redact import get_logger
 
 log = get_logger(__name__)
@@ -49,14 +49,9 @@ _COUNTERS = {
 
 
 def _prometheus_client() -> Any:
-    try:
-        import prometheus_client
-    except ImportError:
-        raise MissingExtraError(
-            "shardcache.PrometheusSink needs prometheus-client: "
-            "pip install 'shardcache[prometheus]'",
-            extra="prometheus",
-        ) from None
+    require_extras("shardcache.PrometheusSink", "prometheus")
+    import prometheus_client
+
     return prometheus_client
 
 

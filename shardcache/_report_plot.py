@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._errors import MissingExtraError
+from ._extras import require_extras
 from ._report import JobReport, Segment
 
 MAX_BINS = 240
@@ -105,13 +105,9 @@ def _spread(bins: list[float], seg: Segment, value: float, start: float, width: 
 
 def plot(job: JobReport, out: Path) -> Timeline:
     """Draw ``job``'s timeline into the PNG ``out``; returns what was drawn."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise MissingExtraError(
-            "shardcache report --plot needs matplotlib: pip install 'shardcache[plot]'",
-            extra="plot",
-        ) from None
+    require_extras("shardcache report --plot", "plot")
+    import matplotlib
+
     matplotlib.use("Agg", force=True)
     from matplotlib import pyplot
 

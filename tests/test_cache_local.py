@@ -132,6 +132,7 @@ def test_disk_filling_up_mid_download_leaves_nothing(
 
 
 def test_demo_second_run_is_all_hits(tmp_path: Path) -> None:
+    pytest.importorskip("torch")  # the demo's DataLoader (scripts/check-dist runs without)
     first = run_demo(cache_dir=tmp_path / "demo", shards=4)
     assert (first.shards, first.misses, first.hits, first.failed) == (4, 4, 0, [])
     assert first.samples == 4 * 32  # every sample through WebDataset + DataLoader

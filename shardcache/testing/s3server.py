@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from shardcache._extras import require_extras
 from shardcache.testing._service import HOST, LoopbackService
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class S3Server(LoopbackService):
 
     def start(self) -> S3Server:
         """Start the server and wait until it answers (bounded by ``start_timeout``)."""
+        require_extras("shardcache.testing.S3Server", "testing")
         with self._lifecycle_lock:
             if self._proc is not None:
                 if self._proc.poll() is None:
