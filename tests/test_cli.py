@@ -19,6 +19,7 @@ import shardcache
 from shardcache import ShardCache
 from shardcache._cli import main
 from shardcache._units import format_bytes
+from shardcache.testing import FaultProxy
 from shardcache.warm import WarmPlan, plan_warm
 
 BUCKET = "warm"
@@ -428,8 +429,12 @@ def test_demo_shows_progress_and_reports_json(tmp_path) -> None:
 @pytest.mark.timeout(90)
 def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> None:
     s3.put_objects(BUCKET, {"huge.tar": random.Random(1).randbytes(48 << 20)})
+    # Through a 4 MB/s link the download takes 12 s, so the SIGINT sent once its temp file
+    # exists always lands mid-download (unshaped, a quiet machine finished it first).
+    proxy = FaultProxy("127.0.0.1", s3.port, total_rate=4_000_000).start()
     env = {
         **os.environ,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}",
         "SHARDCACHE_DIR": str(tmp_path / "cache"),
         "SHARDCACHE_CHUNK_SIZE": "64K",  # a progress report (and chance to stop) per 64 KiB
     }
@@ -454,6 +459,7 @@ def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        proxy.stop()
     assert proc.returncode == 130, err
     assert err.rstrip().endswith("shardcache: interrupted")
     assert [p for p in data_dir.rglob("*") if not p.is_dir()] == []  # no .part, no shard

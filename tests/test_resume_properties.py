@@ -106,26 +106,40 @@ class Job:
         return [s["__key__"] for s in dataset]
 
 
-def check_epoch(
-    spec: dict, keys: list[str], runs: list[list[str]], planned: int, *, split: bool = True
-) -> None:
-    """Equal runs of ``planned`` samples in all (``split``: not an exact resume, which
-    goes on where each consumer was); when they deliver at least as many samples as there
-    are keys (padding) every key at least once (the rest repeats), else none twice."""
+def check_epoch(spec: dict, keys: list[str], runs: list[list[str]], planned: int) -> None:
+    """A fresh epoch: equal runs of ``planned`` samples in all; when they deliver at least
+    as many samples as there are keys every key at least once (the rest repeats), else
+    none twice."""
     every = Counter(k for run in runs for k in run)
-    if not split:
-        assert every.total() == planned
-        assert set(every) == set(keys)
-        return
-    assert len({len(run) for run in runs}) == 1
-    assert every.total() == len(runs) * (
-        planned // len(runs) if spec["remainder"] == "drop" else -(-planned // len(runs))
-    )
+    _equal_shares(spec, runs, planned)
     assert set(every) <= set(keys)
     if every.total() >= len(keys):
         assert set(every) == set(keys)
     else:
         assert max(every.values(), default=1) == 1
+
+
+def check_resumed(spec: dict, left: Counter[str], runs: list[list[str]], *, split: bool) -> None:
+    """What was left of an epoch (a multiset: an epoch above the shards' samples holds
+    repeats), resumed: on the same layout exactly that; on another (``split``) equal runs,
+    with "pad" every sample left as often as it was left at least (the rest repeats of
+    them), with "drop" none more often than it was left."""
+    every = Counter(k for run in runs for k in run)
+    if not split:
+        assert every == left
+        return
+    _equal_shares(spec, runs, left.total())
+    if spec["remainder"] == "drop":
+        assert all(every[k] <= left[k] for k in every), every - left
+    else:
+        assert set(every) == set(left) and not left - every, left - every
+
+
+def _equal_shares(spec: dict, runs: list[list[str]], planned: int) -> None:
+    assert len({len(run) for run in runs}) == 1
+    assert sum(len(run) for run in runs) == len(runs) * (
+        planned // len(runs) if spec["remainder"] == "drop" else -(-planned // len(runs))
+    )
 
 
 @SETTINGS
@@ -162,7 +176,7 @@ def test_another_layout_delivers_every_undelivered_sample(spec: dict) -> None:
         left = Counter(k for run in runs for k in run) - Counter(delivered)
         whole = job_state(states)
         rests = [job.resume(whole, slot, resumed_with) for slot in range(resumed_with)]
-        check_epoch(spec, list(left), rests, left.total(), split=resumed_with != consumers)
+        check_resumed(spec, left, rests, split=resumed_with != consumers)
         assert [job.resume(whole, s, resumed_with) for s in range(resumed_with)] == rests
 
         # A checkpoint inside the resumed epoch resumes exactly, and elastically again.
@@ -172,7 +186,7 @@ def test_another_layout_delivers_every_undelivered_sample(spec: dict) -> None:
         also = [k for slot, rest in enumerate(rests) for k in rest[: again_taken[slot]]]
         still = Counter(k for rest in rests for k in rest) - Counter(also)
         final = [job.resume(job_state(again), slot, consumers) for slot in range(consumers)]
-        check_epoch(spec, list(still), final, still.total(), split=resumed_with != consumers)
+        check_resumed(spec, still, final, split=resumed_with != consumers)
 
 
 @SETTINGS
