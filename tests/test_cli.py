@@ -438,8 +438,16 @@ def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> Non
         "SHARDCACHE_DIR": str(tmp_path / "cache"),
         "SHARDCACHE_CHUNK_SIZE": "64K",  # a progress report (and chance to stop) per 64 KiB
     }
+    # SIGINT as a terminal's Ctrl-C gives it, whatever this process passes on: an ignored
+    # SIGINT (a shell's background job; children inherit SIG_IGN, which Python keeps) or a
+    # blocked one (a signal mask survives exec).
+    interruptible = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+        "runpy.run_module('shardcache', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardcache", "warm", f"s3://{BUCKET}/huge.tar"],
+        [sys.executable, "-c", interruptible, "warm", f"s3://{BUCKET}/huge.tar"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
