@@ -17,7 +17,9 @@ The model, stated (every figure is a parameter):
 * every shard is read once per epoch by one DataLoader worker; a cache keeps everything it
   fetched (no eviction); the cache root is node-local except for "shared FS";
 * a request's duration is ``--latency`` plus its bytes at the per-connection rate, the
-  node's link shared equally by its connections; a HEAD lasts ``--latency``;
+  node's link shared equally by its connections; a shard's first request is a GET of the
+  whole object (its headers give size and checksum; it carries the first part when the
+  object is fetched in ranged parts), so there is no HEAD;
 * S3's prefix takes ``--limit`` GET/HEAD requests/s (5,500 per partitioned prefix,
   documented) and answers the rest with 503 SlowDown at once: all shards share one prefix,
   not yet partitioned further (S3 partitions a busy prefix only over minutes);
@@ -116,16 +118,17 @@ def cache_key(scope: str, node: int, rank: int, root: Path) -> tuple[Any, ...]:
     return (settings.scope_dir,) if scope == "shared" else (node, settings.scope_dir)
 
 
-def requests_per_shard(size: int) -> tuple[int, int]:
-    """(HEADs, GETs) one download costs with the default settings: a ranged GET per part
-    when ``ParallelDownload.suits`` the object, else one GET."""
+def requests_per_shard(size: int) -> int:
+    """GETs one download costs with the default settings: one per part when
+    ``ParallelDownload.suits`` the object (the first part from the whole-object GET whose
+    headers gave the size, the others ranged), else one GET. No HEAD."""
     s = Settings.resolve(env={})
     from shardcache._cache import ShardCache
 
     remote: Remote = ShardCache(settings=s).remote  # the options exactly as a cache has them
     with tempfile.TemporaryFile() as out:
         ranged = remote.parallel.suits(ObjectInfo("s3://b/k.tar", size), out)
-    return 1, (math.ceil(size / s.part_size) if ranged else 1)
+    return math.ceil(size / s.part_size) if ranged else 1
 
 
 Reads = list[tuple[int, int, list[int]]]  # (node, rank, shards) per DataLoader worker
@@ -140,8 +143,8 @@ def plan_reads(job: Job, pattern: str, scope: str, epochs: int = 2) -> list[Read
 
 
 def per_epoch(job: Job, plan: list[Reads], scope: str) -> list[dict[str, float]]:
-    """Downloads, HEADs, GETs and bytes per node in each epoch of ``plan``."""
-    heads, gets = requests_per_shard(job.shard_size)
+    """Downloads, GETs and bytes per node in each epoch of ``plan``."""
+    gets = requests_per_shard(job.shard_size)
     root = Path("/local/shardcache")
     keys = {
         (n, r): cache_key(scope, n, r, root)
@@ -162,7 +165,6 @@ def per_epoch(job: Job, plan: list[Reads], scope: str) -> list[dict[str, float]]
         out.append(
             {
                 "downloads": downloads,
-                "heads": downloads * heads,
                 "gets": downloads * gets,
                 "s3_bytes_per_node": downloads * job.shard_size / job.nodes,
                 # on a shared FS every read crosses the network, hit or miss
@@ -174,8 +176,8 @@ def per_epoch(job: Job, plan: list[Reads], scope: str) -> list[dict[str, float]]
 
 def job_start(job: Job, processes: int, threads: int) -> dict[str, float]:
     """The first wave: ``processes`` prefetchers per job, each starting ``threads`` shards
-    (HEAD, then ``PARTS`` ranged GETs in flight when the object is large)."""
-    heads, gets = requests_per_shard(job.shard_size)
+    (its first GET, sent at once, then ``PARTS`` GETs in flight when the object is large)."""
+    gets = requests_per_shard(job.shard_size)
     parts = min(PARTS, gets) if gets > 1 else 1
     per_request = job.shard_size / gets
     conns_per_node = processes / job.nodes * threads * parts
@@ -184,8 +186,8 @@ def job_start(job: Job, processes: int, threads: int) -> dict[str, float]:
     in_flight = processes * threads * parts
     return {
         "processes": processes,
-        "head_burst": processes * threads * heads,  # all sent within one latency
-        "head_burst_rate": processes * threads * heads / job.latency,
+        "first_burst": processes * threads,  # each shard's first GET, all within one latency
+        "first_burst_rate": processes * threads / job.latency,
         "in_flight": in_flight,
         "request_s": duration,
         "get_rate": in_flight / duration,
@@ -311,20 +313,20 @@ def _gib(x: float) -> str:
 
 
 def report(job: Job, seconds: float, scale: int, seed: int) -> str:
-    heads, gets = requests_per_shard(job.shard_size)
+    gets = requests_per_shard(job.shard_size)
     lines = [
         f"Job: {job.nodes} nodes x {job.ranks} ranks x {job.workers} DataLoader workers; "
         f"{job.shards:,} shards of {_gib(job.shard_size)}; defaults: threads {THREADS}, depth "
-        f"{DEPTH}, parts of {PART_SIZE >> 20} MiB, {PARTS} in flight; one shard = {heads} HEAD + "
-        f"{gets} GET(s); links: {job.conn_rate / 1e6:g} MB/s per connection, "
+        f"{DEPTH}, parts of {PART_SIZE >> 20} MiB, {PARTS} in flight; one shard = {gets} GET(s), "
+        f"no HEAD; links: {job.conn_rate / 1e6:g} MB/s per connection, "
         f"{job.node_rate * 8 / 1e9:g} Gb/s per node, {job.latency * 1e3:g} ms to first byte.",
         "",
         "Per epoch (requests at the limit: the time the prefix needs to answer them at "
         f"{S3_GET_LIMIT:,}/s):",
         "",
-        "| reads | scope | epoch | downloads | HEADs | GETs | at the limit | from S3 per node"
+        "| reads | scope | epoch | downloads | GETs | at the limit | from S3 per node"
         " | network FS reads, busiest node |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     patterns = (
         ("wds", "WebDataset split (fixed)"),
@@ -339,11 +341,11 @@ def report(job: Job, seconds: float, scale: int, seed: int) -> str:
             if caches not in plans:
                 plans[caches] = plan_reads(job, pattern, scope)
             for epoch, row in enumerate(per_epoch(job, plans[caches], scope), 1):
-                minutes = (row["heads"] + row["gets"]) / S3_GET_LIMIT / 60
+                minutes = row["gets"] / S3_GET_LIMIT / 60
                 shared = _gb(row["net_bytes_per_node"]) if scope == "shared" else "-"
                 lines.append(
                     f"| {label} | {scope} | {epoch} | {_n(row['downloads'])} | "
-                    f"{_n(row['heads'])} | {_n(row['gets'])} | {minutes:,.1f} min | "
+                    f"{_n(row['gets'])} | {minutes:,.1f} min | "
                     f"{_gb(row['s3_bytes_per_node'])} | {shared} |"
                 )
     warm_rank = plan_warm(
@@ -368,15 +370,15 @@ def report(job: Job, seconds: float, scale: int, seed: int) -> str:
         "",
         f"Job start (peak; S3 takes {S3_GET_LIMIT:,} GET/HEAD per second per prefix):",
         "",
-        "| start | processes | HEAD burst | HEAD rate (x limit) | GETs in flight | one GET"
-        " | GET rate (x limit) | per node |",
+        "| start | processes | first GETs (burst) | their rate (x limit) | GETs in flight"
+        " | one GET | GET rate (x limit) | per node |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, s in starts.items():
-        heads, gets = s["head_burst_rate"], s["get_rate"]
+        firsts, gets = s["first_burst_rate"], s["get_rate"]
         lines.append(
-            f"| {label} | {_n(s['processes'])} | {_n(s['head_burst'])} | {_n(heads)}/s "
-            f"({heads / S3_GET_LIMIT:,.0f}x) | {_n(s['in_flight'])} | {s['request_s']:.2f} s | "
+            f"| {label} | {_n(s['processes'])} | {_n(s['first_burst'])} | {_n(firsts)}/s "
+            f"({firsts / S3_GET_LIMIT:,.0f}x) | {_n(s['in_flight'])} | {s['request_s']:.2f} s | "
             f"{_n(gets)}/s ({gets / S3_GET_LIMIT:,.1f}x) | {s['node_mb_s']:,.0f} MB/s |"
         )
     start = starts["training start, every DataLoader worker prefetching (any scope)"]

@@ -47,7 +47,7 @@ from ._metadata import write_meta
 from ._pins import open_pinned, pin, reopen_pinned
 from ._prefetch import Prefetcher
 from ._redact import get_logger, redact_url
-from ._remote import ObjectInfo, Progress, Remote, RemoteOptions
+from ._remote import ObjectInfo, OpenedObject, Progress, Remote, RemoteOptions
 from ._retry import RetryPolicy
 from ._safefs import SafeFS
 from ._throttle import process_throttle
@@ -420,10 +420,10 @@ class ShardCache:
                 if progress is not None:
                     progress(phase=phase, bytes_done=bytes_done, bytes_total=bytes_total)
 
-            report(phase="stat", bytes_done=0, bytes_total=None)
-            info = self.remote.info(url)
+            report(phase="requesting", bytes_done=0, bytes_total=None)
             t0 = time.monotonic()
-            info = self._download_and_publish(info, shard, report, announce)
+            with self.remote.open(url) as opened:
+                info = self._download_and_publish(opened, shard, report, announce)
             metrics.collector().shard_downloaded(url, time.monotonic() - t0, info.size)
             self._count(
                 url,
@@ -436,9 +436,9 @@ class ShardCache:
             return final
 
     def _download_and_publish(
-        self, info: ObjectInfo, shard: ShardId, report: Progress, announce: Announce | None
+        self, opened: OpenedObject, shard: ShardId, report: Progress, announce: Announce | None
     ) -> ObjectInfo:
-        """Download ``info`` into a private temp file and publish it, verified.
+        """Download the ``opened`` object into a private temp file and publish it, verified.
 
         A disk that fills up meanwhile (ENOSPC/EDQUOT from the reservation, a write, the
         flush, the truncate or the fsync; possible where nothing was reserved) gets one
@@ -448,9 +448,9 @@ class ShardCache:
         unknown ahead (a ``pipe:`` command) gets no eviction pass: there is no size to make
         room for, so a full disk is a :class:`CacheFullError` at once.
         """
-        final = shard.data_path
+        final, info = shard.data_path, opened.info
         try:
-            return self._publish_once(info, shard, report, announce)
+            return self._publish_once(opened, shard, report, announce)
         except _DiskFull as exc:
             first = exc.__cause__
             if info.size is None:
@@ -476,7 +476,7 @@ class ShardCache:
                 **full.details,
             ) from first
         try:
-            return self._publish_once(info, shard, report, announce)
+            return self._publish_once(opened, shard, report, announce)
         except _DiskFull as exc:
             raise self._full_error(
                 final,
@@ -485,9 +485,9 @@ class ShardCache:
             ) from exc.__cause__
 
     def _publish_once(
-        self, info: ObjectInfo, shard: ShardId, report: Progress, announce: Announce | None
+        self, opened: OpenedObject, shard: ShardId, report: Progress, announce: Announce | None
     ) -> ObjectInfo:
-        final = shard.data_path
+        final, info = shard.data_path, opened.info
         part = self.layout.temp_path(final)
         fd: int | None = None
         growing: GrowingFile | None = None
@@ -502,7 +502,7 @@ class ShardCache:
             # The descriptor outlives the file object: publishing may need the bytes again.
             # A failure to write ``out`` comes back as the OSError itself, never retried.
             with growing.writer() if growing else os.fdopen(fd, "wb", closefd=False) as out:
-                info = self.remote.download(info, out, report)
+                info = self.remote.download(info, out, report, opened)
                 out.truncate()  # a smaller object than reserved for (it changed): no tail
                 out.flush()
             os.fsync(fd)

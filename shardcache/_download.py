@@ -81,6 +81,39 @@ class RemoteOptions:
         return f"RemoteOptions(storage_options={redact_options(self.storage_options)!r}, {rest})"
 
 
+class OpenedObject:
+    """An object whose GET is answered: its info, read from the response's headers, and its
+    body, not read yet. The download reads that body instead of sending a request of its own,
+    so a cold shard costs one request (see :meth:`shardcache._remote.Remote.open`).
+
+    Stores other than S3 have no such response: ``body`` is None and the download sends its
+    own request. :meth:`close` ends a response that was not read to its end."""
+
+    def __init__(self, info: ObjectInfo, fs: Any = None, body: Any = None) -> None:
+        self.info = info
+        self._fs = fs
+        self._body = body
+        self._taken = False
+
+    def take(self, piece: int) -> Iterator[bytes] | None:
+        """The body from byte 0 in pieces of at most ``piece`` bytes, once: a later attempt
+        (a retry, a second download after a full disk) sends its own request."""
+        if self._body is None or self._taken:
+            return None
+        self._taken = True
+        return read_body(self._fs, self._body, piece)
+
+    def close(self) -> None:
+        if self._body is not None:
+            self._body.close()
+
+    def __enter__(self) -> OpenedObject:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Source(Protocol):
     """What a strategy needs of the remote: its options, file systems and fresh metadata."""
 
@@ -140,10 +173,17 @@ class Strategy(abc.ABC):
         return info
 
     @abc.abstractmethod
-    def download(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
+    def download(
+        self,
+        info: ObjectInfo,
+        out: BinaryIO,
+        progress: Progress,
+        opened: OpenedObject | None = None,
+    ) -> ObjectInfo:
         """Write ``info.url`` into ``out`` (positioned at 0, left at the end) and verify it;
-        returns the info the bytes were verified against. Raises a
-        :class:`~shardcache.FetchError` subclass or :class:`IntegrityError`, or
+        returns the info the bytes were verified against. ``opened``: the object's GET,
+        already answered, whose body the first attempt reads instead of sending a request.
+        Raises a :class:`~shardcache.FetchError` subclass or :class:`IntegrityError`, or
         :class:`LocalWriteError` for a failed write of ``out``."""
 
     def verify(self, info: ObjectInfo, size: int, digest: str | None, attempt: int) -> ObjectInfo:
@@ -183,6 +223,35 @@ class Strategy(abc.ABC):
         return replace(info, verified=want)
 
 
+def s3_get(
+    fs: Any,
+    path: str,
+    info: ObjectInfo,
+    throttle: Throttle,
+    *,
+    start: int = 0,
+    end: int | None = None,
+) -> Any:
+    """Send one GET of bytes ``[start, end)`` of an S3 object (the whole object when neither
+    is given) in a slot of ``throttle``; returns the response once its headers arrived, its
+    ``Body`` unread. A ranged GET carries ``If-Match`` on the ETag, so a changed object is
+    never stitched together (HTTP 412 instead). A whole-object GET asks for the object's
+    full-object checksum (``x-amz-checksum-mode``: see :func:`ask_for_checksums`)."""
+    bucket, key, version = fs.split_path(path)
+    kw: dict[str, Any] = {}
+    if version or info.version_id:
+        kw["VersionId"] = version or info.version_id
+    if start or end is not None:
+        kw["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        if info.etag:
+            kw["IfMatch"] = f'"{info.etag}"'
+    return throttled_call(
+        throttle,
+        "GET",
+        lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw),
+    )
+
+
 def s3_body(
     fs: Any,
     path: str,
@@ -193,10 +262,15 @@ def s3_body(
     start: int = 0,
     end: int | None = None,
 ) -> Iterator[bytes]:
-    """One GET of bytes ``[start, end)`` of an S3 object (the whole object when neither is
-    given), in pieces of at most ``piece`` bytes, sent in a slot of ``throttle``. A ranged
-    GET carries ``If-Match`` on the ETag, so a changed object is never stitched together
-    (HTTP 412 instead).
+    """One GET of bytes ``[start, end)`` of an S3 object (:func:`s3_get`), its body in
+    pieces of at most ``piece`` bytes (:func:`read_body`). Nothing is sent until the first
+    piece is asked for."""
+    response = s3_get(fs, path, info, throttle, start=start, end=end)
+    yield from read_body(fs, response["Body"], piece)
+
+
+def read_body(fs: Any, body: Any, piece: int) -> Iterator[bytes]:
+    """The pieces of a GET response's ``body``, each at most ``piece`` bytes; closes it.
 
     Each piece is gathered on the event loop's thread until it holds at least
     ``_MIN_PIECE`` bytes, the body ends, or ``_MAX_GATHER`` seconds passed (progress
@@ -204,20 +278,6 @@ def s3_body(
     arrived since the last one, a few KiB, and handing every such scrap to this thread
     (a wake-up of each thread, a write, a checksum update, a progress report) cost more
     CPU than the bytes themselves."""
-    bucket, key, version = fs.split_path(path)
-    kw: dict[str, Any] = {}
-    if version or info.version_id:
-        kw["VersionId"] = version or info.version_id
-    if start or end is not None:
-        kw["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        if info.etag:
-            kw["IfMatch"] = f'"{info.etag}"'
-    response = throttled_call(
-        throttle,
-        "GET",
-        lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw),
-    )
-    body = response["Body"]
     # The first pieces are handed over small, then twice as big each time up to
     # _MIN_PIECE: a reader following the download sees its first bytes (and its first
     # samples) about one round trip after the request, not once 1 MiB arrived (100 ms at
@@ -229,6 +289,26 @@ def s3_body(
             least = min(piece, _MIN_PIECE, 2 * least)
     finally:
         body.close()
+
+
+def ask_for_checksums(client: Any) -> None:
+    """Have ``client`` (an S3 client) ask for the object's full-object checksum on every
+    whole-object GET (header ``x-amz-checksum-mode: ENABLED``), so one GET brings what a
+    ``HeadObject`` with ``ChecksumMode`` would. Sent as a header rather than botocore's
+    ``ChecksumMode`` parameter, which would also make botocore check the body itself: a
+    second checksum of every byte beside ours. Ranged GETs do not ask (S3 returns no
+    full-object checksum for a range). Idempotent."""
+    client.meta.events.register(
+        "before-sign.s3.GetObject", _checksum_mode_header, unique_id=_CHECKSUM_MODE_HANDLER
+    )
+
+
+_CHECKSUM_MODE_HANDLER = "shardcache-checksum-mode"
+
+
+def _checksum_mode_header(request: Any, **kwargs: Any) -> None:
+    if "Range" not in request.headers:
+        request.headers["x-amz-checksum-mode"] = "ENABLED"
 
 
 _MIN_PIECE = 1 << 20  # bytes gathered per hand-over from the event loop (see s3_body)

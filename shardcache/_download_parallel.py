@@ -23,6 +23,7 @@ from ._checksums import hash_fd
 from ._download import (
     LocalWriteError,
     ObjectInfo,
+    OpenedObject,
     Progress,
     Source,
     Strategy,
@@ -76,11 +77,21 @@ class ParallelDownload(Strategy):
             return False
         return True
 
-    def download(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
+    def download(
+        self,
+        info: ObjectInfo,
+        out: BinaryIO,
+        progress: Progress,
+        opened: OpenedObject | None = None,
+    ) -> ObjectInfo:
+        first = opened.take(_piece(self.options.chunk_size)) if opened is not None else None
+
         def attempt(n: int) -> ObjectInfo | None:
+            nonlocal first
             if n > 1 and not self.suits(info, out):
                 return None  # fresh metadata says the object is no longer large
-            self._fetch_parts(info, out, progress, n)
+            head, first = first, None
+            self._fetch_parts(info, out, progress, n, head)
             want = info.expected_checksum(self.options.verify)
             digest = None
             if want is not None:
@@ -102,8 +113,15 @@ class ParallelDownload(Strategy):
         return self.fallback.download(info, out, progress) if done is None else done
 
     def _fetch_parts(
-        self, info: ObjectInfo, out: BinaryIO, progress: Progress, attempt: int
+        self,
+        info: ObjectInfo,
+        out: BinaryIO,
+        progress: Progress,
+        attempt: int,
+        head: Iterator[bytes] | None,
     ) -> None:
+        """Every part at its offset; ``head``, the body of a whole-object GET already
+        answered, gives the first part (then is closed) instead of a ranged GET of its own."""
         size = info.size or 0
         with local_io():
             out.flush()
@@ -121,7 +139,10 @@ class ParallelDownload(Strategy):
         )
         try:
             futures = [
-                pool.submit(self._fetch_part, info, fd, span, done, cancel) for span in ranges
+                pool.submit(
+                    self._fetch_part, info, fd, span, done, cancel, head=head if i == 0 else None
+                )
+                for i, span in enumerate(ranges)
             ]
             pending = set(futures)
             reported = -1
@@ -153,15 +174,20 @@ class ParallelDownload(Strategy):
         span: tuple[int, int],
         done: _Counter,
         cancel: threading.Event,
+        *,
+        head: Iterator[bytes] | None = None,
     ) -> None:
-        """Write bytes ``[start, end)`` of the object at their offset; resumes and retries."""
+        """Write bytes ``[start, end)`` of the object at their offset; resumes and retries.
+        ``head``: the object's body from byte 0, read for the first attempt up to ``end``."""
         pos, end = span
 
         def attempt(n: int) -> None:
-            nonlocal pos
+            nonlocal pos, head
             if cancel.is_set():
                 raise _PartsCancelled
-            for chunk in self._range(info, pos, end):
+            given, head = head, None
+            pieces = self._range(info, pos, end) if given is None else _upto(given, end)
+            for chunk in pieces:
                 if cancel.is_set():
                     raise _PartsCancelled
                 if len(chunk) > end - pos:
@@ -216,8 +242,29 @@ class ParallelDownload(Strategy):
     def _range(self, info: ObjectInfo, start: int, end: int) -> Iterator[bytes]:
         """One ranged GET of bytes ``[start, end)``."""
         fs, path = self.source.filesystem(info.url)
-        piece = min(self.options.chunk_size, _PART_PIECE)
+        piece = _piece(self.options.chunk_size)
         return s3_body(fs, path, info, piece, self.options.throttle, start=start, end=end)
+
+
+def _piece(chunk_size: int) -> int:
+    return min(chunk_size, _PART_PIECE)
+
+
+def _upto(body: Iterator[bytes], end: int) -> Iterator[bytes]:
+    """The first ``end`` bytes of ``body`` (a whole-object GET's pieces), then the body is
+    closed (its connection dropped with the rest unread: the other parts have their own)."""
+    got = 0
+    try:
+        for data in body:
+            if got + len(data) >= end:
+                yield data[: end - got]
+                return
+            got += len(data)
+            yield data
+    finally:
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
 
 
 def _part_retry(url: str, exc: Exception, n: int) -> None:

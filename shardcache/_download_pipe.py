@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import BinaryIO
 
 from . import _metrics as metrics
-from ._download import ObjectInfo, Progress, Strategy, local_io, restart
+from ._download import ObjectInfo, OpenedObject, Progress, Strategy, local_io, restart
 from ._errors import PipeCommandError
 from ._pipes import CommandFailed, command_of, run_command
 from ._redact import get_logger
@@ -26,7 +26,13 @@ logger = get_logger(__name__)
 class PipeDownload(Strategy):
     """A ``pipe:`` command's output, run until one run exits 0."""
 
-    def download(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
+    def download(
+        self,
+        info: ObjectInfo,
+        out: BinaryIO,
+        progress: Progress,
+        opened: OpenedObject | None = None,  # never: a command is run, not requested
+    ) -> ObjectInfo:
         command = command_of(info.url)
 
         def write(data: bytes) -> None:

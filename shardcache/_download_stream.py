@@ -18,6 +18,7 @@ from ._checksums import Hasher
 from ._download import (
     LocalWriteError,
     ObjectInfo,
+    OpenedObject,
     Progress,
     Strategy,
     local_io,
@@ -34,12 +35,21 @@ logger = get_logger(__name__)
 class StreamDownload(Strategy):
     """Any object from any store, one stream at a time."""
 
-    def download(self, info: ObjectInfo, out: BinaryIO, progress: Progress) -> ObjectInfo:
+    def download(
+        self,
+        info: ObjectInfo,
+        out: BinaryIO,
+        progress: Progress,
+        opened: OpenedObject | None = None,
+    ) -> ObjectInfo:
         state = _Stream(info, self.options.verify)
+        first = opened.take(self.options.chunk_size) if opened is not None else None
 
         def attempt(n: int) -> ObjectInfo:
+            nonlocal first
             progress(phase=self.phase(n), bytes_done=state.done, bytes_total=state.info.size)
-            for chunk in self.chunks(state.info, state.done):
+            chunks, first = first or self.chunks(state.info, state.done), None
+            for chunk in chunks:
                 with local_io():
                     out.write(chunk)
                 if state.hasher is not None:

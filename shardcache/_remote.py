@@ -22,11 +22,14 @@ from ._checksums import from_s3_head
 from ._download import (
     LocalWriteError,
     ObjectInfo,
+    OpenedObject,
     Progress,
     RemoteOptions,
     Strategy,
+    ask_for_checksums,
     no_progress,
     s3_body,
+    s3_get,
 )
 from ._download_parallel import ParallelDownload
 from ._download_pipe import PipeDownload
@@ -84,11 +87,11 @@ class Remote:
             # One client serves every thread of the process (see filesystem): enough
             # connections for every download thread's parts at once.
             config.setdefault("max_pool_connections", self.options.max_connections)
-            if self.options.verify == "etag":
-                # We verify every download against the object's checksum ourselves (HEAD
-                # asks for it); botocore's own check of a GET's x-amz-checksum-* would
-                # compute it a second time (a CRC32 of every byte, in pure software).
-                config.setdefault("response_checksum_validation", "when_required")
+            # We verify downloads ourselves (SHARDCACHE_VERIFY; the whole-object GET asks for
+            # the object's checksum: _download.ask_for_checksums). botocore's own check of a
+            # GET's x-amz-checksum-* would compute it a second time, and a server that sends
+            # the whole object's checksum with a ranged GET would fail every part.
+            config.setdefault("response_checksum_validation", "when_required")
             chosen["config_kwargs"] = config
         return chosen
 
@@ -160,23 +163,7 @@ class Remote:
                     **kw,
                 ),
             )
-            etag = str(head.get("ETag", "")).strip('"') or None
-            md5 = None
-            if (
-                etag
-                and _MD5_ETAG.match(etag)
-                and head.get("ServerSideEncryption") != "aws:kms"
-                and "SSECustomerAlgorithm" not in head
-            ):
-                md5 = etag
-            return ObjectInfo(
-                url,
-                int(head["ContentLength"]),
-                etag,
-                head.get("VersionId"),
-                md5,
-                checksum=from_s3_head(head, multipart_etag=bool(etag and "-" in etag)),
-            )
+            return s3_object_info(url, head)
         if protocol in LOCAL_PROTOCOLS:
             st = os.stat(path)  # before any byte is read: a later change shows on the next hit
             if stat.S_ISDIR(st.st_mode):
@@ -195,6 +182,31 @@ class Remote:
             )
         etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
         return ObjectInfo(url, int(size), str(etag).strip('"') if etag else None)
+
+    def open(self, url: str) -> OpenedObject:
+        """The object at ``url`` opened for a download: for S3, one GET of the whole object
+        whose response headers give its info (size, ETag, version, full-object checksum) and
+        whose body :meth:`download` then reads, so a cold object costs one request, not a
+        HEAD and a GET; for other stores, :meth:`info` (their download sends its own
+        request). Transient errors are retried; a missing object raises
+        :class:`~shardcache.RemoteNotFoundError` at once. Close the result (a ``with``
+        block) if its body may go unread."""
+        if url_protocol(url) not in {"s3", "s3a"}:
+            return OpenedObject(self.info(url))
+        fs, path = self.filesystem(url)
+        unknown = ObjectInfo(url, None)
+
+        def once(n: int) -> OpenedObject:
+            ask_for_checksums(sync(fs.loop, fs.set_session))  # the client s3fs made
+            response = s3_get(fs, path, unknown, self.options.throttle)
+            return OpenedObject(s3_object_info(url, response), fs, response["Body"])
+
+        return self.options.retry.run(
+            once,
+            retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
+            give_up=lambda exc, n: exc if isinstance(exc, _DECIDED) else fetch_error(url, n, exc),
+            on_retry=lambda exc, n: _open_retry(url, exc),
+        )
 
     # -- ranged reads ------------------------------------------------------------------
 
@@ -227,8 +239,10 @@ class Remote:
         info: ObjectInfo,
         out: BinaryIO,
         progress: Progress = no_progress,
+        opened: OpenedObject | None = None,
     ) -> ObjectInfo:
-        """Stream ``info.url`` into ``out`` (positioned at 0) and verify it.
+        """Stream ``info.url`` into ``out`` (positioned at 0) and verify it; ``opened``
+        (from :meth:`open`) gives the body of the object's GET, already answered.
 
         Resumes after transient failures; raises a :class:`FetchError` subclass or
         :class:`IntegrityError` for the remote side. A failure to write ``out`` (full disk,
@@ -245,14 +259,42 @@ class Remote:
         else:
             strategy = self.stream
         try:
-            return strategy.download(info, out, progress)
+            return strategy.download(info, out, progress, opened)
         except LocalWriteError as exc:
             raise exc.__cause__ from None  # type: ignore[misc]
+
+
+def s3_object_info(url: str, response: Any) -> ObjectInfo:
+    """What a ``HeadObject`` response, or a whole-object ``GetObject`` one, says of the object.
+    The ETag is its content's MD5 only for a single-part upload without KMS or customer keys
+    (a ``-N`` suffix marks a multipart one)."""
+    etag = str(response.get("ETag", "")).strip('"') or None
+    md5 = None
+    if (
+        etag
+        and _MD5_ETAG.match(etag)
+        and response.get("ServerSideEncryption") != "aws:kms"
+        and "SSECustomerAlgorithm" not in response
+    ):
+        md5 = etag
+    return ObjectInfo(
+        url,
+        int(response["ContentLength"]),
+        etag,
+        response.get("VersionId"),
+        md5,
+        checksum=from_s3_head(response, multipart_etag=bool(etag and "-" in etag)),
+    )
 
 
 def _stat_retry(url: str, exc: Exception) -> None:
     metrics.retried(exc)
     logger.info("retrying stat of %s after %s", url, describe(exc))
+
+
+def _open_retry(url: str, exc: Exception) -> None:
+    metrics.retried(exc)
+    logger.info("retrying the GET of %s after %s", url, describe(exc))
 
 
 def _fresh(options: dict[str, Any]) -> dict[str, Any]:

@@ -143,7 +143,7 @@ def test_at_scale_simulation_runs_the_planning_code_at_tiny_size(capsys) -> None
     assert at_scale.main(["--nodes", "4", "--shards", "96", "--seconds", "15", "--scale", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("| WebDataset split (fixed) |") == 6
-    assert "| WebDataset split (fixed) | node | 1 | 96 | 96 |" in out
+    assert "| WebDataset split (fixed) | node | 1 | 96 | 6,144 |" in out  # 64 GETs a shard
     for scope in ("rank", "node", "shared"):  # each rank keeps its shards: epoch 2 is cached
         assert f"| ResumableDataset (stable split) | {scope} | 2 | 0 |" in out
     for row in ("backoff per request", "shared throttle per process", "MAX_REQUEST_RATE="):

@@ -184,16 +184,14 @@ def test_sigkilled_downloader_is_recovered_and_leaves_nothing_visible(
 ) -> None:
     url, data = next(iter(shards.items()))
     cache_dir = tmp_path / "cache"
-    fault_proxy.add_fault("hang", times=1, method="GET", path_contains="train-000000")
+    # Headers and half the body, the rest never: the holder is mid-download, its .part
+    # written (it is made once the GET's headers gave the size).
+    fault_proxy.add_fault("hold", times=1, method="GET", path_contains="train-000000")
     holder = CTX.Process(
         target=_fetch_through, args=(fault_proxy.endpoint_url, str(cache_dir), url)
     )
     holder.start()
     try:
-        deadline = time.monotonic() + 60
-        while not fault_proxy.stats().injected and time.monotonic() < deadline:
-            holder.join(0.05)  # bounded wait for the holder's GET to hang in the proxy
-        assert fault_proxy.stats().injected, "the holder never reached its download"
         # The dead holder's lock record is never judged stuck before the wait gives up
         # (30 s): a fetch that succeeds got the lock from the kernel, not a timeout.
         cache = ShardCache(
@@ -203,8 +201,15 @@ def test_sigkilled_downloader_is_recovered_and_leaves_nothing_visible(
             lock_stuck_after=3600,
             lease_time=3600,
         )
-        part_files = [p for p in _files(cache.settings.scope_dir) if is_temp_name(p.name)]
-        assert part_files, "the holder should be mid-download with a .part file"
+
+        def part_files() -> list[Path]:
+            return [p for p in _files(cache.settings.scope_dir) if is_temp_name(p.name)]
+
+        deadline = time.monotonic() + 60
+        while not part_files() and holder.is_alive() and time.monotonic() < deadline:
+            holder.join(0.05)  # bounded wait for the holder's download to be held mid-body
+        assert fault_proxy.stats().injected, "the holder never reached its download"
+        assert part_files(), "the holder should be mid-download with a .part file"
         assert not cache.contains(url)
     finally:
         os.kill(holder.pid, signal.SIGKILL)
@@ -274,7 +279,8 @@ def test_missing_key_fails_fast_without_retries(s3, shards, tmp_path: Path) -> N
     assert isinstance(info.value, FileNotFoundError)
     assert url in str(info.value) and "does not exist" in str(info.value)
     assert info.value.attempts == 1
-    assert s3.count("HEAD", BUCKET, "no-such-shard.tar") == 1
+    assert s3.count("GET", BUCKET, "no-such-shard.tar") == 1  # one request, no HEAD
+    assert s3.count("HEAD", BUCKET, "no-such-shard.tar") == 0
 
 
 def test_open_of_missing_key_costs_one_request_and_one_error(s3, shards, tmp_path: Path) -> None:
@@ -304,21 +310,20 @@ def test_access_denied_is_permanent(s3, fault_proxy, shards, tmp_path: Path) -> 
 
 
 def test_corruption_in_transit_is_detected_and_never_published(
-    s3, shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3, fault_proxy, shards, tmp_path: Path
 ) -> None:
+    """Every GET of the shard has one byte inverted in transit (the proxy): the first
+    download and the one retry from byte 0 fail verification; nothing is published."""
     url = next(iter(shards))
-    cache = _cache(tmp_path, retries=1)
-    real_stream = cache.remote.stream.chunks
-
-    def flip_a_byte(info, offset):
-        for chunk in real_stream(info, offset):
-            yield bytes([chunk[0] ^ 0xFF]) + chunk[1:]
-
-    monkeypatch.setattr(cache.remote.stream, "chunks", flip_a_byte)
+    fault_proxy.add_fault("corrupt", times=None, method="GET", path_contains=url.rsplit("/")[-1])
+    cache = _cache(tmp_path, storage_options={"endpoint_url": fault_proxy.endpoint_url}, retries=1)
     with pytest.raises(IntegrityError) as info:
         cache.fetch(url)
-    assert "MD5" in str(info.value) and url in str(info.value)
+    algorithm = info.value.details["algorithm"]
+    assert f"{algorithm.upper()} of the downloaded bytes" in str(info.value), info.value
+    assert url in str(info.value) and "nothing was published" in str(info.value)
     assert info.value.attempts == 2  # retried once from byte 0, then reported
+    assert len(fault_proxy.stats().injected) == 2
     assert not cache.contains(url) and not _files(cache.settings.scope_dir)
 
 

@@ -55,8 +55,11 @@ def counted(
         yield rclone, proxy
 
 
-def _shards(server: RcloneS3Server, prefix: str, count: int = 4) -> dict[str, bytes]:
-    """``count`` WebDataset tars of ``SAMPLES`` samples (a few hundred kB each) -> bytes."""
+def _shards(
+    server: RcloneS3Server, prefix: str, count: int = 4, checksum: str | None = None
+) -> dict[str, bytes]:
+    """``count`` WebDataset tars of ``SAMPLES`` samples (a few hundred kB each) -> bytes,
+    stored with the S3 ``checksum`` if given (see ``RcloneS3Server.put_objects``)."""
     rng = random.Random(prefix)
     objects = {
         f"{prefix}/shard-{i:04d}.tar": tar_bytes(
@@ -67,14 +70,16 @@ def _shards(server: RcloneS3Server, prefix: str, count: int = 4) -> dict[str, by
         )
         for i in range(count)
     }
-    etags = server.put_objects(BUCKET, objects)
+    etags = server.put_objects(BUCKET, objects, checksum=checksum)
     assert etags == {k: hashlib.md5(v).hexdigest() for k, v in objects.items()}
     return {f"s3://{BUCKET}/{key}": data for key, data in objects.items()}
 
 
-def _cache(tmp_path: Path, server: RcloneS3Server, proxy: FaultProxy) -> ShardCache:
+def _cache(
+    tmp_path: Path, server: RcloneS3Server, proxy: FaultProxy, **settings: object
+) -> ShardCache:
     return ShardCache(
-        tmp_path / "cache", storage_options=server.storage_options(proxy.endpoint_url)
+        tmp_path / "cache", storage_options=server.storage_options(proxy.endpoint_url), **settings
     )
 
 
@@ -82,11 +87,10 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _one_head_one_get(shards: dict[str, bytes]) -> Counter[tuple[str, str]]:
-    """Today's cost of a cold shard below the parallel threshold: a HEAD (size, ETag,
-    checksum) and one GET. Issue 29 item 3 makes it one GET: update these counts then."""
-    paths = [url.removeprefix("s3:/") for url in shards]
-    return Counter({(method, path): 1 for path in paths for method in ("HEAD", "GET")})
+def _one_get(shards: dict[str, bytes]) -> Counter[tuple[str, str]]:
+    """The cost of a cold shard below the parallel threshold: one GET, whose response
+    headers give the size, ETag and checksum (no HEAD before it)."""
+    return Counter({("GET", url.removeprefix("s3:/")): 1 for url in shards})
 
 
 def _bins(tar: bytes) -> Iterator[tuple[str, bytes]]:
@@ -97,11 +101,15 @@ def _bins(tar: bytes) -> Iterator[tuple[str, bytes]]:
                 yield member.name.removesuffix(".bin"), members.extractfile(member).read()  # type: ignore[union-attr]
 
 
-def _check_published(cache: ShardCache, url: str, path: Path, data: bytes) -> None:
+def _check_published(
+    cache: ShardCache, url: str, path: Path, data: bytes, verified: str = "md5"
+) -> None:
+    """``path`` holds ``data``, recorded as checked against ``verified`` (``md5``: an object
+    written as a file has no S3 checksum, so the ETag's MD5)."""
     assert _sha(path.read_bytes()) == _sha(data), url
     record = read_meta(cache.layout, path)
     assert record["size"] == len(data) and record["etag"] == hashlib.md5(data).hexdigest()
-    assert record["verified"] == "md5", record  # rclone sends no checksum: the ETag's MD5
+    assert record["verified"] == verified, record
 
 
 def test_rclone_serves_signed_ranged_gets_with_md5_etags(rclone: RcloneS3Server) -> None:
@@ -126,7 +134,7 @@ def test_stop_ends_the_server_and_removes_its_directory() -> None:
     server.stop()  # idempotent
 
 
-def test_cold_fetch_costs_a_head_and_a_get_per_shard_and_a_hit_none(
+def test_cold_fetch_costs_one_get_per_shard_and_a_hit_none(
     counted: tuple[RcloneS3Server, FaultProxy], tmp_path: Path
 ) -> None:
     server, proxy = counted
@@ -134,10 +142,10 @@ def test_cold_fetch_costs_a_head_and_a_get_per_shard_and_a_hit_none(
     cache = _cache(tmp_path, server, proxy)
     for url, data in shards.items():
         _check_published(cache, url, cache.fetch(url), data)
-    assert proxy.requests_seen() == _one_head_one_get(shards)
+    assert proxy.requests_seen() == _one_get(shards)
     for url in shards:  # hits: no request (no revalidation asked for)
         cache.fetch(url)
-    assert proxy.requests_seen() == _one_head_one_get(shards)
+    assert proxy.requests_seen() == _one_get(shards)
     stats = cache.stats()
     assert (stats.misses, stats.hits, stats.errors) == (len(shards), len(shards), 0)
     assert stats.bytes_downloaded == sum(len(v) for v in shards.values())
@@ -154,7 +162,7 @@ def test_prefetch_publishes_every_shard_verified(
         _check_published(cache, url, path, shards[url])
         seen.append(url)
     assert seen == list(shards)
-    assert proxy.requests_seen() == _one_head_one_get(shards)
+    assert proxy.requests_seen() == _one_get(shards)
 
 
 def test_webdataset_stage_yields_every_sample_from_a_cold_cache(
@@ -173,4 +181,35 @@ def test_webdataset_stage_yields_every_sample_from_a_cold_cache(
     assert len(samples) == len(shards) * SAMPLES and samples == expected
     for url, data in shards.items():
         _check_published(cache, url, cache.path_for(url), data)
-    assert proxy.requests_seen() == _one_head_one_get(shards)
+    assert proxy.requests_seen() == _one_get(shards)
+
+
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "SHA256"])
+def test_the_get_brings_the_objects_s3_checksum_and_the_copy_is_checked_against_it(
+    counted: tuple[RcloneS3Server, FaultProxy], tmp_path: Path, algorithm: str
+) -> None:
+    """Objects stored with an S3 checksum (as S3 stores every new object): the one GET asks
+    for it (``x-amz-checksum-mode``), and the copy is verified against it, not the MD5."""
+    server, proxy = counted
+    shards = _shards(server, f"checksum-{algorithm}", count=2, checksum=algorithm)
+    cache = _cache(tmp_path, server, proxy)
+    for url, data in shards.items():
+        _check_published(cache, url, cache.fetch(url), data, verified=algorithm.lower())
+    assert proxy.requests_seen() == _one_get(shards)
+
+
+def test_a_large_object_is_one_whole_get_for_its_first_part_and_ranged_gets_for_the_rest(
+    counted: tuple[RcloneS3Server, FaultProxy], tmp_path: Path
+) -> None:
+    """Above the parallel threshold: the object's first part comes from the GET whose headers
+    gave its size and checksum; each other part is one ranged GET; no HEAD."""
+    server, proxy = counted
+    data = random.Random(7).randbytes(5 * 256 * 1024 + 1000)  # 6 parts of 256 KiB
+    for name, checksum in (("parallel-md5", None), ("parallel-crc", "CRC64NVME")):
+        server.put_objects(BUCKET, {f"{name}/big.bin": data}, checksum=checksum)
+    cache = _cache(tmp_path, server, proxy, parallel_threshold=1 << 20, part_size=256 * 1024)
+    for name, verified in (("parallel-md5", "md5"), ("parallel-crc", "crc64nvme")):
+        url = f"s3://{BUCKET}/{name}/big.bin"
+        before = proxy.requests_seen()
+        _check_published(cache, url, cache.fetch(url), data, verified=verified)
+        assert proxy.requests_seen() - before == Counter({("GET", f"/{BUCKET}/{name}/big.bin"): 6})

@@ -87,7 +87,7 @@ def test_a_torchrun_jobs_logs_files_and_report_agree_with_the_server(
     assert (total["misses"], total["hits"], total["shared"]) == (SHARDS, SHARDS * 2, 0)
     # Every request a process counted reached the server, but the one the link answered.
     assert total["requests"]["GET"] == s3.count("GET", BUCKET) + injected["status:503"]
-    assert total["requests"]["HEAD"] == s3.count("HEAD", BUCKET)
+    assert "HEAD" not in total["requests"] and s3.count("HEAD", BUCKET) == 0  # GETs alone
     assert total["retries"]["slowdown"] == 1
     assert sum(total["retries"].values()) == 1
     for rank in job["ranks"]:

@@ -127,13 +127,14 @@ def _slow_holder(
     cache_dir: str, endpoint: str, url: str, waiter_ready: Any, downloading: Any, out: Any
 ) -> None:
     """Downloads ``url`` through the proxy, holding its lock throughout; sets
-    ``downloading`` when the GET is about to start (the lock is held by then)."""
+    ``downloading`` when the GET is about to be sent (phase "requesting": the lock is held
+    by then)."""
     cache = _node_cache(cache_dir, endpoint)
     if not waiter_ready.wait(WAIT):
         raise TimeoutError("the waiting process never became ready")
 
     def report(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
-        if phase == "downloading":
+        if phase == "requesting":
             downloading.set()
 
     path = cache.fetch(url, progress=report)
@@ -284,7 +285,8 @@ def test_a_hung_get_in_a_dataloader_worker_reaches_training_as_a_stall_error(
     assert "\nshardcache.StallError: Caught StallError in DataLoader worker" in err, err
     assert f"prefetch stalled: {hung} made no progress" in err
     assert "DataLoader worker 0 of 2" in err and "rank 1/2" in err and "from torchrun" in err
-    assert "phase 'downloading'" in err and "bytes: 0 done of" in err
+    # The GET hung before its headers: the size is not known yet.
+    assert "phase 'requesting'" in err and "bytes: 0 done of an unknown total" in err
     for hint in (
         "SHARDCACHE_IO_TIMEOUT",
         "SHARDCACHE_THREADS",

@@ -193,7 +193,7 @@ def test_proxy_rate_mode_answers_slowdown_above_the_rate(s3: S3Server) -> None:
 
 # -------------------------------------------------------------- the real pipeline
 
-SHARDS = 48
+SHARDS = 96  # one GET each: about 5 s of the proxy's rate
 THREADS = 12
 LIMIT = 20.0  # requests/s the proxy lets through (a bucket of one second's worth)
 
@@ -221,7 +221,7 @@ def test_many_threads_back_off_together_under_slowdown(s3: S3Server, tmp_path: P
     """12 prefetch threads against a store that takes 20 requests/s: every shard arrives
     intact, and the refusals stay few because one SlowDown slows all threads."""
     passed, refused = _fetch_all(tmp_path, s3)
-    assert passed >= 2 * SHARDS  # a HEAD and a GET per shard
+    assert passed >= SHARDS  # one GET per shard
     # The first refusals hit the requests already in flight (one per thread); after that
     # the process sends below the limit and is refused again only when its growing rate
     # crosses it. Bounded by counts, not by time.
@@ -234,4 +234,4 @@ def test_a_configured_rate_below_the_limit_is_never_refused(s3: S3Server, tmp_pa
     proxy's bucket (LIMIT tokens, LIMIT a second) never runs dry, however the machine
     schedules the threads."""
     passed, refused = _fetch_all(tmp_path, s3, max_request_rate=LIMIT / 2)
-    assert refused == 0 and passed >= 2 * SHARDS
+    assert refused == 0 and passed >= SHARDS

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import abc
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 HOST = "127.0.0.1"
+REGION = "us-east-1"
 _S = TypeVar("_S", bound="LoopbackService")
 
 
@@ -50,3 +51,44 @@ class LoopbackService(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class S3Service(LoopbackService):
+    """A loopback S3 server: the client configuration that reaches it with its keys
+    (``access_key``, ``secret_key``), directly or through a proxy's ``endpoint_url``."""
+
+    access_key: str
+    secret_key: str
+
+    def env(self, endpoint_url: str | None = None) -> dict[str, str]:
+        """AWS_* variables that point boto3/s3fs (``fsspec.filesystem("s3")``) here."""
+        return {
+            "AWS_ENDPOINT_URL": endpoint_url or self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": REGION,
+        }
+
+    def storage_options(self, endpoint_url: str | None = None) -> dict[str, Any]:
+        """``storage_options`` for s3fs; pass ``endpoint_url`` to go through a proxy."""
+        return {
+            "endpoint_url": endpoint_url or self.endpoint_url,
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "client_kwargs": {"region_name": REGION},
+        }
+
+    def boto3_client(self, endpoint_url: str | None = None, **config_kwargs: Any) -> Any:
+        """A boto3 S3 client for this server; ``config_kwargs`` go to ``botocore.Config``."""
+        import boto3
+        from botocore.config import Config
+
+        config_kwargs.setdefault("s3", {"addressing_style": "path"})
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint_url or self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=REGION,
+            config=Config(**config_kwargs),
+        )

@@ -36,12 +36,9 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from shardcache._errors import MissingExtraError
-from shardcache.testing._service import HOST, LoopbackService
-
-REGION = "us-east-1"
+from shardcache.testing._service import HOST, S3Service
 
 
 def rclone_binary() -> str | None:
@@ -56,7 +53,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class RcloneS3Server(LoopbackService):
+class RcloneS3Server(S3Service):
     """``rclone serve s3`` in a child process on 127.0.0.1 over ``root``.
 
     Args:
@@ -169,52 +166,31 @@ class RcloneS3Server(LoopbackService):
             proc.kill()
             proc.wait(timeout=5)
 
-    # ------------------------------------------------------------------ client config
-    def env(self, endpoint_url: str | None = None) -> dict[str, str]:
-        """AWS_* variables that point boto3/s3fs here (or at ``endpoint_url``, a proxy)."""
-        return {
-            "AWS_ENDPOINT_URL": endpoint_url or self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": REGION,
-        }
-
-    def storage_options(self, endpoint_url: str | None = None) -> dict[str, Any]:
-        """``storage_options`` for s3fs; pass ``endpoint_url`` to go through a proxy."""
-        return {
-            "endpoint_url": endpoint_url or self.endpoint_url,
-            "key": self.access_key,
-            "secret": self.secret_key,
-            "client_kwargs": {"region_name": REGION},
-        }
-
-    def boto3_client(self, endpoint_url: str | None = None, **config_kwargs: Any) -> Any:
-        """A boto3 S3 client for this server; ``config_kwargs`` go to ``botocore.Config``."""
-        import boto3
-        from botocore.config import Config
-
-        config_kwargs.setdefault("s3", {"addressing_style": "path"})
-        return boto3.client(
-            "s3",
-            endpoint_url=endpoint_url or self.endpoint_url,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name=REGION,
-            config=Config(**config_kwargs),
-        )
-
     # ------------------------------------------------------------------ data
-    def put_objects(self, bucket: str, objects: Mapping[str, bytes]) -> dict[str, str]:
-        """Write ``objects`` as files of ``bucket`` (made if missing), each atomically (a
-        temp file renamed), and have the running server compute and keep their MD5s (a
-        HEAD each); returns key -> ETag as the server reports it."""
+    def put_objects(
+        self, bucket: str, objects: Mapping[str, bytes], *, checksum: str | None = None
+    ) -> dict[str, str]:
+        """Store ``objects`` in ``bucket`` (made if missing) and have the running server
+        compute and keep their MD5s; returns key -> ETag as the server reports it.
+
+        Without ``checksum`` each is written as a file (a temp file renamed) and stat-ed
+        (a HEAD): the object has an MD5 ETag and no S3 checksum, as objects stored before
+        S3 computed checksums. With ``checksum`` (``"CRC64NVME"``, ``"CRC32C"``, ``"CRC32"``,
+        ``"SHA1"``, ``"SHA256"``) each is uploaded by a PUT with that checksum, as S3 stores
+        every new object (CRC64NVME by default since 2024-12): the server then returns it
+        with ``x-amz-checksum-mode``. rclone keeps such checksums in memory only: they are
+        gone after a restart."""
         client = self.boto3_client()
+        (self.root / bucket).mkdir(parents=True, exist_ok=True)
         etags = {}
         for key, data in objects.items():
-            path = self.root / bucket / key
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(path)
+            if checksum is None:
+                path = self.root / bucket / key
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_bytes(data)
+                tmp.replace(path)
+            else:
+                client.put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm=checksum)
             etags[key] = client.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
         return etags

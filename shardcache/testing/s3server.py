@@ -32,13 +32,12 @@ from typing import Any
 from urllib.parse import unquote
 
 from shardcache._extras import require_extras
-from shardcache.testing._service import HOST, LoopbackService
+from shardcache.testing._service import HOST, S3Service
 
 logger = logging.getLogger(__name__)
 
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
-REGION = "us-east-1"
 
 # Marker requests used by sync(); bucket names cannot contain "_", so no real request
 # can ever share this prefix.
@@ -100,7 +99,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class S3Server(LoopbackService):
+class S3Server(S3Service):
     """moto's S3 server in a child process on 127.0.0.1, with request counting.
 
     Args:
@@ -110,6 +109,9 @@ class S3Server(LoopbackService):
             1 byte so tests can build multipart objects from tiny parts (real S3: 5 MiB).
         extra_env: Additional environment variables for the server process.
     """
+
+    access_key = ACCESS_KEY
+    secret_key = SECRET_KEY
 
     def __init__(
         self,
@@ -271,40 +273,6 @@ class S3Server(LoopbackService):
             with self._cond:
                 self._reader_done = True
                 self._cond.notify_all()
-
-    # ------------------------------------------------------------------ client config
-    def env(self, endpoint_url: str | None = None) -> dict[str, str]:
-        """AWS_* variables that point boto3/s3fs (``fsspec.filesystem("s3")``) here."""
-        return {
-            "AWS_ENDPOINT_URL": endpoint_url or self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": REGION,
-        }
-
-    def storage_options(self, endpoint_url: str | None = None) -> dict[str, Any]:
-        """``storage_options`` for s3fs; pass ``endpoint_url`` to go through a proxy."""
-        return {
-            "endpoint_url": endpoint_url or self.endpoint_url,
-            "key": ACCESS_KEY,
-            "secret": SECRET_KEY,
-            "client_kwargs": {"region_name": REGION},
-        }
-
-    def boto3_client(self, endpoint_url: str | None = None, **config_kwargs: Any) -> Any:
-        """A boto3 S3 client for this server; ``config_kwargs`` go to ``botocore.Config``."""
-        import boto3
-        from botocore.config import Config
-
-        config_kwargs.setdefault("s3", {"addressing_style": "path"})
-        return boto3.client(
-            "s3",
-            endpoint_url=endpoint_url or self.endpoint_url,
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-            region_name=REGION,
-            config=Config(**config_kwargs),
-        )
 
     # ------------------------------------------------------------------ data helpers
     def reset(self) -> None:

@@ -33,13 +33,12 @@ from fsspec.asyn import sync
 from shardcache import ShardCache
 from shardcache import _cache as cache
 from shardcache import _download as download
-from shardcache import _download_parallel as download_parallel
 from shardcache import _download_stream as download_stream
 from shardcache import _locks as locks
 from shardcache import _safefs as safefs
 
 INSTANTS = (
-    "locked",  # lock held, nothing downloaded yet (not even the HEAD)
+    "locked",  # lock held, nothing requested yet (not even the GET)
     "download",  # mid-download, after a random number of bytes received
     "verify",  # every byte written, about to verify
     "meta",  # metadata record written, shard not yet renamed
@@ -91,7 +90,7 @@ def _block() -> None:
         os._exit(3)
 
 
-def _instrument(instant: str, url: str, final: str, stop_at: int) -> None:
+def _instrument(instant: str, url: str, final: str, stop_at: int, *, local: bool) -> None:
     if instant == "locked":
         real_acquire = locks.ShardLock.acquire
 
@@ -118,10 +117,13 @@ def _instrument(instant: str, url: str, final: str, stop_at: int) -> None:
 
             return wrapper
 
-        # The byte streams of both download paths: one GET (or a local file) and a part.
-        stream, parallel = download_stream.StreamDownload, download_parallel.ParallelDownload
-        stream.chunks = counting(stream.chunks)  # type: ignore[method-assign]
-        parallel._range = counting(parallel._range)  # type: ignore[method-assign]
+        # Every byte stream: each S3 response body (the whole-object GET and each ranged
+        # part read it) or a local file's chunks.
+        if local:
+            stream = download_stream.StreamDownload
+            stream.chunks = counting(stream.chunks)  # type: ignore[method-assign]
+        else:
+            download.read_body = counting(download.read_body)
     elif instant == "verify":
         real_verify = download.Strategy.verify
 
@@ -159,7 +161,7 @@ def run(argv: list[str], env: dict[str, str], pipe: Connection) -> None:
     os.environ.update(env)
     _pipe.append(pipe)
     c = ShardCache(cache_dir, lock_mode=lock_mode, **PATHS[path])
-    _instrument(instant, url, os.fspath(c.path_for(url)), int(offset))
+    _instrument(instant, url, os.fspath(c.path_for(url)), int(offset), local=path == "local")
     if path != "local":
         # Build the S3 client now (no request is made) so the fetch timed below, and the
         # random kills spread over it, are the fetch itself.

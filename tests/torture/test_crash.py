@@ -11,8 +11,8 @@ delay. After every kill:
 2. the next fetch (this process, lock timeout and lease time set to a day) succeeds at
    once: one lock attempt (flock: the kernel freed the dead child's lock; lease: two, the
    dead child's lease is broken at the first look), one miss in the cache's counters, and
-   exactly one HEAD plus the expected GETs at the proxy; a shard published before the kill
-   is a hit with no request at all;
+   exactly the expected GETs at the proxy (one per part, no HEAD); a shard published before
+   the kill is a hit with no request at all;
 3. ``shardcache clean`` removes every leftover (the dead child's ``.part``, lease, claim),
    and ``status`` then reports nothing stale.
 
@@ -227,7 +227,7 @@ def _fetch_next(
     held: dict[str, Any] = {}
 
     def progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
-        if phase == "stat" and not held:  # we hold the lock and our record is written
+        if phase == "requesting" and not held:  # we hold the lock and our record is written
             if lock_mode == "lease":
                 record = read_record(cache.layout.fs, lock_path.with_suffix(".lease"))[1]
             else:
@@ -321,7 +321,7 @@ class _Torture:
         self.tally.recovery[f"miss, {attempts} lock attempt{'s' * (attempts > 1)}"] += 1
         if nxt.requests is not None:
             gets = -(-size // self.part_size) if self.part_size else 1
-            assert nxt.requests == 1 + gets, f"{where}: {nxt.requests} requests, not 1 + {gets}"
+            assert nxt.requests == gets, f"{where}: {nxt.requests} requests, not {gets}"
             self.tally.requests += nxt.requests
         return lease_raw is not None
 
@@ -413,7 +413,7 @@ def _report(figures: Any, tally: _Tally, path: str, lock_mode: str) -> None:
     landed = ", ".join(f"{k} {v}" for k, v in sorted(tally.random_landed.items()))
     recovery = ", ".join(f"{k} x{v}" for k, v in sorted(tally.recovery.items()))
     if tally.requests:
-        recovery += f"; {tally.requests} requests, exactly HEAD + GETs each"
+        recovery += f"; {tally.requests} requests, exactly the GETs each (no HEAD)"
     cleaned = ", ".join(f"{v} {k}" for k, v in sorted(tally.cleaned.items())) or "nothing"
     figures.add(
         "crash",
