@@ -426,6 +426,7 @@ def _add_report(commands: Any) -> None:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from ._report import build_report
+    from ._report_text import format_report
 
     if not args.dir.is_dir():
         raise UsageError(f"{args.dir} is not a directory (give the SHARDCACHE_METRICS directory)")
@@ -439,7 +440,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(report.as_json(args.top))
     else:
-        sys.stdout.write(report.format(args.top) + "\n")
+        sys.stdout.write(format_report(report, args.top) + "\n")
     if args.plot is not None:
         sys.stdout.flush()
         several = " (the latest of several jobs; --job picks one)" if len(report.jobs) > 1 else ""
