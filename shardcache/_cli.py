@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from ._config import Settings, format_setting, parse_size
+from ._config import Settings
+from ._config_display import format_setting
+from ._config_parse import parse_size
 from ._errors import ConfigError, ShardCacheError, UrlError
 from ._redact import RedactingFilter
 
