@@ -62,9 +62,9 @@ from typing import Any
 
 from ._config import env_setting
 from ._errors import ShardCacheError
-from ._loader_report import format_line, merge
 from ._metrics_records import COUNTS, RETRY_CAUSES, SCHEMA, SOURCE_COUNTS, VERSION
 from ._metrics_spool import spool, unspool
+from ._metrics_summary import format_line, merge
 from ._redact import get_logger, redact_url
 
 logger = get_logger(__name__)

@@ -23,7 +23,7 @@ batch less than two, and a window of ``N`` global batches (``R`` ranks of ``W`` 
 less than ``2 * R * min(N, W)``.
 
 The state is every source's state; an elastic resume gathers them per source
-(:func:`mixture_job_state`, called by ``shardcache.job_state``). A state is refused
+(``shardcache.job_state``, in ``_resume_state``). A state is refused
 (:class:`ResumeError`, naming the source) when the sources, their names, shard lists or
 the samples each gets an epoch differ: a mixture changed between runs starts a new epoch
 from scratch rather than mixing two plans.
@@ -46,14 +46,14 @@ from ._cache import ShardCache
 from ._errors import ConfigError, ResumeError, ShardCacheError
 from ._redact import get_logger
 from ._resumable import ResumableDataset, Stage, whole
-from ._resume_state import MIXTURE_FORMAT, State, job_state
+from ._resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State
 from ._urls import Spec
 from ._wds import Handler
 
 logger = get_logger(__name__)
 
 FORMAT = MIXTURE_FORMAT
-VERSION = 1
+VERSION = MIXTURE_VERSION
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume every source from ``state`` (a consumer's, or :func:`mixture_job_state`)."""
+        """Resume every source from ``state`` (a consumer's, or ``shardcache.job_state``'s)."""
         states = _source_states(state, self.names)
         for name, part, part_state in zip(self.names, self._parts, states, strict=True):
             with _naming(name):
@@ -321,25 +321,6 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                 if close is not None:
                     close()
         metrics.end_epoch()  # the epoch its sources set (metrics.set_epoch)
-
-
-def mixture_job_state(states: Sequence[Mapping[str, Any]]) -> State:
-    """Mixture states of every rank (and worker) gathered into one per source."""
-    names = states[0]["sources"]
-    for state in states:
-        if state["sources"] != names:
-            raise ResumeError(
-                f"the states come from mixtures of different sources: {names} and "
-                f"{state['sources']}; gather the states of one job",
-                expected=names,
-                seen=state["sources"],
-            )
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "sources": names,
-        "states": [job_state([s["states"][i] for s in states]) for i in range(len(names))],
-    }
 
 
 def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:

@@ -269,7 +269,7 @@ class JobReport:
 
 @dataclass
 class Report:
-    """What ``shardcache report`` prints."""
+    """What ``shardcache report`` prints (as text: ``_report_text.format_report``)."""
 
     root: Path
     files: int
@@ -289,11 +289,6 @@ class Report:
             "epoch": self.epoch,
             "jobs": [job.as_json(top) for job in self.jobs],
         }
-
-    def format(self, top: int = DEFAULT_TOP) -> str:
-        from ._report_text import format_report
-
-        return format_report(self, top)
 
 
 # ---------------------------------------------------------------------------- reading

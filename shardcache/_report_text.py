@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from ._report import DEFAULT_TOP, JobReport, RankSummary, Report
 from ._units import format_bytes
-
-if TYPE_CHECKING:
-    from ._report import JobReport, RankSummary, Report
 
 HEADER = (
     "rank",
@@ -34,7 +31,7 @@ HEADER = (
 NUMERIC = {i for i, name in enumerate(HEADER) if name not in ("rank", "host")}
 
 
-def format_report(report: Report, top: int) -> str:
+def format_report(report: Report, top: int = DEFAULT_TOP) -> str:
     skipped = sum(report.skipped.values())
     why = ", ".join(f"{n} {reason}" for reason, n in sorted(report.skipped.items()))
     lines = [

@@ -27,6 +27,7 @@ from ._resume_plan import Piece
 
 FORMAT = "shardcache.resume"
 MIXTURE_FORMAT = "shardcache.mixture"  # a MixtureDataset's state: one of these per source
+MIXTURE_VERSION = 1
 VERSION = 3  # 3: caches own shards as _cache_shares hands them out; 2: contiguous spans
 State = dict[str, Any]
 # A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.
@@ -258,9 +259,7 @@ def job_state(*states: Any) -> State:
         from ._extras import require_extras
 
         require_extras("shardcache.job_state of a MixtureDataset's states", "torch")
-        from ._mixture import mixture_job_state
-
-        return mixture_job_state(found)
+        return _mixture_job_state(found)
     parts: dict[int, State] = {}
     starts: list[State] = []
     for state in found:
@@ -314,6 +313,25 @@ def job_state(*states: Any) -> State:
         "dataset": first["dataset"],
         "epoch": first["epoch"],
         "parts": [parts[slot] for slot in sorted(parts)] or starts[:1],
+    }
+
+
+def _mixture_job_state(states: Sequence[Mapping[str, Any]]) -> State:
+    """Mixture states of every rank (and worker) gathered into one per source."""
+    names = states[0]["sources"]
+    for state in states:
+        if state["sources"] != names:
+            raise ResumeError(
+                f"the states come from mixtures of different sources: {names} and "
+                f"{state['sources']}; gather the states of one job",
+                expected=names,
+                seen=state["sources"],
+            )
+    return {
+        "format": MIXTURE_FORMAT,
+        "version": MIXTURE_VERSION,
+        "sources": names,
+        "states": [job_state([s["states"][i] for s in states]) for i in range(len(names))],
     }
 
 

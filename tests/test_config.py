@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 
 from shardcache import _config
-from shardcache._config import (
-    PREFETCH_OPTIONS,
-    SPECS,
-    Settings,
-    format_setting,
-    parse_duration,
-    parse_size,
-    prefetch_overrides,
-    unknown_env,
-)
+from shardcache._config import PREFETCH_OPTIONS, Settings, prefetch_overrides
+from shardcache._config_display import format_setting
+from shardcache._config_parse import parse_duration, parse_size
+from shardcache._config_specs import SPECS
+from shardcache._config_unknown import unknown_env
 from shardcache._errors import ConfigError
 
 

@@ -25,7 +25,7 @@ import shardcache
 from shardcache import ConfigError, Settings, ShardCache
 from shardcache import _metrics as metrics
 from shardcache._demo import make_shard
-from shardcache._loader_report import format_job_line, format_line, merge
+from shardcache._metrics_summary import format_job_line, format_line, merge
 from shardcache._retry import retry_cause
 
 BUCKET = "metrics"

@@ -17,6 +17,7 @@ from shardcache import MetricsError
 from shardcache._cli import main
 from shardcache._report import build_report
 from shardcache._report_plot import timeline
+from shardcache._report_text import format_report
 
 
 @pytest.fixture
@@ -116,7 +117,7 @@ def test_unknown_keys_and_missing_optional_keys_are_tolerated(tmp_path) -> None:
     assert rank.rank == 3 and rank.records == 2 and rank.samples == 5
     assert rank.hits == 0 and rank.requests == {"GET": 0, "HEAD": 2} and not rank.retries
     assert report.skipped["not a shardcache.metrics record"] == 2
-    assert report.format()  # formats without the fields it lacks
+    assert format_report(report)  # formats without the fields it lacks
 
 
 def test_a_newer_version_is_refused(tmp_path, capsys) -> None:
