@@ -6,24 +6,30 @@ server is ``rclone serve s3`` (Go, local files, SigV4, ranged GETs, MD5 ETags;
 :class:`shardcache.testing.RcloneS3Server`) in its own process on loopback, unshaped: the
 client's CPU per GB decides the throughput, as on a training node with a fast store.
 
-Data: ``count`` random objects of ``size`` bytes (full: 15 x 64 MiB) written into the
-server's directory, plus a 1 KiB warm-up object; the server computes each object's MD5
-once, before the clock, and keeps it (S3 computes an ETag at upload; rclone alone would hash
-the whole object again for every HEAD and every ranged GET, on the cores the readers use).
+Data: ``count`` random objects of ``size`` bytes (full: 15 x 64 MiB), plus a 1 KiB warm-up
+object, uploaded by PUT with a CRC64NVME checksum, as S3 stores every new object since
+2024-12 (rclone keeps such checksums in memory and returns them with
+``x-amz-checksum-mode``); the same bytes again under ``md5/`` written as files, with an MD5
+ETag and no checksum (objects stored before S3 kept checksums, or stores without them),
+which one shardcache row reads. The server computes each object's MD5 once, before the
+clock, and keeps it (S3 computes an ETag at upload; rclone alone would hash the whole object
+again for every HEAD and every ranged GET, on the cores the readers use).
 
-Requests per 64 MiB object, counted through a proxy: shardcache 1 HEAD + 4 ranged GETs (1
-HEAD + 1 GET with one stream), s3fs ``get`` 3 GETs, boto3 ``download_file`` 1 HEAD + 8
-ranged GETs, s3torchconnector 8 ranged GETs, curl 1 GET.
+Requests per 64 MiB object: shardcache 4 GETs (the whole-object GET gives the size and
+checksum and its body the first 16 MiB part; 3 ranged GETs; one stream: 1 GET), s3fs ``get``
+3 GETs, boto3 ``download_file`` 1 HEAD + 8 ranged GETs, s3torchconnector 8 ranged GETs, curl
+1 GET (counted through a proxy before shardcache's HEAD was dropped; shardcache's own counts
+are checked in ``tests/test_fast_server.py``).
 
 Readers, each run in a fresh process (spawned: its imports, client and threads its own),
 ``inflight`` objects in flight (full: 8), objects written to files in a fresh directory:
 
 - shardcache ``cache.prefetch(urls, threads=T)`` iterated to the end, defaults otherwise:
-  verification on (the object's S3 checksum, else the MD5 of its single-part ETag: rclone
-  sends no checksum, so MD5), and 64 MiB objects reach ``SHARDCACHE_PARALLEL_THRESHOLD`` (64M),
-  so each is fetched as 4 ranged GETs of 16 MiB (up to 8 per object in flight); also with
-  ``SHARDCACHE_VERIFY=size``, and with one stream per object (the threshold above the size:
-  exactly T connections, as every peer).
+  verification on (the object's S3 checksum, CRC64NVME here, else the MD5 of its single-part
+  ETag), and 64 MiB objects reach ``SHARDCACHE_PARALLEL_THRESHOLD`` (64M), so each is fetched
+  in 4 parts of 16 MiB (up to 8 per object in flight); also with ``SHARDCACHE_VERIFY=size``,
+  with one stream per object (the threshold above the size: exactly T connections, as every
+  peer), and reading the copies without a checksum (verified by the ETag's MD5).
 - s3fs ``fs.get(list, list, batch_size=T)`` on one instance (batched: 8 threads each calling
   ``get`` on one s3fs instance crawled here, see ENVIRONMENT.md).
 - boto3 ``download_file`` on a pool of T threads, one shared client, default TransferConfig
@@ -76,16 +82,23 @@ WARM = "warm-up.bin"
 SC = "shardcache"
 PEERS = ("s3fs", "boto3", "s3torchconnector")  # the best of these is "the best peer"
 NOT_INSTALLED = "not installed"
+CHECKSUM = "CRC64NVME"  # what S3 stores with every new object (since 2024-12)
+MD5_ONLY = "B15_MD5_ONLY"  # a row's marker: read the copies stored without a checksum
 
 
 def _rows(t: int, size: int) -> dict[str, tuple[str, dict[str, str]]]:
-    """Row name -> (reader kind, environment of its process)."""
+    """Row name -> (reader kind, environment of its process; ``MD5_ONLY``: read the objects
+    that have no S3 checksum)."""
     return {
         SC: ("shardcache", {}),
         "shardcache, SHARDCACHE_VERIFY=size": ("shardcache", {"SHARDCACHE_VERIFY": "size"}),
         "shardcache, one stream per object": (
             "shardcache",
             {"SHARDCACHE_PARALLEL_THRESHOLD": str(2 * size)},
+        ),
+        "shardcache, objects without an S3 checksum (verified by the ETag's MD5)": (
+            "shardcache",
+            {MD5_ONLY: "1"},
         ),
         f"s3fs get(list, list), batch_size={t}": ("s3fs", {}),
         f"boto3 download_file, {t} threads": ("boto3", {}),
@@ -181,15 +194,16 @@ def _child(kind: str, env: dict[str, str], job: dict[str, Any], q: Any) -> None:
     AWS_* point at the fast server (the Bench's point at moto): s3torchconnector's CRT client
     takes its credentials from them, not from the storage options."""
     os.environ.update(job["aws_env"] | env)
+    keys = [f"md5/{k}" for k in job["keys"]] if os.environ.pop(MD5_ONLY, None) else job["keys"]
     try:
-        run = _reader(kind, job["so"], job["keys"], Path(job["dest"]), job["inflight"])
+        run = _reader(kind, job["so"], keys, Path(job["dest"]), job["inflight"])
         busy0, cpu0, server0 = _machine_busy(), _cpu(), _proc_cpu(job["server_pid"])
         t0 = time.monotonic()
         paths = run()
         wall = time.monotonic() - t0
         cpu, busy, server = _cpu() - cpu0, _machine_busy(), _proc_cpu(job["server_pid"])
         sizes = [os.path.getsize(p) for p in paths]
-        if sizes != [job["size"]] * len(job["keys"]):
+        if sizes != [job["size"]] * len(keys):
             raise RuntimeError(f"files of {sizes} bytes, expected {job['size']} each")
         q.put(
             {
@@ -288,9 +302,11 @@ def b15_fast_server(b: Bench) -> dict[str, Any]:
     gb = count * size / 1e9
     load_before = os.getloadavg()
     with RcloneS3Server() as server:
-        server.put_objects(BUCKET, {WARM: os.urandom(1024)})
+        server.put_objects(BUCKET, {WARM: os.urandom(1024)}, checksum=CHECKSUM)
         for key in keys:  # one at a time: the bench never holds them all
-            server.put_objects(BUCKET, {key: os.urandom(size)})
+            data = os.urandom(size)
+            server.put_objects(BUCKET, {key: data}, checksum=CHECKSUM)  # uploaded, as on S3
+            server.put_objects(BUCKET, {f"md5/{key}": data})  # a file: MD5 ETag, no checksum
         runs, statuses, errors = _measure(b, server, rows, keys, cfg)
     results: dict[str, Any] = {}
     for name in rows:
@@ -308,7 +324,9 @@ def b15_fast_server(b: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {
         "what": f"{count} x {size / MiB:g} MiB objects, cold, {t} in flight for every reader, "
         "each reader in a fresh process (client made and warmed up before the clock), "
-        "unshaped, server: rclone serve s3 (own process, loopback, MD5 ETags); mb_s = "
+        f"unshaped, server: rclone serve s3 (own process, loopback, MD5 ETags, objects "
+        f"uploaded with {CHECKSUM} checksums as S3 stores new objects; one row reads copies "
+        "without a checksum); mb_s = "
         "object bytes / wall, cpu_s_per_gb = the reader process's CPU (threads, children) "
         f"per GB; load average before: {', '.join(f'{x:.2f}' for x in load_before)}",
         "shardcache": s,

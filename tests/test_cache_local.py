@@ -120,7 +120,7 @@ def test_disk_filling_up_mid_download_leaves_nothing(
     src, _ = _source(tmp_path)
     cache = ShardCache(tmp_path / "cache")
 
-    def full(info, out, progress):
+    def full(info, out, progress, opened=None):
         out.write(b"partial")
         out.flush()
         raise OSError(errno.ENOSPC, "No space left on device")

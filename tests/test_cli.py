@@ -95,7 +95,8 @@ def test_warm_groups_failures_by_error_and_lists_all_with_json(s3, shards, tmp_p
     assert lines[0].startswith("warm: 1 of 31 shards ok, 30 failed (hits 0, misses 1")
     assert lines[1:3] == [
         "failed shards (30):",
-        "  30 shards: RemoteNotFoundError: <url> does not exist (HTTP 404 404: Not Found); "
+        "  30 shards: RemoteNotFoundError: <url> does not exist (HTTP 404 NoSuchBucket: The "
+        "specified bucket does not exist); "
         "failed at once, without retries. Check the bucket and key (and the endpoint: "
         "AWS_ENDPOINT_URL / storage_options).",
     ]
