@@ -69,6 +69,11 @@ class Hasher:
         else:
             self._hash.update(data)
 
+    def extend(self, other: Hasher, length: int) -> None:
+        """Become the checksum of this hasher's bytes followed by ``other``'s ``length``
+        bytes, without reading them again (CRCs only: :func:`combinable`)."""
+        self._state = _COMBINE[self.algorithm](self._state, other._state, length)
+
     def value(self) -> str:
         if self._crc is not None:
             return base64.b64encode(self._state.to_bytes(self._width, "big")).decode()
@@ -82,6 +87,20 @@ _CRCS: dict[str, tuple[Callable[[Any, int], int], int]] = {
     "crc32c": (_crt.crc32c, 4),
     "crc32": (zlib.crc32, 4),
 }
+
+
+# CRCs of two pieces combine into the CRC of both (awscrt >= 0.31): the parts of a parallel
+# download are hashed as they arrive and combined, with no second pass over the file.
+_COMBINE: dict[str, Callable[[int, int, int], int]] = {
+    "crc64nvme": _crt.combine_crc64nvme,
+    "crc32c": _crt.combine_crc32c,
+    "crc32": _crt.combine_crc32,
+}
+
+
+def combinable(algorithm: str) -> bool:
+    """Whether checksums of ``algorithm`` over pieces combine (:meth:`Hasher.extend`)."""
+    return algorithm in _COMBINE
 
 
 def from_s3_head(head: Mapping[str, Any], *, multipart_etag: bool) -> Checksum | None:
@@ -126,4 +145,12 @@ def hash_fd(fd: int, size: int, algorithm: str, buffer_size: int = 8 << 20) -> s
     return hasher.value()
 
 
-__all__ = ["S3_ALGORITHMS", "Checksum", "Hasher", "expected", "from_s3_head", "hash_fd"]
+__all__ = [
+    "S3_ALGORITHMS",
+    "Checksum",
+    "Hasher",
+    "combinable",
+    "expected",
+    "from_s3_head",
+    "hash_fd",
+]

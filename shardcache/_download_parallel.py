@@ -4,8 +4,10 @@ Up to ``max_parts_in_flight`` concurrent ranged GETs of ``part_size`` bytes, eac
 at its offset into the same temp file (``os.pwrite``), each retried on its own, all
 guarded by ``If-Match`` on the ETag (a change shows as HTTP 412: :class:`IntegrityError`).
 Memory stays bounded by parts in flight x a 1 MiB read piece. The size is checked per
-part; the checksum (the object's S3 checksum, else the MD5 of a single-part ETag) is
-computed afterwards from the file, which is then still in the page cache. A failed
+part. The object's S3 checksum, when it is a CRC (CRC64NVME, CRC32C, CRC32: what S3 keeps of
+new objects), is computed per part as the bytes arrive and the parts' CRCs are combined: no
+byte is read twice. An algorithm that does not combine (the MD5 of a single-part ETag, SHA)
+is computed afterwards from the file, which is then still in the page cache. A failed
 verification downloads the object again with fresh metadata, as a single stream if it is
 no longer large.
 """
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from . import _metrics as metrics
-from ._checksums import hash_fd
+from ._checksums import Hasher, combinable, hash_fd
 from ._download import (
     LocalWriteError,
     ObjectInfo,
@@ -91,10 +93,13 @@ class ParallelDownload(Strategy):
             if n > 1 and not self.suits(info, out):
                 return None  # fresh metadata says the object is no longer large
             head, first = first, None
-            self._fetch_parts(info, out, progress, n, head)
             want = info.expected_checksum(self.options.verify)
+            per_part = want.algorithm if want and combinable(want.algorithm) else None
+            parts = self._fetch_parts(info, out, progress, n, head=head, algorithm=per_part)
             digest = None
-            if want is not None:
+            if per_part is not None:
+                digest = _combined(parts)
+            elif want is not None:
                 progress(phase="verifying", bytes_done=info.size, bytes_total=info.size)
                 with local_io():
                     digest = hash_fd(out.fileno(), info.size, want.algorithm)
@@ -118,10 +123,14 @@ class ParallelDownload(Strategy):
         out: BinaryIO,
         progress: Progress,
         attempt: int,
+        *,
         head: Iterator[bytes] | None,
-    ) -> None:
+        algorithm: str | None,
+    ) -> list[tuple[Hasher, int]]:
         """Every part at its offset; ``head``, the body of a whole-object GET already
-        answered, gives the first part (then is closed) instead of a ranged GET of its own."""
+        answered, gives the first part (then is closed) instead of a ranged GET of its own.
+        With ``algorithm`` (one that combines) each part's bytes are hashed as they pass:
+        returns (its hasher, its length) per part, in order (else an empty list)."""
         size = info.size or 0
         with local_io():
             out.flush()
@@ -130,6 +139,7 @@ class ParallelDownload(Strategy):
                 os.ftruncate(fd, size)  # parts land at their offsets in any order
         part = self.options.part_size
         ranges = [(start, min(start + part, size)) for start in range(0, size, part)]
+        hashers = [Hasher(algorithm) if algorithm else None for _ in ranges]
         done = _Counter()
         cancel = threading.Event()
         progress(phase=self.phase(attempt), bytes_done=0, bytes_total=size)
@@ -140,7 +150,14 @@ class ParallelDownload(Strategy):
         try:
             futures = [
                 pool.submit(
-                    self._fetch_part, info, fd, span, done, cancel, head=head if i == 0 else None
+                    self._fetch_part,
+                    info,
+                    fd,
+                    span,
+                    done,
+                    cancel,
+                    head=head if i == 0 else None,
+                    hasher=hashers[i],
                 )
                 for i, span in enumerate(ranges)
             ]
@@ -166,6 +183,7 @@ class ParallelDownload(Strategy):
                 expected=size,
                 seen=done.value,
             )
+        return [(h, end - start) for h, (start, end) in zip(hashers, ranges, strict=True) if h]
 
     def _fetch_part(
         self,
@@ -176,9 +194,12 @@ class ParallelDownload(Strategy):
         cancel: threading.Event,
         *,
         head: Iterator[bytes] | None = None,
+        hasher: Hasher | None = None,
     ) -> None:
         """Write bytes ``[start, end)`` of the object at their offset; resumes and retries.
-        ``head``: the object's body from byte 0, read for the first attempt up to ``end``."""
+        ``head``: the object's body from byte 0, read for the first attempt up to ``end``;
+        ``hasher``: updated with every byte written, in order (a resumed attempt goes on
+        from the byte the last one reached)."""
         pos, end = span
 
         def attempt(n: int) -> None:
@@ -206,6 +227,8 @@ class ParallelDownload(Strategy):
                     view = view[written:]
                     pos += written
                     done.add(written)
+                if hasher is not None:
+                    hasher.update(chunk)
             if pos < end:
                 raise TruncatedBody(f"part body ended at byte {pos}, expected {end}")
 
@@ -244,6 +267,14 @@ class ParallelDownload(Strategy):
         fs, path = self.source.filesystem(info.url)
         piece = _piece(self.options.chunk_size)
         return s3_body(fs, path, info, piece, self.options.throttle, start=start, end=end)
+
+
+def _combined(parts: list[tuple[Hasher, int]]) -> str:
+    """The checksum of the whole object from its parts' (hasher, length), in order."""
+    total, _ = parts[0]
+    for hasher, length in parts[1:]:
+        total.extend(hasher, length)
+    return total.value()
 
 
 def _piece(chunk_size: int) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 from shardcache import PermanentFetchError, ShardCache
 from shardcache._layout import is_temp_name
+from shardcache._metadata import read_meta
 
 BUCKET = "shards"
 PART = 64 * 1024
@@ -40,12 +41,35 @@ def test_large_object_is_fetched_with_ranged_gets(s3, tmp_path: Path) -> None:
         progress=lambda *, phase, bytes_done, bytes_total: seen.append((phase, bytes_done)),
     )
     assert path.read_bytes() == data
-    assert s3.count("GET", BUCKET, "big.tar") == 6  # one ranged GET per part
+    # One GET per part: the whole-object GET's body gives the first, no HEAD.
+    assert (s3.count("GET", BUCKET, "big.tar"), s3.count("HEAD", BUCKET, "big.tar")) == (6, 0)
     assert seen[-1][1] == len(data)
-    assert any(phase == "verifying" for phase, _ in seen)  # MD5 of single-part ETag
+    # Checked against the object's CRC32 (what botocore's upload asks moto to keep), combined
+    # from the parts' CRCs as they arrived: no pass over the file after the download.
+    assert read_meta(cache.layout, path)["verified"] == "crc32"
+    assert not any(phase == "verifying" for phase, _ in seen)
     assert not _leftovers(cache)
     assert cache.fetch(f"s3://{BUCKET}/big.tar") == path
     assert s3.count("GET", BUCKET, "big.tar") == 6
+
+
+def test_a_corrupted_part_fails_the_combined_checksum_and_the_object_comes_again(
+    s3, fault_proxy, tmp_path: Path
+) -> None:
+    """A byte of the first part inverted in transit: the parts' combined CRC32 differs from
+    the object's, nothing is published, and the object is downloaded again (fresh metadata,
+    every part ranged) and published intact."""
+    data = _blob(4 * PART, 7)
+    s3.put_objects(BUCKET, {"bad.tar": data})
+    s3.clear_requests()
+    fault_proxy.add_fault("corrupt", times=1, method="GET", path_contains="bad.tar", corrupt_at=10)
+    cache = _cache(tmp_path, storage_options=s3.storage_options(fault_proxy.endpoint_url))
+    path = cache.fetch(f"s3://{BUCKET}/bad.tar")
+    assert path.read_bytes() == data and fault_proxy.faults_injected("corrupt") == 1
+    assert read_meta(cache.layout, path)["verified"] == "crc32"
+    # 4 GETs a download; the second starts with fresh metadata (one HEAD).
+    assert (s3.count("GET", BUCKET, "bad.tar"), s3.count("HEAD", BUCKET, "bad.tar")) == (8, 1)
+    assert not _leftovers(cache)
 
 
 def test_small_object_keeps_the_single_stream(s3, tmp_path: Path) -> None:
@@ -69,7 +93,11 @@ def test_a_failed_part_is_retried_alone(s3, fault_proxy, tmp_path: Path, fault: 
     data = _blob(4 * PART, 4)
     s3.put_objects(BUCKET, {"big.tar": data})
     s3.clear_requests()
-    fault_proxy.add_fault(fault, times=1, method="GET", path_contains="big.tar")
+    # A truncation within the first 1000 bytes of whichever GET it meets: always inside the
+    # part that GET serves (the whole-object GET's body serves only the first part).
+    fault_proxy.add_fault(
+        fault, times=1, method="GET", path_contains="big.tar", truncate_bytes=1000
+    )
     cache = _cache(tmp_path, storage_options=s3.storage_options(fault_proxy.endpoint_url))
     assert cache.fetch(f"s3://{BUCKET}/big.tar").read_bytes() == data
     assert fault_proxy.faults_injected(fault) == 1
