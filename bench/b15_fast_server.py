@@ -87,13 +87,7 @@ WARM = "warm-up.bin"
 SC = "shardcache"
 PEERS = ("s3fs", "boto3", "s3torchconnector")  # the best of these is "the best peer"
 NOT_INSTALLED = "not installed"
-CHECKSUM = "CRC64NVME"  # what S3 stores with every new object (since 2024-12)
 MD5_ONLY = "B15_MD5_ONLY"  # a row's marker: read the copies stored without a checksum
-# rclone sends the whole object's checksum with every ranged GET too (S3 sends none for a
-# range); botocore's default validation (when_supported) then checks each part against it
-# and fails. The boto3 and s3fs peers validate only when required, as their ranged GETs on
-# S3 amount to (their whole-object GETs would be checked on S3: ~0.15 s/GB with awscrt).
-NO_RANGE_CHECKSUMS = "when_required"
 
 
 def _rows(t: int, size: int) -> dict[str, tuple[str, dict[str, str]]]:
@@ -134,7 +128,7 @@ def _reader(
     if kind == "s3fs":
         import fsspec
 
-        config = {"response_checksum_validation": NO_RANGE_CHECKSUMS}
+        config = {"response_checksum_validation": peers.NO_RANGE_CHECKSUMS}
         fs = fsspec.filesystem("s3", skip_instance_cache=True, config_kwargs=config, **so)
         fs.cat_file(f"s3://{BUCKET}/{WARM}")
 
@@ -181,7 +175,7 @@ def _boto3_client(so: dict[str, Any]) -> Any:
         aws_secret_access_key=so["secret"],
         region_name=so["client_kwargs"]["region_name"],
         config=Config(
-            s3={"addressing_style": "path"}, response_checksum_validation=NO_RANGE_CHECKSUMS
+            s3={"addressing_style": "path"}, response_checksum_validation=peers.NO_RANGE_CHECKSUMS
         ),
     )
 
@@ -315,10 +309,12 @@ def b15_fast_server(b: Bench) -> dict[str, Any]:
     gb = count * size / 1e9
     load_before = os.getloadavg()
     with RcloneS3Server() as server:
-        server.put_objects(BUCKET, {WARM: os.urandom(1024)}, checksum=CHECKSUM)
+        server.put_objects(BUCKET, {WARM: os.urandom(1024)}, checksum=peers.S3_CHECKSUM)
         for key in keys:  # one at a time: the bench never holds them all
             data = os.urandom(size)
-            server.put_objects(BUCKET, {key: data}, checksum=CHECKSUM)  # uploaded, as on S3
+            server.put_objects(
+                BUCKET, {key: data}, checksum=peers.S3_CHECKSUM
+            )  # uploaded, as on S3
             server.put_objects(BUCKET, {f"md5/{key}": data})  # a file: MD5 ETag, no checksum
         runs, statuses, errors = _measure(b, server, rows, keys, cfg)
     results: dict[str, Any] = {}
@@ -337,9 +333,9 @@ def b15_fast_server(b: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {
         "what": f"{count} x {size / MiB:g} MiB objects, cold, {t} in flight for every reader, "
         "each reader in a fresh process (client made and warmed up before the clock), "
-        f"unshaped, server: rclone serve s3 (own process, loopback, MD5 ETags, objects "
-        f"uploaded with {CHECKSUM} checksums as S3 stores new objects; one row reads copies "
-        "without a checksum); mb_s = "
+        "unshaped, server: rclone serve s3 (own process, loopback, MD5 ETags, objects "
+        f"uploaded with {peers.S3_CHECKSUM} checksums as S3 stores new objects; one row reads "
+        "copies without a checksum); mb_s = "
         "object bytes / wall, cpu_s_per_gb = the reader process's CPU (threads, children) "
         f"per GB; load average before: {', '.join(f'{x:.2f}' for x in load_before)}",
         "shardcache": s,

@@ -28,6 +28,15 @@ Counted = tuple[int, int]
 OnSample = Callable[[], None] | None
 STUBS = Path(__file__).parent / "stubs"
 NOTES: set[str] = set()  # what the run had to adjust for a peer, printed with B2
+# How objects are stored on the fast server: uploaded with the checksum S3 keeps of every
+# new object since 2024-12 (rclone keeps it and returns it with x-amz-checksum-mode).
+S3_CHECKSUM = "CRC64NVME"
+# rclone sends the whole object's checksum with every ranged GET too (S3 sends none for a
+# range); botocore's default validation (when_supported) then checks each part against it
+# and fails. Against it the boto3 and s3fs peers validate only when required, as their
+# ranged GETs amount to on S3 (their whole-object GETs would be checked there: about
+# 0.15 s/GB with awscrt).
+NO_RANGE_CHECKSUMS = "when_required"
 LOADER_TIMEOUT = 300.0  # seconds a DataLoader may wait for one sample from its workers
 
 
