@@ -106,7 +106,8 @@ def _body(r: dict[str, Any]) -> str:
         f"{r['shards']} shards ({r['hits']} hits, {r['misses']} misses, {r['shared']} shared)",
         f"{_size(r['bytes_served'])} served",
         f"{_size(r['bytes_downloaded'])} downloaded",
-        f"{requests.get('GET', 0)} GETs, {requests.get('HEAD', 0)} HEADs",
+        f"{requests.get('GET', 0)} GETs"
+        + (f", {requests['HEAD']} HEADs" if requests.get("HEAD") else ""),  # revalidation
         "retries reset {} / 5xx {} / SlowDown {} / truncated {} / other {}".format(
             *(retries.get(c, 0) for c in RETRY_CAUSES)
         ),
