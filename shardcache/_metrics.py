@@ -5,7 +5,7 @@ object per period, counts per record (deltas), never cumulative, so a reader sum
 
 Who counts what (each fact where it is born, thread-safe: prefetch threads count too):
 cache hits/misses/shared/bytes and per-shard download time (``_cache``), requests sent
-(``_download.s3_body``: GET; ``_remote``: HEAD; each attempt), retries by cause and
+(``_download.s3_get``: GET; ``_remote.info``: HEAD; each attempt), retries by cause and
 integrity re-downloads (the remote retry loops, through :func:`retried`), lock waits
 with the holder (``_locks.ShardLock.acquire``), the consumer's wait for data and stall
 warnings/errors (``_prefetch``, ``_growing``), shards and samples delivered (``_wds``;
