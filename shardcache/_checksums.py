@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -129,22 +128,6 @@ def expected(info: Any, verify: str) -> Checksum | None:
     return Checksum("md5", info.md5) if info.md5 else None
 
 
-def hash_fd(fd: int, size: int, algorithm: str, buffer_size: int = 8 << 20) -> str:
-    """The checksum of the first ``size`` bytes of open file ``fd`` (read with
-    ``os.preadv`` into one reused buffer; no copy per block)."""
-    hasher = Hasher(algorithm)
-    buf = bytearray(min(buffer_size, max(size, 1)))
-    view = memoryview(buf)
-    pos = 0
-    while pos < size:
-        n = os.preadv(fd, [view[: min(len(buf), size - pos)]], pos)
-        if n <= 0:
-            break
-        hasher.update(view[:n])
-        pos += n
-    return hasher.value()
-
-
 __all__ = [
     "S3_ALGORITHMS",
     "Checksum",
@@ -152,5 +135,4 @@ __all__ = [
     "combinable",
     "expected",
     "from_s3_head",
-    "hash_fd",
 ]

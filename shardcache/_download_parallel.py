@@ -7,9 +7,10 @@ Memory stays bounded by parts in flight x a 1 MiB read piece. The size is checke
 part. The object's S3 checksum, when it is a CRC (CRC64NVME, CRC32C, CRC32: what S3 keeps of
 new objects), is computed per part as the bytes arrive and the parts' CRCs are combined: no
 byte is read twice. An algorithm that does not combine (the MD5 of a single-part ETag, SHA)
-is computed afterwards from the file, which is then still in the page cache. A failed
-verification downloads the object again with fresh metadata, as a single stream if it is
-no longer large.
+is computed in order by a :class:`~shardcache._hash_follower.HashFollower` from the file
+(still in the page cache) while the parts arrive, so only the tail is left once the last
+part lands. A failed verification downloads the object again with fresh metadata, as a
+single stream if it is no longer large.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from . import _metrics as metrics
-from ._checksums import Hasher, combinable, hash_fd
+from ._checksums import Hasher, combinable
 from ._download import (
     LocalWriteError,
     ObjectInfo,
@@ -34,6 +35,7 @@ from ._download import (
     verification_failed,
 )
 from ._errors import IntegrityError
+from ._hash_follower import HashFollower, PartsWritten
 from ._redact import get_logger
 from ._retry import TruncatedBody, _http_status_and_code, describe, fetch_error, is_transient
 from ._urls import url_protocol
@@ -46,16 +48,6 @@ _PROGRESS_EVERY = 0.1  # seconds between progress reports of a parallel download
 
 class _PartsCancelled(Exception):
     """A sibling part failed (or the caller stopped): stop this part quietly."""
-
-
-class _Counter:
-    def __init__(self) -> None:
-        self.value = 0
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.value += n
 
 
 class ParallelDownload(Strategy):
@@ -94,15 +86,8 @@ class ParallelDownload(Strategy):
                 return None  # fresh metadata says the object is no longer large
             head, first = first, None
             want = info.expected_checksum(self.options.verify)
-            per_part = want.algorithm if want and combinable(want.algorithm) else None
-            parts = self._fetch_parts(info, out, progress, n, head=head, algorithm=per_part)
-            digest = None
-            if per_part is not None:
-                digest = _combined(parts)
-            elif want is not None:
-                progress(phase="verifying", bytes_done=info.size, bytes_total=info.size)
-                with local_io():
-                    digest = hash_fd(out.fileno(), info.size, want.algorithm)
+            algorithm = want.algorithm if want is not None else None
+            digest = self._fetch_parts(info, out, progress, n, head=head, algorithm=algorithm)
             verified = self.verify(info, info.size, digest, n)
             out.seek(info.size)
             return verified
@@ -126,11 +111,11 @@ class ParallelDownload(Strategy):
         *,
         head: Iterator[bytes] | None,
         algorithm: str | None,
-    ) -> list[tuple[Hasher, int]]:
+    ) -> str | None:
         """Every part at its offset; ``head``, the body of a whole-object GET already
         answered, gives the first part (then is closed) instead of a ranged GET of its own.
-        With ``algorithm`` (one that combines) each part's bytes are hashed as they pass:
-        returns (its hasher, its length) per part, in order (else an empty list)."""
+        Returns the checksum of the object's bytes under ``algorithm`` (None: none asked):
+        each part's CRC as its bytes pass, combined; MD5 or SHA by a follower thread."""
         size = info.size or 0
         with local_io():
             out.flush()
@@ -139,9 +124,14 @@ class ParallelDownload(Strategy):
                 os.ftruncate(fd, size)  # parts land at their offsets in any order
         part = self.options.part_size
         ranges = [(start, min(start + part, size)) for start in range(0, size, part)]
-        hashers = [Hasher(algorithm) if algorithm else None for _ in ranges]
-        done = _Counter()
+        per_part = algorithm is not None and combinable(algorithm)
+        hashers = [Hasher(algorithm) if per_part and algorithm else None for _ in ranges]
+        done = PartsWritten(ranges)
+        follower = None
+        if algorithm is not None and not per_part:
+            follower = HashFollower(fd, size, algorithm, done)
         cancel = threading.Event()
+        landed = False
         progress(phase=self.phase(attempt), bytes_done=0, bytes_total=size)
         pool = cf.ThreadPoolExecutor(
             max_workers=min(len(ranges), self.options.max_parts_in_flight),
@@ -156,6 +146,7 @@ class ParallelDownload(Strategy):
                     span,
                     done,
                     cancel,
+                    part_number=i,
                     head=head if i == 0 else None,
                     hasher=hashers[i],
                 )
@@ -172,9 +163,12 @@ class ParallelDownload(Strategy):
                 if done.value != reported:
                     reported = done.value
                     progress(phase="downloading", bytes_done=reported, bytes_total=size)
+            landed = True
         finally:
             cancel.set()
             pool.shutdown(wait=True, cancel_futures=True)
+            if follower is not None and not landed:
+                follower.abandon()
         if done.value != size:  # every part checks its own length; belt and braces
             raise IntegrityError(
                 f"{info.url}: parallel download wrote {done.value} bytes, expected {size}",
@@ -183,16 +177,23 @@ class ParallelDownload(Strategy):
                 expected=size,
                 seen=done.value,
             )
-        return [(h, end - start) for h, (start, end) in zip(hashers, ranges, strict=True) if h]
+        if follower is not None:
+            progress(phase="verifying", bytes_done=size, bytes_total=size)
+            return follower.digest()  # the tail after the last part: the rest is hashed
+        if per_part:
+            lengths = [end - start for start, end in ranges]
+            return _combined([(h, n) for h, n in zip(hashers, lengths, strict=True) if h])
+        return None
 
     def _fetch_part(
         self,
         info: ObjectInfo,
         fd: int,
         span: tuple[int, int],
-        done: _Counter,
+        done: PartsWritten,
         cancel: threading.Event,
         *,
+        part_number: int,
         head: Iterator[bytes] | None = None,
         hasher: Hasher | None = None,
     ) -> None:
@@ -226,7 +227,7 @@ class ParallelDownload(Strategy):
                         written = os.pwrite(fd, view, pos)
                     view = view[written:]
                     pos += written
-                    done.add(written)
+                    done.add(part_number, pos, written)
                 if hasher is not None:
                     hasher.update(chunk)
             if pos < end:
