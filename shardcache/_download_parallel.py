@@ -127,17 +127,17 @@ class ParallelDownload(Strategy):
         per_part = algorithm is not None and combinable(algorithm)
         hashers = [Hasher(algorithm) if per_part and algorithm else None for _ in ranges]
         done = PartsWritten(ranges)
-        follower = None
-        if algorithm is not None and not per_part:
-            follower = HashFollower(fd, size, algorithm, done)
         cancel = threading.Event()
         landed = False
-        progress(phase=self.phase(attempt), bytes_done=0, bytes_total=size)
+        progress(phase=self.phase(attempt), bytes_done=0, bytes_total=size)  # may cancel
         pool = cf.ThreadPoolExecutor(
             max_workers=min(len(ranges), self.options.max_parts_in_flight),
             thread_name_prefix="shardcache-part",
         )
+        follower = None
         try:
+            if algorithm is not None and not per_part:  # started here: always stopped below
+                follower = HashFollower(fd, size, algorithm, done)
             futures = [
                 pool.submit(
                     self._fetch_part,
@@ -169,17 +169,22 @@ class ParallelDownload(Strategy):
             pool.shutdown(wait=True, cancel_futures=True)
             if follower is not None and not landed:
                 follower.abandon()
-        if done.value != size:  # every part checks its own length; belt and braces
-            raise IntegrityError(
-                f"{info.url}: parallel download wrote {done.value} bytes, expected {size}",
-                url=info.url,
-                attempts=attempt,
-                expected=size,
-                seen=done.value,
-            )
-        if follower is not None:
-            progress(phase="verifying", bytes_done=size, bytes_total=size)
-            return follower.digest()  # the tail after the last part: the rest is hashed
+        try:
+            if done.value != size:  # every part checks its own length; belt and braces
+                raise IntegrityError(
+                    f"{info.url}: parallel download wrote {done.value} bytes, expected {size}",
+                    url=info.url,
+                    attempts=attempt,
+                    expected=size,
+                    seen=done.value,
+                )
+            if follower is not None:
+                progress(phase="verifying", bytes_done=size, bytes_total=size)
+                return follower.digest()  # the tail after the last part: the rest is hashed
+        except BaseException:
+            if follower is not None:
+                follower.abandon()  # never left waiting for bytes that will not come
+            raise
         if per_part:
             lengths = [end - start for start, end in ranges]
             return _combined([(h, n) for h, n in zip(hashers, lengths, strict=True) if h])

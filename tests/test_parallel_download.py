@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,35 @@ def test_a_corrupted_part_fails_the_combined_checksum_and_the_object_comes_again
     # 4 GETs a download; the second starts with fresh metadata (one HEAD).
     assert (s3.count("GET", BUCKET, "bad.tar"), s3.count("HEAD", BUCKET, "bad.tar")) == (8, 1)
     assert not _leftovers(cache)
+
+
+class _Stop(BaseException):
+    """What a prefetcher's progress callback raises to cancel a download."""
+
+
+@pytest.mark.parametrize("phase", ["downloading", "verifying"])
+def test_a_cancelled_md5_download_leaves_no_hashing_thread(s3, tmp_path: Path, phase: str) -> None:
+    """An object without an S3 checksum (verified by its ETag's MD5, hashed in order by a
+    follower thread while the parts arrive): a download cancelled from its progress callback
+    (as the prefetcher cancels) stops that thread before the error leaves the fetch."""
+    data = _blob(6 * PART, 8)
+    s3.put_objects(BUCKET, {})  # the bucket
+    plain = s3.boto3_client(request_checksum_calculation="when_required")
+    plain.put_object(Bucket=BUCKET, Key="plain.tar", Body=data)  # an MD5 ETag, no checksum
+    cache = _cache(tmp_path)
+    url = f"s3://{BUCKET}/plain.tar"
+
+    def cancel(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+        if phase == stop_at:
+            raise _Stop
+
+    stop_at = phase
+    with pytest.raises(_Stop):
+        cache.fetch(url, progress=cancel)
+    assert not [t for t in threading.enumerate() if t.name == "shardcache-hash"]
+    assert not cache.contains(url) and not _leftovers(cache)
+    path = cache.fetch(url)
+    assert path.read_bytes() == data and read_meta(cache.layout, path)["verified"] == "md5"
 
 
 def test_small_object_keeps_the_single_stream(s3, tmp_path: Path) -> None:
