@@ -197,7 +197,10 @@ class Remote:
         unknown = ObjectInfo(url, None)
 
         def once(n: int) -> OpenedObject:
-            ask_for_checksums(sync(fs.loop, fs.set_session))  # the client s3fs made
+            # The client s3fs made (made now if it has none yet: a hop to its event loop
+            # only then); registering is idempotent.
+            client = getattr(fs, "_s3", None) or sync(fs.loop, fs.set_session)
+            ask_for_checksums(client)
             response = s3_get(fs, path, unknown, self.options.throttle)
             return OpenedObject(s3_object_info(url, response), fs, response["Body"])
 
