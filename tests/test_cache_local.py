@@ -92,12 +92,12 @@ def test_auto_lock_mode_follows_the_file_system(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     network = parse_mountinfo(MOUNTINFO)[2]
-    monkeypatch.setattr("shardcache._cache.mount_for", lambda path: network)
+    monkeypatch.setattr("shardcache._cache_locks.mount_for", lambda path: network)
     cache = ShardCache(tmp_path / "cache")
-    assert cache._lock_policy().mode == "lease"
+    assert cache._locks.policy().mode == "lease"
     assert "network file system" in caplog.text
     forced = ShardCache(tmp_path / "cache", lock_mode="flock")
-    assert forced._lock_policy().mode == "flock"
+    assert forced._locks.policy().mode == "flock"
 
 
 def test_not_enough_space_is_reported_before_downloading(
@@ -105,7 +105,7 @@ def test_not_enough_space_is_reported_before_downloading(
 ) -> None:
     src, _ = _source(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("shardcache._cache.shutil.disk_usage", lambda p: usage(10**6, 10**6, 10))
+    monkeypatch.setattr("shardcache._space.shutil.disk_usage", lambda p: usage(10**6, 10**6, 10))
     cache = ShardCache(tmp_path / "cache")
     with pytest.raises(CacheFullError) as info:
         cache.fetch(src)

@@ -22,8 +22,8 @@ from shardcache import (
     RemoteNotFoundError,
     ShardCache,
     TransientFetchError,
+    _shard_ids,
 )
-from shardcache import _cache as cache_module
 from shardcache import _layout as layout
 from shardcache._layout import is_temp_name
 from shardcache._remote import Remote
@@ -112,7 +112,7 @@ def test_a_fetch_computes_the_shards_identity_once(
 
     monkeypatch.setattr(layout, "canonical_url", counting_canonical)
     monkeypatch.setattr(Remote, "_resolve_options", counting_resolve)
-    monkeypatch.setattr(cache_module, "IDENTITY_MEMO", 3)
+    monkeypatch.setattr(_shard_ids, "IDENTITY_MEMO", 3)
     cache = _cache(tmp_path)
     urls = list(shards)
     cache.fetch(urls[0])  # a miss: hit check, lock, re-check, metadata, publish

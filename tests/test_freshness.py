@@ -76,7 +76,7 @@ def test_the_remembered_stamps_are_bounded_and_a_forgotten_one_is_read_again(
         cache.fetch(str(source))
     for source in sources:  # hits: every stamp is (re)remembered, the oldest dropped
         assert cache.fetch(str(source)).read_bytes() == source.read_bytes()
-    assert len(cache._freshness._recorded) == 3
+    assert len(cache._hits.freshness._recorded) == 3
     _rewrite(sources[0], b"new" * 100)  # forgotten long ago: its record is read again
     assert cache.fetch(str(sources[0])).read_bytes() == b"new" * 100
     assert (cache.stats().misses, cache.stats().hits) == (6, 5)
@@ -157,7 +157,7 @@ def test_a_stale_copy_is_not_taken_for_another_processs_work(tmp_path: Path) -> 
     lock = ShardLock(
         cache._identify(str(source)).lock_path,
         url=str(source),
-        policy=cache._lock_policy(),
+        policy=cache._locks.policy(),
     )
     assert lock.acquire()
     waiting, out = CTX.Queue(), CTX.Queue()

@@ -80,7 +80,7 @@ def _publisher(cache_dir: str, urls: list[str], start, out) -> None:
     start.wait(60)
     for url in urls:
         cache.fetch(url)
-    index = cache._index()
+    index = cache._space.index()
     assert index is not None
     out.put(index.counters.rebuilds)
 
@@ -125,7 +125,7 @@ def test_the_evictor_corrects_last_used_from_the_files(tmp_path: Path) -> None:
     cache.fetch(urls[4])
     cache.fetch(urls[5])
     assert [cache.contains(u) for u in urls] == [True, True, False, False, True, True]
-    index = cache._index()
+    index = cache._space.index()
     assert index is not None and index.counters.corrections >= 2
     _assert_exact(_scope(cache))
 
@@ -150,7 +150,7 @@ def test_a_deleted_index_is_rebuilt_from_the_directory(tmp_path: Path) -> None:
     for f in _index_files(_scope(cache)):
         f.unlink(missing_ok=True)
     cache.fetch(urls[5])  # evicts the oldest, which only a rebuilt index knows
-    index = cache._index()
+    index = cache._space.index()
     assert index is not None and index.counters.rebuilds == 2
     assert not cache.contains(urls[0]) and cache.contains(urls[1])
     _assert_exact(_scope(cache))
@@ -161,7 +161,7 @@ def test_a_damaged_or_foreign_index_is_rebuilt(tmp_path: Path, damage: str) -> N
     cache, urls = _fill(tmp_path)
     scope = _scope(cache)
     index_file = _index_files(scope)[0]
-    cache._index().close()  # type: ignore[union-attr]
+    cache._space.index().close()  # type: ignore[union-attr]
     if damage == "other-version":
         conn = sqlite3.connect(index_file)
         conn.execute("PRAGMA user_version = 99")
@@ -173,7 +173,7 @@ def test_a_damaged_or_foreign_index_is_rebuilt(tmp_path: Path, damage: str) -> N
         index_file.write_bytes(b"not a database " * 100 if damage == "garbage" else data[:100])
     other = ShardCache(tmp_path / "c", max_bytes=5 * SIZE)  # another process, say
     other.fetch(urls[5])
-    assert other._index().counters.rebuilds == 1  # type: ignore[union-attr]
+    assert other._space.index().counters.rebuilds == 1  # type: ignore[union-attr]
     assert not other.contains(urls[0])
     _assert_exact(scope)
     assert len(_on_disk(scope)[0]) == 5
@@ -186,7 +186,7 @@ def test_shards_removed_behind_the_index_are_dropped_when_met(tmp_path: Path) ->
     cache.fetch(urls[5])
     cache.fetch(urls[6])  # room without evicting anything: the two gone ones were counted
     assert all(cache.contains(u) for u in urls[2:7])
-    index = cache._index()
+    index = cache._space.index()
     assert index is not None and index.counters.corrections == 2 and index.counters.rebuilds == 1
     _assert_exact(_scope(cache))
 
@@ -204,7 +204,7 @@ def test_shards_added_behind_the_index_are_found_by_the_periodic_reconcile(
         cache.fetch(url)
     # Within 4 + 1 operations the index was reconciled, and the evictor then made room
     # for what it had not known: the cache is within its bound again.
-    assert cache._index().counters.reconciles >= 1  # type: ignore[union-attr]
+    assert cache._space.index().counters.reconciles >= 1  # type: ignore[union-attr]
     assert sum(size for size, _ in _on_disk(_scope(cache))[0].values()) <= 5 * SIZE
     _assert_exact(_scope(cache))
 
@@ -231,7 +231,7 @@ def test_no_room_by_the_index_rebuilds_before_giving_up(tmp_path: Path) -> None:
     conn.close()
     with cache.open(urls[4]):  # pinned
         cache.fetch(urls[5])
-    index = cache._index()
+    index = cache._space.index()
     assert index is not None and index.counters.rebuilds == 2
     assert cache.contains(urls[4]) and cache.contains(urls[5])
     _assert_exact(scope)
@@ -256,12 +256,12 @@ _CHILD = textwrap.dedent(
             stop()
         _index.Index.published = published
     elif where == "reserved":
-        from shardcache import _cache
-        real_reserve = _cache.ShardCache._reserve
+        from shardcache import _space
+        real_reserve = _space.Space.reserve
         def reserve(self, fd, info):
             real_reserve(self, fd, info)
             stop()  # space reserved, nothing downloaded
-        _cache.ShardCache._reserve = reserve
+        _space.Space.reserve = reserve
     else:
         real_remove, removed = _index.remove, []
         def remove(layout, path):
@@ -323,7 +323,7 @@ def test_sigkill_mid_eviction_leaves_a_repairable_index(tmp_path: Path) -> None:
     cache.fetch(urls[6])
     assert [cache.contains(u) for u in urls[:7]] == [False, False, True, True, True, True, True]
     _assert_exact(scope)
-    assert cache._index().counters.rebuilds == 1  # type: ignore[union-attr]
+    assert cache._space.index().counters.rebuilds == 1  # type: ignore[union-attr]
 
 
 def test_a_crashed_download_counts_until_cleaned(tmp_path: Path) -> None:

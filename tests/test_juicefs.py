@@ -49,7 +49,7 @@ def test_a_juicefs_mount_is_a_network_file_system(jfs_nodes: list[Node]) -> None
     node = jfs_nodes[0]
     mount = mount_for(node.root / "cache" / "node")
     assert mount.fstype == "fuse.juicefs" and mount.is_network, mount
-    assert ShardCache(node.root / "cache")._lock_policy().mode == "lease"
+    assert ShardCache(node.root / "cache")._locks.policy().mode == "lease"
 
 
 def test_the_mount_is_gone_after_a_failing_block(tmp_path: Path) -> None:

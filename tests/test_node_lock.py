@@ -256,6 +256,6 @@ def test_auto_mode_on_juicefs_takes_the_node_lock_unless_off(
     src.write_bytes(b"s" * 10_000)
     setting = None if node_lock_dir == "default" else "off"
     cache = ShardCache(jfs_nodes[0].root / "cache", node_lock_dir=setting)
-    assert cache._lock_policy().mode == "lease"
+    assert cache._locks.policy().mode == "lease"
     assert cache.fetch(str(src)).read_bytes() == b"s" * 10_000
-    assert (cache._node_lock_fs() is None) == (setting == "off")
+    assert (cache._locks.node_fs() is None) == (setting == "off")

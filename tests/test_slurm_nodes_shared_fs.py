@@ -124,7 +124,7 @@ def test_each_shard_downloaded_once_cluster_wide(
         "r = cache.settings.rank\n"
         "order = urls[r * 2:] + urls[:r * 2]\n"
         "digests = {u: hashlib.sha256(cache.fetch(u).read_bytes()).hexdigest() for u in order}\n"
-        "emit(rank=r, host=socket.gethostname(), lock_mode=cache._lock_policy().mode,\n"
+        "emit(rank=r, host=socket.gethostname(), lock_mode=cache._locks.policy().mode,\n"
         "     digests=digests, stats=cache.stats().as_dict())\n"
     )
     cache_dir = str(shared_fs.mountpoint / cache_name)

@@ -23,7 +23,7 @@ BUCKET = "lease"
 
 def _racer(cache_dir: str, node_lock_dir: str, urls: list[str], seed: int, start, out) -> None:
     cache = ShardCache(cache_dir, scope="node", node_lock_dir=node_lock_dir, lease_time=30)
-    assert cache._lock_policy().mode == "lease"  # detected: a network file system
+    assert cache._locks.policy().mode == "lease"  # detected: a network file system
     order = list(urls)
     random.Random(seed).shuffle(order)
     start.wait(120)
