@@ -31,10 +31,10 @@ import s3fs  # noqa: F401  (imported once by the fork server, with aiobotocore)
 from fsspec.asyn import sync
 
 from shardcache import ShardCache
-from shardcache import _cache as cache
 from shardcache import _download as download
 from shardcache import _download_stream as download_stream
 from shardcache import _locks as locks
+from shardcache import _publish as publish
 from shardcache import _safefs as safefs
 
 INSTANTS = (
@@ -133,13 +133,13 @@ def _instrument(instant: str, url: str, final: str, stop_at: int, *, local: bool
 
         download.Strategy.verify = verify  # type: ignore[method-assign]
     elif instant == "meta":
-        real_write_meta = cache.write_meta
+        real_write_meta = publish.write_meta
 
         def write_meta(*args: Any, **kw: Any) -> None:
             real_write_meta(*args, **kw)
             _stop(instant)
 
-        cache.write_meta = write_meta
+        publish.write_meta = write_meta
     elif instant in ("rename", "renamed"):
         real_replace = safefs.SafeFS.replace
 
