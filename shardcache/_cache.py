@@ -52,7 +52,8 @@ from ._retry import RetryPolicy
 from ._safefs import SafeFS
 from ._throttle import process_throttle
 from ._trust import Trust, describe_owner
-from ._urls import LOCAL_PROTOCOLS, check_url, url_protocol
+from ._url_check import check_url
+from ._url_kinds import LOCAL_PROTOCOLS, url_protocol
 
 logger = get_logger(__name__)
 _T = TypeVar("_T")
