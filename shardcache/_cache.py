@@ -42,7 +42,8 @@ from ._growing import Announce, GrowingFile
 from ._index import Index
 from ._layout import CacheLayout, ShardId, namespace
 from ._lock_node import node_lock_path, node_lock_root
-from ._locks import LockPolicy, ShardLock
+from ._lock_policy import LockPolicy
+from ._locks import ShardLock
 from ._metadata import write_meta
 from ._pins import open_pinned, pin, reopen_pinned
 from ._prefetch import Prefetcher
