@@ -42,7 +42,8 @@ from ._growing import Announce, GrowingFile
 from ._index import Index
 from ._layout import CacheLayout, ShardId, namespace
 from ._lock_node import node_lock_path, node_lock_root
-from ._locks import LockPolicy, ShardLock
+from ._lock_policy import LockPolicy
+from ._locks import ShardLock
 from ._metadata import write_meta
 from ._pins import open_pinned, pin, reopen_pinned
 from ._prefetch import Prefetcher
@@ -52,7 +53,8 @@ from ._retry import RetryPolicy
 from ._safefs import SafeFS
 from ._throttle import process_throttle
 from ._trust import Trust, describe_owner
-from ._urls import LOCAL_PROTOCOLS, check_url, url_protocol
+from ._url_check import check_url
+from ._url_kinds import LOCAL_PROTOCOLS, url_protocol
 
 logger = get_logger(__name__)
 _T = TypeVar("_T")
