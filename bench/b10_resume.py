@@ -265,12 +265,13 @@ def _measure(b: Bench, cfg: dict[str, Any], urls: list[str], at: int) -> dict[st
         warm.fetch(url)
     # A restarted job carries the sample index (made once, beside the shards): without it
     # the dataset would learn it by fetching every shard first.
+    from shardcache._resume_start import plan_for as fresh_plan
     from shardcache._sample_index import index_document, learn, write_index
 
     index = str(b.fresh_dir("b10i") / "index.json")
     write_index(index, index_document(learn(urls, warm, threads=4), urls))
     # The naive resume reads, in each worker, the shards of that worker's plan in order.
-    plan_for = _dataset(urls, warm, cfg, index)._plan_for(0)
+    plan_for = fresh_plan(_dataset(urls, warm, cfg, index)._epoch_split(), 0)
     workers = cfg["workers"]
     ordered = [
         list(

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from ._fsinfo import mount_for
 from ._layout import CacheLayout, ShardId
 from ._lock_node import node_lock_path, node_lock_root
-from ._locks import LockPolicy, ShardLock
+from ._lock_policy import LockPolicy
+from ._locks import ShardLock
 from ._redact import get_logger
 from ._safefs import SafeFS
 from ._trust import Trust

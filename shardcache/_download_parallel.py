@@ -38,7 +38,7 @@ from ._errors import IntegrityError
 from ._hash_follower import HashFollower, PartsWritten
 from ._redact import get_logger
 from ._retry import TruncatedBody, _http_status_and_code, describe, fetch_error, is_transient
-from ._urls import url_protocol
+from ._url_kinds import url_protocol
 
 logger = get_logger(__name__)
 

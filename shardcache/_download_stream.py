@@ -27,7 +27,7 @@ from ._download import (
 )
 from ._redact import get_logger
 from ._retry import TruncatedBody, describe, fetch_error, is_transient
-from ._urls import url_protocol
+from ._url_kinds import url_protocol
 
 logger = get_logger(__name__)
 

@@ -32,8 +32,8 @@ from typing import Any
 from ._dirs import dir_error
 from ._errors import CacheDirError, LockTimeout
 from ._layout import CacheLayout, is_temp_name
+from ._lock_errors import lock_file_error
 from ._lock_flock import try_flock
-from ._locks import lock_file_error
 from ._metadata import read_meta, read_meta_at
 from ._redact import get_logger
 from ._safefs import SafeFS

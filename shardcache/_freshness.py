@@ -25,7 +25,7 @@ from ._layout import CacheLayout, ShardId
 from ._metadata import read_meta, write_meta
 from ._redact import get_logger
 from ._remote import ObjectInfo, Remote
-from ._urls import LOCAL_PROTOCOLS, local_path
+from ._url_kinds import LOCAL_PROTOCOLS, local_path
 
 logger = get_logger(__name__)
 

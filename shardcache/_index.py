@@ -52,6 +52,9 @@ older version).
 Not on network file systems: sqlite's POSIX locks and WAL's shared memory are not reliable
 across NFS/Lustre clients (and the scope may be shared by several nodes), so there the
 evictor keeps listing the directory (:func:`shardcache._eviction.evict_locked`).
+
+The sqlite file itself (schema, triggers, opening, telling damage from a busy lock) is
+:mod:`shardcache._index_db`'s.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from typing import Any, TypeVar
 
 from ._errors import CacheDirError
 from ._eviction import CacheEntry, EvictReport, list_dir, log_evicted, remove
-from ._identity import boot_id as _read_boot_id
+from ._index_db import boot_id, damaged, open_index, upsert
 from ._layout import CacheLayout, parse_temp_name
 from ._metadata import read_meta
 from ._redact import get_logger
@@ -78,43 +81,9 @@ from ._redact import get_logger
 logger = get_logger(__name__)
 _T = TypeVar("_T")
 
-SCHEMA_VERSION = 1
-# Seconds sqlite waits for a lock held by another connection. Writers are serialised by the
-# eviction lock, so a wait means something unusual (WAL recovery after a crash, the .locks
-# directory removed and made again by a tmp cleaner so that two evict.lock files exist):
-# short, then this process lists the directory instead (ShardCache._index_call).
-BUSY_TIMEOUT = 2.0
 RECONCILE_EVERY = 1000  # ... operations, or as many as the index has entries if more
 RECONCILE_AGE = 3600.0  # seconds: a reconcile at least this often while the index is used
 _BATCH = 64  # eviction candidates read per query
-
-_SCHEMA = """
-CREATE TABLE entries (
-    name TEXT PRIMARY KEY,      -- <hh>/<file name> under data/
-    size INTEGER NOT NULL,
-    last_used INTEGER NOT NULL, -- mtime in ns as recorded (<= the file's, see the docstring)
-    ino INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX entries_lru ON entries (last_used, name);
-CREATE TABLE parts (
-    name TEXT PRIMARY KEY,      -- <hh>/<temp name> under data/
-    final TEXT NOT NULL         -- <hh>/<published name> it becomes
-) WITHOUT ROWID;
-CREATE TABLE state (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
-INSERT INTO state VALUES ('total_bytes', 0), ('entries', 0), ('ops', 0),
-    ('boot_id', ''), ('reconciled_at', 0);
-CREATE TRIGGER entries_ins AFTER INSERT ON entries BEGIN
-    UPDATE state SET value = value + new.size WHERE key = 'total_bytes';
-    UPDATE state SET value = value + 1 WHERE key = 'entries';
-END;
-CREATE TRIGGER entries_del AFTER DELETE ON entries BEGIN
-    UPDATE state SET value = value - old.size WHERE key = 'total_bytes';
-    UPDATE state SET value = value - 1 WHERE key = 'entries';
-END;
-CREATE TRIGGER entries_upd AFTER UPDATE OF size ON entries BEGIN
-    UPDATE state SET value = value + new.size - old.size WHERE key = 'total_bytes';
-END;
-"""
 
 
 @dataclass
@@ -187,7 +156,7 @@ class Index:
         def work(conn: sqlite3.Connection) -> None:
             conn.execute("DELETE FROM parts WHERE name = ?", (self._rel(part),))
             if st is not None:
-                _upsert(conn, self._rel(final), st)
+                upsert(conn, self._rel(final), st)
             self._count_op(conn)
 
         self._run(work)
@@ -292,7 +261,7 @@ class Index:
         if st.st_mtime_ns > last_used or st.st_ino != ino or st.st_size != size:
             # Used since recorded (a hit's touch), or replaced: record what is there; a
             # newer row comes back later in the walk, at its place in the order.
-            _upsert(conn, name, st)
+            upsert(conn, name, st)
             self.counters.corrections += 1
             if st.st_mtime_ns > last_used:
                 return st.st_size - size
@@ -330,7 +299,7 @@ class Index:
             if published is not None:
                 known = conn.execute("SELECT ino FROM entries WHERE name = ?", (final,)).fetchone()
                 if known is None or known[0] != published.st_ino:
-                    _upsert(conn, final, published)
+                    upsert(conn, final, published)
                     self.counters.corrections += 1
         return total
 
@@ -370,7 +339,7 @@ class Index:
                 conn.execute("COMMIT")
                 return result
             except sqlite3.DatabaseError as exc:
-                if attempt == 2 or not _damaged(exc):
+                if attempt == 2 or not damaged(exc):
                     raise self._error(exc) from exc
                 logger.warning("the cache index %s is damaged (%s): rebuilding it", self.path, exc)
                 self._replace()
@@ -398,7 +367,7 @@ class Index:
         try:
             self._open(st)
         except sqlite3.DatabaseError as exc:
-            if not _damaged(exc):
+            if not damaged(exc):
                 raise self._error(exc) from exc
             logger.warning("the cache index %s is unusable (%s): rebuilding it", self.path, exc)
             self._replace()
@@ -406,43 +375,7 @@ class Index:
         return self._conn
 
     def _open(self, st: os.stat_result | None) -> None:
-        fs, trust = self.layout.fs, self.layout.trust
-        if st is None:
-            self.layout.make_dir(self.path.parent)
-            # Made by us, with the cache's mode and group (sqlite would use 0644), and never
-            # through a link; sqlite gives its -wal and -shm files the same mode.
-            with contextlib.suppress(FileExistsError):
-                fd = fs.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, trust.file_mode)
-                try:
-                    trust.adopt_file(fd, trust.file_mode)
-                finally:
-                    os.close(fd)
-            st = fs.lstat(self.path)
-        if not stat.S_ISREG(st.st_mode) or not trust.trusts_file(st):
-            raise CacheDirError(
-                f"the cache index {self.path} is not a regular file this cache trusts; "
-                "remove it (it is rebuilt from the cache directory).",
-                path=str(self.path),
-            )
-        conn = sqlite3.connect(
-            self.path, timeout=BUSY_TIMEOUT, isolation_level=None, check_same_thread=False
-        )
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=OFF")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version == 0:  # new (we hold the eviction lock: nobody else is making it)
-                conn.executescript(
-                    f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;"
-                )
-                fresh = True
-            elif version != SCHEMA_VERSION:
-                raise sqlite3.DatabaseError(f"schema version {version}, expected {SCHEMA_VERSION}")
-            else:
-                fresh = False
-        except BaseException:
-            conn.close()
-            raise
+        conn, st, fresh = open_index(self.layout, st)
         self._conn, self._identity = conn, (os.getpid(), st.st_dev, st.st_ino)
         if fresh or self._suspect or self._stale(conn):
             self._suspect = False
@@ -475,28 +408,6 @@ class Index:
             "rebuilt from the cache directory).",
             path=str(self.path),
         )
-
-
-def _damaged(exc: sqlite3.DatabaseError) -> bool:
-    """The file is not (or no longer) a usable database of ours: replace and rebuild it.
-    Anything else (a lock held beyond BUSY_TIMEOUT, a disk I/O error such as the directory
-    removed under us) is raised: the caller lists the directory instead."""
-    if not isinstance(exc, sqlite3.OperationalError):
-        return True  # "file is not a database", "malformed", another schema version
-    return "malformed" in str(exc) or "not a database" in str(exc)
-
-
-@functools.cache
-def boot_id() -> str:
-    return _read_boot_id()
-
-
-def _upsert(conn: sqlite3.Connection, name: str, st: os.stat_result) -> None:
-    conn.execute(
-        "INSERT INTO entries VALUES (?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET "
-        "size = excluded.size, last_used = excluded.last_used, ino = excluded.ino",
-        (name, st.st_size, st.st_mtime_ns, st.st_ino),
-    )
 
 
 def _lstat(layout: CacheLayout, path: Path) -> os.stat_result | None:

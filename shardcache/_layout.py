@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 from ._errors import ConfigError
 from ._safefs import SafeFS
 from ._trust import Trust
-from ._urls import LOCAL_PROTOCOLS, local_path
+from ._url_kinds import LOCAL_PROTOCOLS, local_path
 
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]")
 _EXT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")

@@ -119,6 +119,13 @@ def describe_holder(record: dict[str, Any] | None) -> str:
     )
 
 
+def holder_name(record: dict[str, Any] | None) -> str | None:
+    """``"pid 77 on scnode2"`` for a lock holder's record (None: not known)."""
+    if not record:
+        return None
+    return f"pid {record.get('pid')} on {record.get('host')}"
+
+
 class RecordWatch:
     """Tracks, on this process's monotonic clock, when a holder's record last changed at
     all (liveness: lease renewals count) and when its progress last changed (stuckness)."""

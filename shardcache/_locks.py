@@ -4,7 +4,8 @@ The lock only avoids downloading a shard twice. Correctness never depends on it:
 writer downloads into its own temp file and publishes with an atomic rename, so even two
 holders at once (a broken lease that was in fact alive) cost bandwidth, never data.
 
-:class:`ShardLock` waits (backoff with jitter) for one of two backends (:class:`LockBackend`):
+:class:`ShardLock` waits (backoff with jitter, :mod:`shardcache._lock_policy`) for one of two
+backends (:class:`~shardcache._lock_backend.LockBackend`):
 
 * ``flock`` (local disks, :mod:`shardcache._lock_flock`): the kernel frees the lock of a dead
   holder at once, so "stale" here means *stuck*: the holder's progress (phase, bytes in
@@ -32,7 +33,8 @@ on progress (rate-limited) and, for a lease, on each renewal.
 Creating a lock file can fail transiently on network file systems (a directory another
 node just made is not visible yet, ESTALE, EIO); those are retried with backoff to a
 bound. Anything else, or a transient error that persists, raises :class:`LockFileError`
-at once with the path and errno: never a ``LockTimeout`` that blames an unknown holder.
+at once with the path and errno: never a ``LockTimeout`` that blames an unknown holder (both
+errors are built in :mod:`shardcache._lock_errors`).
 """
 
 from __future__ import annotations
@@ -45,23 +47,22 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from . import _metrics as metrics
-from ._config import SPECS
-from ._dirs import NOT_YET_ERRNOS
-from ._errors import CacheDirError, LockFileError, LockTimeout
-from ._fsinfo import mount_for
-from ._identity import ProcessIdentity
+from ._errors import CacheDirError
 from ._layout import lease_path, owner_path
+from ._lock_backend import LockBackend
+from ._lock_errors import CREATE_TRANSIENT_ERRNOS, lock_file_error, lock_timeout
 from ._lock_flock import FlockBackend
 from ._lock_lease import LeaseBackend, Renewer
+from ._lock_policy import LockPolicy
 from ._lock_records import (
     RecordWatch,
     describe_holder,
     encode_record,
+    holder_name,
     holder_verdict,
     new_record,
     read_raw,
@@ -76,61 +77,8 @@ logger = get_logger(__name__)
 STILL_WAITING_EVERY = 30.0
 RECORD_INTERVAL = 0.5  # seconds between progress-record writes while holding
 RENEWALS_PER_LEASE = 4  # a lease is renewed this many times per lease_time
-# Errors that may clear by themselves while creating a lock file: the "not yet" errors of
-# a shared file system, and a claim name that is still being removed (EEXIST).
-_TRANSIENT_ERRNOS = NOT_YET_ERRNOS | {errno.EEXIST}
 # At most ~2 s in all (5 ms doubling to 0.25 s); then the error is reported, not waited out.
 CREATE_RETRY = RetryPolicy(retries=12, backoff=0.005, max_backoff=0.25)
-
-_UNSUPPORTED_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
-
-
-@dataclass(frozen=True, kw_only=True)
-class LockPolicy:
-    """How long and how to wait for a shard lock."""
-
-    mode: str = "flock"  # "flock" or "lease"
-    # Defaults from the settings' specs (one place): SHARDCACHE_LOCK_TIMEOUT (hard limit on
-    # the wait), _LOCK_STUCK_AFTER (give up on a holder whose progress record did not
-    # change), _LEASE_TIME (break a lease whose record did not change).
-    timeout: float = SPECS["lock_timeout"].default
-    stuck_after: float = SPECS["lock_stuck_after"].default
-    lease_time: float = SPECS["lease_time"].default
-
-    @property
-    def backoff(self) -> tuple[float, float]:
-        """(first, max) poll delay: short on local disks, gentler on shared ones."""
-        if self.mode == "lease":
-            return 0.05, max(0.05, min(10.0, self.lease_time / 4))
-        return 0.01, 1.0
-
-
-class LockBackend(Protocol):
-    """How one lock mode takes, records and gives up a shard's lock file; :class:`ShardLock`
-    does the waiting, judging and timing out around it. Methods raise ``OSError``."""
-
-    record_path: Path  # where the holder's record is, for waiters to read
-    expires: bool  # True: a silent holder's lock is broken, so the holder must renew it
-
-    def try_acquire(self) -> bool:
-        """One attempt, never blocking: True if the lock is now ours."""
-        ...
-
-    def open_record(self) -> None:
-        """After acquiring: make the holder's record writable."""
-        ...
-
-    def write_record(self, data: bytes) -> bool:
-        """Replace the holder's record; False if the lock turned out to be lost."""
-        ...
-
-    def break_stale(self, judged: bytes) -> bool:
-        """Remove a stale holder's lock if its record is still ``judged``; True if removed."""
-        ...
-
-    def release(self) -> None:
-        """Give the lock up (idempotent); only a lock still ours is removed."""
-        ...
 
 
 class ShardLock:
@@ -229,7 +177,7 @@ class ShardLock:
                 waited = self.node_lock._waited_for + waited
             if waited:
                 holder = next((r for r in reversed(waited) if r), None)
-                metrics.collector().lock_wait(time.monotonic() - start, _holder_name(holder))
+                metrics.collector().lock_wait(time.monotonic() - start, holder_name(holder))
 
     def _acquire(self, done: Callable[[], bool] | None, start: float) -> bool:
         node = self.node_lock
@@ -321,7 +269,7 @@ class ShardLock:
 
         def transient(exc: Exception) -> bool:
             mine = isinstance(exc, CacheDirError)  # already says what is wrong
-            return isinstance(exc, OSError) and not mine and exc.errno in _TRANSIENT_ERRNOS
+            return isinstance(exc, OSError) and not mine and exc.errno in CREATE_TRANSIENT_ERRNOS
 
         def give_up(exc: Exception, attempts: int) -> BaseException:
             if isinstance(exc, OSError) and not isinstance(exc, CacheDirError):
@@ -383,59 +331,19 @@ class ShardLock:
         attempts: int,
         cause: str,
     ) -> None:
-        elapsed = time.monotonic() - start
-        owner = watch.record
-        mount = mount_for(self.path)
-        me = ProcessIdentity.current()
-        if verdict == "alive" and owner:
-            hint = (
-                f"inspect the holder (py-spy dump --pid {owner.get('pid')}) or kill it: the "
-                "kernel frees its lock when it exits. If its downloads are legitimately "
-                "slow, raise SHARDCACHE_LOCK_STUCK_AFTER / SHARDCACHE_LOCK_TIMEOUT."
-            )
-        elif self.policy.mode == "flock" and mount.is_network:
-            hint = (
-                "the cache is on a network file system where flock can mislead; set "
-                "SHARDCACHE_LOCK_MODE=lease or move SHARDCACHE_DIR to a node-local disk."
-            )
-        else:
-            hint = (
-                "check that the holder is still running and can reach the remote store; "
-                "raise SHARDCACHE_LOCK_TIMEOUT if downloads are slow."
-            )
-        raise LockTimeout(
-            f"timed out waiting for the lock of {self.url}: {cause}.\n"
-            f"  lock file: {self.path} ({self.policy.mode} mode) on {mount.describe()}\n"
-            f"{self._fronts_line()}"
-            f"  waiter: host {me.host} pid {me.pid} rank {self.rank} thread "
-            f"{threading.current_thread().name}\n"
-            f"  holder: {self._describe_holder(owner)}\n"
-            f"  verdict: {verdict} ({why})\n"
-            f"  waited {elapsed:.1f}s over {attempts} attempts\n"
-            f"  what to do: {hint}",
+        raise lock_timeout(
+            path=self.path,
             url=self.url,
-            path=str(self.path),
-            owner=owner,
+            mode=self.policy.mode,
+            rank=self.rank,
+            fronts=self.fronts,
+            record_path=self._backend.record_path,
+            owner=watch.record,
             verdict=verdict,
-            elapsed=elapsed,
+            why=why,
+            elapsed=time.monotonic() - start,
             attempts=attempts,
-        )
-
-    def _fronts_line(self) -> str:
-        if self.fronts is None:
-            return ""
-        return (
-            f"  (the node-local lock in front of the lease {self.fronts}: its holder is the "
-            "process of this node that contends for the lease)\n"
-        )
-
-    def _describe_holder(self, owner: dict[str, Any] | None) -> str:
-        if owner is not None:
-            return describe_holder(owner)
-        return (
-            f"unknown: no readable owner record at {self._backend.record_path} (the holder "
-            "may be unable to write it: a full disk, a read-only or unwritable directory; or "
-            "it has just started)"
+            cause=cause,
         )
 
     # -- holding -------------------------------------------------------------------------
@@ -561,53 +469,3 @@ def _paced(
         return check()
 
     return paced
-
-
-def lock_file_error(path: Path, url: str | None, exc: OSError, attempts: int) -> LockFileError:
-    """The error for a lock file that cannot be created or locked: path, errno, what to do."""
-    code = exc.errno or 0
-    name = errno.errorcode.get(code, str(code))
-    where = exc.filename or path
-    if code in _UNSUPPORTED_ERRNOS:
-        what = (
-            f"flock is not supported on {mount_for(path).describe()}; set "
-            "SHARDCACHE_LOCK_MODE=lease for this file system"
-        )
-    elif code == errno.ELOOP:
-        what = (
-            "a symbolic link stands where the lock file belongs (lock files are never "
-            "followed out of the cache): remove it"
-        )
-    elif code in (errno.ENOSPC, errno.EDQUOT):
-        what = "the disk or quota is full: free space on it or move SHARDCACHE_DIR"
-    elif code == errno.EROFS:
-        what = (
-            "the file system is read-only (mounted so, or remounted read-only after errors): "
-            "check it (dmesg) or point SHARDCACHE_DIR at a writable disk"
-        )
-    elif code in _TRANSIENT_ERRNOS:
-        what = (
-            f"the error persisted over {attempts} attempts; something keeps removing the "
-            "cache's directories, or the (network) file system is failing: check it and "
-            "the tmp cleaners of this node"
-        )
-    else:
-        what = "check that the cache directory is writable (SHARDCACHE_DIR)"
-    for_url = f" for {url}" if url else ""
-    return LockFileError(
-        f"cannot create or lock the lock file {path}{for_url}: {name} "
-        f"({exc.strerror or exc}) at {where}; expected a writable lock directory. "
-        f"What to do: {what}.",
-        path=str(path),
-        url=url,
-        errno=code,
-        attempts=attempts,
-        cause=f"{name}: {exc.strerror or exc}",
-    )
-
-
-def _holder_name(record: dict[str, Any] | None) -> str | None:
-    """``"pid 77 on scnode2"`` for a lock holder's record (None: not known)."""
-    if not record:
-        return None
-    return f"pid {record.get('pid')} on {record.get('host')}"

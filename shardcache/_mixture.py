@@ -45,7 +45,8 @@ from . import _metrics as metrics
 from ._cache import ShardCache
 from ._errors import ConfigError, ResumeError, ShardCacheError
 from ._redact import get_logger
-from ._resumable import ResumableDataset, Stage, whole
+from ._resumable import ResumableDataset, Stage
+from ._resume_options import whole
 from ._resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State
 from ._urls import Spec
 from ._wds import Handler

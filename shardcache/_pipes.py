@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from ._errors import UrlError
 from ._redact import get_logger
-from ._urls import PIPE_PREFIX
+from ._url_kinds import PIPE_PREFIX
 
 logger = get_logger(__name__)
 

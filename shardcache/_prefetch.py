@@ -46,8 +46,9 @@ Invariants:
   watchdog (the same ``StallError``), and a failure after the hand-over reaches the reader.
 
 This module is the window (order, bound, laziness, cancellation, when a wait is a stall);
-the rate meter, the starvation monitor and the text of the warning and of the
-``StallError`` live in :mod:`shardcache._prefetch_diagnostics`.
+the fetch interface, the shards' shared state and the worker loop live in
+:mod:`shardcache._prefetch_workers`; the rate meter, the starvation monitor and the text of
+the warning and of the ``StallError`` in :mod:`shardcache._prefetch_diagnostics`.
 """
 
 from __future__ import annotations
@@ -62,14 +63,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NamedTuple, NoReturn, Protocol
+from typing import Any, NamedTuple, NoReturn
 
 from . import _metrics as metrics
 from ._config import prefetch_overrides
 from ._errors import FetchError, ShardCacheError, StallError
-from ._prefetch_diagnostics import STARVATION_SHARE, RateMeter, StarvationMonitor, stall_error
+from ._prefetch_diagnostics import STARVATION_SHARE, StarvationMonitor, stall_error
+from ._prefetch_workers import DONE, Early, Fetch, Release, Shared, Task, work
 from ._redact import get_logger
-from ._remote import Progress
 
 logger = get_logger(__name__)
 
@@ -78,33 +79,7 @@ THREAD_NAME_PREFIX = "shardcache-prefetch"
 CLOSE_TIMEOUT = 10.0  # close(): seconds to wait for workers before leaving them (daemons)
 STALL_CLOSE_TIMEOUT = 1.0  # after a StallError the stuck worker is not waited for long
 _MAX_WAIT = 3600.0  # cap of one Condition.wait (stays below threading.TIMEOUT_MAX)
-_QUEUED, _RUNNING, _DONE = "queued", "running", "done"
 _sequence = itertools.count(1)
-
-
-class Fetch(Protocol):
-    """What the prefetcher calls in a worker: ``ShardCache.fetch`` or a test double.
-
-    It must call ``progress`` as bytes arrive; once the prefetcher is closed that call
-    raises (see the module docstring), and ``progress.cancelled`` (a ``threading.Event``)
-    is set, for fetchers that block without reporting.
-    """
-
-    def __call__(self, url: str, progress: Progress) -> Path: ...
-
-
-Release = Callable[[Path], None]
-"""Called once for every fetched path the consumer is done with (see ``release``)."""
-
-
-class Early(Protocol):
-    """What a fetch may offer (``progress.offer(early)``) when its shard can be read before
-    the fetch ends: the consumer takes it with ``claim()`` (False: too late, the fetch is
-    ending: wait for its outcome instead)."""
-
-    path: Path
-
-    def claim(self) -> bool: ...
 
 
 class PrefetchedShard(NamedTuple):
@@ -112,144 +87,6 @@ class PrefetchedShard(NamedTuple):
 
     url: str
     path: Path
-
-
-class _Cancelled(BaseException):
-    """Raised inside a fetch by its progress callback once the prefetcher is closed.
-
-    A ``BaseException`` so retry loops that catch ``Exception`` neither retry nor wrap it.
-    """
-
-
-class _Task:
-    """One shard in the window. Fields after ``url`` are guarded by ``_Shared.cond``."""
-
-    __slots__ = (
-        "bytes_done",
-        "bytes_total",
-        "early",
-        "error",
-        "from_source",
-        "handed_over",
-        "index",
-        "last_change",
-        "meter",
-        "path",
-        "phase",
-        "started",
-        "state",
-        "submitted",
-        "thread_ident",
-        "thread_name",
-        "url",
-    )
-
-    def __init__(self, index: int, url: str, now: float) -> None:
-        self.index = index
-        self.url = url
-        self.state = _QUEUED
-        self.path: Path | None = None
-        self.handed_over = False  # given to the consumer, or released: never release again
-        self.error: BaseException | None = None
-        self.from_source = False  # the error came from iterating ``urls``, not a fetch
-        self.phase = "queued"
-        self.bytes_done = 0
-        self.bytes_total: int | None = None
-        self.submitted = now
-        self.started: float | None = None
-        self.last_change = now  # the watchdog's clock: bytes or phase last changed
-        self.thread_name: str | None = None
-        self.thread_ident: int | None = None
-        self.meter = RateMeter()
-        self.early: Early | None = None  # what the fetch offered for reading before it ends
-
-
-class _Shared:
-    """State shared by the consumer and the workers.
-
-    Workers reference only this, never the ``Prefetcher``: dropping the last reference to
-    the prefetcher therefore runs its ``__del__``, which cancels them.
-    """
-
-    def __init__(self, fetch: Fetch, clock: Callable[[], float], release: Release | None) -> None:
-        self.fetch = fetch
-        self.clock = clock
-        self.release = release
-        self.cond = threading.Condition()
-        self.cancelled = threading.Event()  # set once, under cond; read without it
-        self.queue: deque[_Task] = deque()  # FIFO, so the oldest shard always starts first
-        self.workers: dict[str, _Task | None] = {}  # thread name -> its shard (None: idle)
-        self.meter = RateMeter()  # all workers' bytes
-        self.threads: list[threading.Thread] = []
-
-
-class _Reporter:
-    """The ``progress`` callable handed to ``fetch`` for one shard."""
-
-    __slots__ = ("_shared", "_task", "cancelled")
-
-    def __init__(self, shared: _Shared, task: _Task) -> None:
-        self._shared = shared
-        self._task = task
-        self.cancelled = shared.cancelled
-
-    def __call__(self, *, phase: str, bytes_done: int, bytes_total: int | None) -> None:
-        if self.cancelled.is_set():
-            raise _Cancelled(self._task.url)
-        shared, task = self._shared, self._task
-        with shared.cond:
-            now = shared.clock()
-            if bytes_done != task.bytes_done or phase != task.phase:
-                task.last_change = now
-            if bytes_done > task.bytes_done:  # a restart from byte 0 is not negative progress
-                delta = bytes_done - task.bytes_done
-                task.meter.add(delta, now)
-                shared.meter.add(delta, now)
-            task.phase, task.bytes_done, task.bytes_total = phase, bytes_done, bytes_total
-
-    def offer(self, early: Early) -> None:
-        """The fetch can be read before it ends (:meth:`Prefetcher.next_early`)."""
-        shared, task = self._shared, self._task
-        with shared.cond:
-            if task.early is None and task.state != _DONE:
-                task.early = early
-                shared.cond.notify_all()
-
-
-def _work(shared: _Shared, name: str) -> None:
-    """Worker loop: take the oldest queued shard, fetch it, publish the outcome."""
-    cond = shared.cond
-    while True:
-        with cond:
-            while not shared.queue and not shared.cancelled.is_set():
-                cond.wait()
-            if shared.cancelled.is_set():
-                return
-            task = shared.queue.popleft()
-            now = shared.clock()
-            task.state, task.phase = _RUNNING, "started"
-            task.started = task.last_change = now
-            task.thread_name, task.thread_ident = name, threading.get_ident()
-            shared.workers[name] = task
-        path: Path | None = None
-        error: BaseException | None = None
-        try:
-            path = Path(shared.fetch(task.url, progress=_Reporter(shared, task)))
-        except _Cancelled:
-            with cond:  # the task stays unfinished: nobody will consume it
-                shared.workers[name] = None
-            return
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            error = exc
-        with cond:
-            shared.workers[name] = None
-            released = shared.cancelled.is_set() and not task.handed_over
-            if released and path is not None and shared.release is not None:
-                task.handed_over = True  # nobody will consume it: release it now
-                shared.release(path)
-            task.state, task.path, task.error = _DONE, path, error
-            cond.notify_all()
-        del error  # the task owns it now; no frame -> traceback -> frame cycle here
 
 
 def check_prefetch_options(
@@ -303,10 +140,10 @@ class Prefetcher:
         self._held: Path | None = None
         self.name = f"{THREAD_NAME_PREFIX}-{next(_sequence)}"
         # Runtime state: created by the first next(), in the process that iterates.
-        self._shared: _Shared | None = None
+        self._shared: Shared | None = None
         self._pid: int | None = None
         self._source: Iterator[str] | None = None
-        self._window: deque[_Task] = deque()  # input order; len <= depth
+        self._window: deque[Task] = deque()  # input order; len <= depth
         self._next_index = 0
         self._exhausted = False  # no more urls will be pulled
         self._finished = False  # next() raises StopIteration from now on
@@ -439,7 +276,7 @@ class Prefetcher:
         self._held = head.path if self._release is not None else None
         return PrefetchedShard(head.url, head.path), None, self._no_stall
 
-    def _start(self) -> _Shared:
+    def _start(self) -> Shared:
         if self._shared is not None:
             if self._pid != os.getpid():
                 raise RuntimeError(
@@ -449,12 +286,12 @@ class Prefetcher:
                 )
             return self._shared
         self._source = iter(self._urls)
-        shared = _Shared(self._fetch, self._clock, self._release)
+        shared = Shared(self._fetch, self._clock, self._release)
         for i in range(min(self.threads, self.depth)):
             name = f"{self.name}-{i}"
             shared.workers[name] = None
             shared.threads.append(
-                threading.Thread(target=_work, args=(shared, name), name=name, daemon=True)
+                threading.Thread(target=work, args=(shared, name), name=name, daemon=True)
             )
         self._shared, self._pid = shared, os.getpid()
         for thread in shared.threads:
@@ -462,7 +299,7 @@ class Prefetcher:
         logger.debug("%r started", self)
         return shared
 
-    def _fill(self, shared: _Shared) -> None:
+    def _fill(self, shared: Shared) -> None:
         """Top the window up to ``depth``, pulling ``urls`` only while there is room."""
         assert self._source is not None
         while len(self._window) < self.depth and not self._exhausted:
@@ -472,19 +309,19 @@ class Prefetcher:
                 self._exhausted = True
                 break
             except Exception as exc:  # surfaces in order, after the shards before it
-                task = _Task(self._next_index, "<urls>", self._clock())
-                task.state, task.error, task.from_source = _DONE, exc, True
+                task = Task(self._next_index, "<urls>", self._clock())
+                task.state, task.error, task.from_source = DONE, exc, True
                 self._window.append(task)
                 self._exhausted = True
                 break
-            task = _Task(self._next_index, url, self._clock())
+            task = Task(self._next_index, url, self._clock())
             self._next_index += 1
             self._window.append(task)
             with shared.cond:
                 shared.queue.append(task)
                 shared.cond.notify_all()
 
-    def _wait_for(self, shared: _Shared, task: _Task, early: bool = False) -> bool:
+    def _wait_for(self, shared: Shared, task: Task, early: bool = False) -> bool:
         """Block until ``task`` is done, or (``early``) offered and claimed (then True);
         raise StallError once it stops progressing."""
         with shared.cond:
@@ -493,7 +330,7 @@ class Prefetcher:
                     self._finished = True
                     self._window.clear()
                     raise StopIteration
-                if task.state == _DONE:
+                if task.state == DONE:
                     return False
                 if early and task.early is not None and task.early.claim():
                     return True
@@ -503,7 +340,7 @@ class Prefetcher:
                     raise self._stall_error(shared, task, now)
                 shared.cond.wait(min(self.stall_timeout - idle, _MAX_WAIT))
 
-    def _until_stall(self, shared: _Shared, task: _Task) -> float:
+    def _until_stall(self, shared: Shared, task: Task) -> float:
         """For the reader of an early shard: seconds it may wait for more bytes; raises the
         StallError (and closes the prefetcher) once the shard's progress stopped for
         ``stall_timeout``. Runs in the consumer's thread."""
@@ -512,7 +349,7 @@ class Prefetcher:
         with shared.cond:
             now = shared.clock()
             idle = now - task.last_change
-            if task.state == _DONE or idle < self.stall_timeout:
+            if task.state == DONE or idle < self.stall_timeout:
                 return min(max(self.stall_timeout - idle, 0.001), _MAX_WAIT)
             stall = self._stall_error(shared, task, now)
         self._stall_shutdown(stall)
@@ -528,7 +365,7 @@ class Prefetcher:
         self._shutdown(STALL_CLOSE_TIMEOUT, stuck_expected=True)
         self._window.clear()
 
-    def _raise_failure(self, task: _Task, error: BaseException) -> NoReturn:
+    def _raise_failure(self, task: Task, error: BaseException) -> NoReturn:
         if task.from_source or (isinstance(error, ShardCacheError) and getattr(error, "url", None)):
             raise error  # keeps its own traceback (the worker's frames) and message
         cause = f"{type(error).__name__}: {error}"
@@ -540,9 +377,9 @@ class Prefetcher:
             cause=cause,
         ) from error
 
-    def _stall_error(self, shared: _Shared, task: _Task, now: float) -> StallError:
+    def _stall_error(self, shared: Shared, task: Task, now: float) -> StallError:
         """The report of a stalled shard; called with ``shared.cond`` held."""
-        in_flight = sum(1 for t in self._window if t.state != _DONE)
+        in_flight = sum(1 for t in self._window if t.state != DONE)
         return stall_error(
             task,
             now,
@@ -576,7 +413,7 @@ class Prefetcher:
             shared.cond.notify_all()
             if self._release is not None:
                 for task in list(self._window):
-                    if task.state == _DONE and task.path is not None and not task.handed_over:
+                    if task.state == DONE and task.path is not None and not task.handed_over:
                         task.handed_over = True
                         self._release(task.path)
         self._release_held()
@@ -627,7 +464,6 @@ __all__ = [
     "CLOSE_TIMEOUT",
     "STARVATION_SHARE",
     "THREAD_NAME_PREFIX",
-    "Fetch",
     "PrefetchedShard",
     "Prefetcher",
 ]

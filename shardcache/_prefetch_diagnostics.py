@@ -120,7 +120,7 @@ class StarvationMonitor:
 
 
 class ShardProgress(Protocol):
-    """What a report reads of one shard in the prefetch window (``prefetch._Task``)."""
+    """What a report reads of one shard in the prefetch window (``_prefetch_workers.Task``)."""
 
     url: str
     phase: str

@@ -39,7 +39,8 @@ from ._pipes import check_allowed
 from ._redact import get_logger
 from ._retry import describe, fetch_error, is_transient
 from ._throttle import throttled_call
-from ._urls import LOCAL_PROTOCOLS, check_url, local_path, url_protocol
+from ._url_check import check_url
+from ._url_kinds import LOCAL_PROTOCOLS, local_path, url_protocol
 
 logger = get_logger(__name__)
 

@@ -34,7 +34,6 @@ use ``shuffle_buffer`` and the DataLoader's ``batch_size`` instead.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -44,10 +43,26 @@ import webdataset as wds
 from . import _metrics as metrics
 from ._cache import ShardCache
 from ._config import Settings
-from ._epoch_split import REMAINDERS, EpochSplit, Share
+from ._epoch_split import EpochSplit
 from ._errors import ConfigError, ResumeError, ShardFormatError
 from ._redact import get_logger
-from ._resume_plan import Piece, RandomDraws
+from ._resume_options import (
+    flag,
+    index_location,
+    rank_and_world_size,
+    remainder_rule,
+    resumable_urls,
+    whole,
+)
+from ._resume_pieces import advance, piece_samples, visits
+from ._resume_plan import RandomDraws
+from ._resume_start import (
+    check_layout,
+    check_same_consumer,
+    finished,
+    plan_for,
+    start_progress,
+)
 from ._resume_state import (
     DatasetIdentity,
     Progress,
@@ -56,11 +71,10 @@ from ._resume_state import (
     leftover,
     start_state,
 )
-from ._sample_index import SampleIndex, check_sample, learn, load_index, stale
-from ._shuffle_buffer import ShuffleBuffer, buffered_by_shard, changed, restore_ranged, seeked
-from ._tar_members import samples
-from ._urls import Spec, expand_urls
-from ._wds import STDIN_URL, CacheStage, Handler
+from ._sample_index import SampleIndex, learn, load_index
+from ._shuffle_buffer import ShuffleBuffer, restore_ranged, seeked
+from ._urls import Spec
+from ._wds import CacheStage, Handler
 from .distributed import rank_info
 
 logger = get_logger(__name__)
@@ -104,56 +118,14 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         world_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.urls = expand_urls(urls)
-        if STDIN_URL in self.urls:
-            raise ConfigError(
-                "ResumableDataset cannot read standard input ('-'): a resumable shard must "
-                "be read again from an offset; put the data in a file or bucket",
-                name="urls",
-                value=STDIN_URL,
-            )
+        self.urls = resumable_urls(urls)
         self.seed = whole("seed", seed, low=0)
         self.shuffle_buffer = whole("shuffle_buffer", shuffle_buffer, low=0)
-        if not isinstance(shuffle_shards, bool):
-            raise ConfigError(
-                f"shuffle_shards must be True or False, not {shuffle_shards!r}",
-                name="shuffle_shards",
-                value=shuffle_shards,
-            )
-        self.shuffle_shards = shuffle_shards
-        if remainder not in REMAINDERS:
-            raise ConfigError(
-                f"remainder must be one of {REMAINDERS}, not {remainder!r}: 'pad' repeats "
-                "samples so that every consumer gets the same number, 'drop' leaves the rest "
-                "out of the epoch",
-                name="remainder",
-                value=remainder,
-            )
-        self.remainder = remainder
+        self.shuffle_shards = flag("shuffle_shards", shuffle_shards)
+        self.remainder = remainder_rule(remainder)
         self.epoch_size = None if epoch_size is None else whole("epoch_size", epoch_size, low=1)
-        if index is not None and not isinstance(index, (str, os.PathLike)):
-            raise ConfigError(
-                f"index must be a path or URL of a sample index file, not {index!r:.80}",
-                name="index",
-                value=index,
-            )
-        self.index = None if index is None else os.fspath(index)
-        if (rank is None) != (world_size is None):
-            raise ConfigError(
-                "give both rank and world_size, or neither (then they are detected)",
-                name="rank" if rank is None else "world_size",
-                value=None,
-            )
-        if world_size is not None:
-            world_size = whole("world_size", world_size, low=1)
-            rank = whole("rank", rank, low=0)
-            if rank >= world_size:
-                raise ConfigError(
-                    f"rank {rank} is not below world_size {world_size}",
-                    name="rank",
-                    value=rank,
-                )
-        self.rank, self.world_size = rank, world_size
+        self.index = index_location(index)
+        self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.identity = DatasetIdentity.of(
             self.urls, self.seed, shuffle_shards, remainder, self.epoch_size
         )
@@ -195,7 +167,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         if pending is not None and pending["epoch"] == epoch:
             self._pending_entered = True
         elif pending is not None:
-            if not (self._pending_entered or self._finished(pending)):
+            if not (self._pending_entered or finished(pending, self._epoch_split())):
                 raise ResumeError(
                     f"set_epoch({epoch}) after loading a state in the middle of epoch "
                     f"{pending['epoch']}: the rest of epoch {pending['epoch']} would be "
@@ -241,8 +213,6 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._pending_entered = False
         self._progress = None
         self.epoch = int(state["epoch"])
-
-    # -- iteration ------------------------------------------------------------------
 
     # -- the sample index and the split ----------------------------------------------
 
@@ -345,55 +315,26 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         per_unit = self._ranks_per_cache(world_size, local_world_size) * workers
         return rank * workers + worker, world_size * workers, per_unit
 
-    def _plan_for(self, epoch: int) -> Callable[[int, int, int], list[Piece]]:
-        split = self._epoch_split()
-        return lambda consumers, per_unit, slot: (
-            split.fresh(epoch, consumers, per_unit, slot).pieces
-        )
-
-    def _finished(self, state: State) -> bool:
-        """Whether a loaded state has nothing left to deliver of its epoch."""
-        plan_for = self._plan_for(int(state["epoch"]))
-        if state.get("kind") == "job":
-            return not leftover(state, plan_for)[0] and any(
-                p["kind"] == "consumer" for p in state["parts"]
-            )
-        return state.get("kind") == "consumer" and not Progress.from_json(state, plan_for).left()
-
     def _progress_for(
         self, pending: State | None, slot: int, consumers: int, per_unit: int
     ) -> Progress:
         epoch = self.epoch if pending is None else int(pending["epoch"])
         split = self._epoch_split()
-        plan_for = self._plan_for(epoch)
+        plan = plan_for(split, epoch)
         if pending is not None and pending["kind"] != "start":
-            self._check_layout(pending, split)
+            check_layout(pending, split)
         if pending is not None and pending["kind"] == "consumer":
-            if (pending["consumers"], pending["per_unit"], pending["slot"]) != (
-                consumers,
-                per_unit,
-                slot,
-            ):
-                raise ResumeError(
-                    f"this state is consumer {pending['slot']} of {pending['consumers']} "
-                    f"({pending['per_unit']} per cache), but it is loaded into consumer {slot} "
-                    f"of {consumers} ({per_unit} per cache): a worker's own state resumes only "
-                    "the same world size, num_workers and cache scope. To resume with others, "
-                    "gather every rank's state with shardcache.job_state(...) and load that "
-                    "into the dataset",
-                    expected=[consumers, per_unit, slot],
-                    seen=[pending["consumers"], pending["per_unit"], pending["slot"]],
-                )
-            return Progress.from_json(pending, plan_for)
+            check_same_consumer(pending, consumers, per_unit, slot)
+            return Progress.from_json(pending, plan)
         if pending is not None and pending["kind"] == "job":
             parts = {p["slot"]: p for p in pending["parts"] if p["kind"] == "consumer"}
             same_layout = all(
                 (p["consumers"], p["per_unit"]) == (consumers, per_unit) for p in parts.values()
             )
             if parts and same_layout and len(parts) == consumers:  # every consumer: exact
-                return Progress.from_json(parts[slot], plan_for)
+                return Progress.from_json(parts[slot], plan)
             if parts:
-                pieces, digest = leftover(pending, plan_for)
+                pieces, digest = leftover(pending, plan)
                 share = split.share(pieces, consumers, per_unit, slot)
                 logger.info(
                     "epoch %d resumed elastically: %d undelivered samples split between %d "
@@ -405,50 +346,20 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     slot,
                     share.repeated,
                 )
-                return self._start(epoch, consumers, per_unit, slot, share, carried=digest)
-        share = split.fresh(epoch, consumers, per_unit, slot)
-        return self._start(epoch, consumers, per_unit, slot, share)
-
-    def _start(  # noqa: PLR0917
-        self,
-        epoch: int,
-        consumers: int,
-        per_unit: int,
-        slot: int,
-        share: Share,
-        carried: str | None = None,
-    ) -> Progress:
-        split = self._epoch_split()
-        sizes = split.totals(consumers) if carried is None else {}
-        sizes.update(own=share.samples, own_repeated=share.repeated)
-        return Progress(
-            epoch,
-            consumers,
-            per_unit,
-            slot,
-            share.pieces,
-            carried=carried,
-            sizes=sizes,
-            layout=split.digest,
-            offset=share.pieces[0].start if share.pieces else 0,
-            buffer_size=self.shuffle_buffer,
-        )
-
-    @staticmethod
-    def _check_layout(state: State, split: EpochSplit) -> None:
-        parts = state["parts"] if state["kind"] == "job" else [state]
-        for part in parts:
-            if part.get("kind") == "consumer" and part.get("layout") != split.digest:
-                raise ResumeError(
-                    "the state was taken over shards holding other numbers of samples than "
-                    "this dataset's sample index gives (sample layout "
-                    f"{part.get('layout')!r}, now {split.digest!r}): the shards or the index "
-                    "changed. Resume with the shards and index the state was taken with, or "
-                    "start the epoch again",
-                    what="sample layout",
-                    expected=split.digest,
-                    seen=part.get("layout"),
+                return start_progress(
+                    split,
+                    epoch,
+                    consumers,
+                    per_unit,
+                    slot,
+                    share,
+                    buffer_size=self.shuffle_buffer,
+                    carried=digest,
                 )
+        share = split.fresh(epoch, consumers, per_unit, slot)
+        return start_progress(
+            split, epoch, consumers, per_unit, slot, share, buffer_size=self.shuffle_buffer
+        )
 
     def _delivered(self, progress: Progress) -> Iterator[dict[str, Any]]:
         """The consumer's samples in order; ``progress`` is kept true at every yield."""
@@ -471,7 +382,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 ranged = restore_ranged(
                     progress, shuffler, self.urls, self._samples, self._cache(), self._threads
                 )
-            for opened in self._stage.opened(self._visits(progress, ranged)):
+            for opened in self._stage.opened(visits(self.urls, progress, ranged)):
                 kind, detail = opened["visit"]
                 if kind == "buffer":
                     stream = opened["stream"]
@@ -491,9 +402,11 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                         item - 1,
                         progress.slot,
                     )
-                    _advance(progress, item)
+                    advance(progress, item)
                 try:
-                    for sample in self._piece_samples(progress, opened):
+                    for sample in piece_samples(
+                        progress, opened, self._samples, self._epoch_split()
+                    ):
                         if (out := shuffler.add(sample)) is not None:
                             progress.delivered += 1
                             yield out
@@ -501,12 +414,12 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     if not self._stage.handler(exn):
                         return
                 if progress.item == item:  # an empty piece, or one the handler gave up on
-                    _advance(progress, item + 1)
+                    advance(progress, item + 1)
                 # Counted once a piece, not once a sample.
                 metrics.count(samples=progress.delivered - delivered, source=self._source)
                 delivered = progress.delivered
             shuffler.drop_unrestored()
-            _advance(progress, len(progress.plan))
+            advance(progress, len(progress.plan))
             while (out := shuffler.drain_one()) is not None:
                 progress.delivered += 1
                 yield out
@@ -517,52 +430,6 @@ class ResumableDataset(torch.utils.data.IterableDataset):
 
     def _cache(self) -> ShardCache:
         return self._stage.cache if self._stage.cache is not None else ShardCache.from_env()
-
-    def _visits(self, progress: Progress, skip: set[int]) -> Iterator[dict[str, Any]]:
-        """Shards to open, in order: those of buffered samples (once each, but ``skip``),
-        then those of the pieces left."""
-        for shard, indices in buffered_by_shard(progress).items():
-            if shard not in skip:
-                yield {"url": self.urls[shard], "visit": ("buffer", indices)}
-        for item in range(progress.item, len(progress.plan)):
-            yield {"url": self.urls[progress.plan[item].shard], "visit": ("piece", item)}
-
-    def _piece_samples(
-        self, progress: Progress, opened: Mapping[str, Any]
-    ) -> Iterator[dict[str, Any]]:
-        """The samples of the piece being read, from ``progress.offset``; the position moves
-        past each sample before it is handed on."""
-        item = progress.item
-        piece = progress.plan[item]
-        stream, url = opened["stream"], opened["url"]
-        stream.seek(progress.offset)
-        expected = progress.key
-        starts = self._samples[url].starts if self._samples is not None else None
-        index = (
-            None
-            if starts is None
-            else self._epoch_split().run_of(Piece(piece.shard, progress.offset)).first
-        )
-        for sample in samples(stream, progress.offset, url, only_one=piece.count == 1):
-            if expected is not None and sample.key != expected:
-                raise changed(url, sample.offset, expected, sample.key)
-            expected = None
-            progress.taken += 1
-            if starts is not None and index is not None:
-                check_sample(url, starts, index, sample)
-                index += 1
-            if sample.end < 0 or (piece.count is not None and progress.taken >= piece.count):
-                _advance(progress, item + 1)
-            else:
-                progress.offset, progress.key = sample.end, sample.next_key
-            yield {
-                "position": (piece.shard, sample.offset, sample.key),
-                "sample": sample.as_dict(url, opened.get("local_path")),
-            }
-            if progress.item != item:  # the piece is done (the shard may go on)
-                return
-        if progress.item == item and piece.count is not None:  # the shard ended too soon
-            raise stale(url, f"{piece.count} samples from byte {piece.start}", progress.taken)
 
 
 def _refuse_persistent_workers() -> Iterator[Any]:
@@ -602,19 +469,3 @@ def _log_sizes(progress: Progress) -> None:
         sizes.get("repeated", 0),
         sizes.get("dropped", 0),
     )
-
-
-def _advance(progress: Progress, item: int) -> None:
-    progress.item = item
-    progress.offset = progress.plan[item].start if item < len(progress.plan) else 0
-    progress.key = None
-    progress.taken = 0
-
-
-def whole(name: str, value: Any, *, low: int) -> int:
-    """``value`` if it is an int (not a bool) of at least ``low``, else a ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(
-            f"{name} must be a whole number >= {low}, not {value!r}", name=name, value=value
-        )
-    return value

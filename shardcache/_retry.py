@@ -42,7 +42,7 @@ from ._errors import (
     RemotePermissionError,
     TransientFetchError,
 )
-from ._urls import LOCAL_PROTOCOLS, local_path, url_protocol
+from ._url_kinds import LOCAL_PROTOCOLS, local_path, url_protocol
 
 T = TypeVar("T")
 

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ._layout import CacheLayout, ShardId, namespace
-from ._urls import LOCAL_PROTOCOLS, check_url, url_protocol
+from ._url_check import check_url
+from ._url_kinds import LOCAL_PROTOCOLS, url_protocol
 
 IDENTITY_MEMO = 65_536  # URLs whose identity a cache remembers (oldest dropped first)
 

@@ -22,11 +22,13 @@ from ._checksums import Hasher
 from ._errors import ShardCacheError
 from ._eviction import CacheEntry, scan
 from ._fetch_progress import LOG_EVERY, FetchProgress
-from ._maintenance import require_scope_dir, unreadable_json, unreadable_lines
+from ._maintenance import require_scope_dir
+from ._maintenance_reports import unreadable_json, unreadable_lines
 from ._metadata import read_meta
 from ._redact import get_logger
 from ._safefs import SafeFS
-from ._urls import is_pipe_url, read_manifest
+from ._url_kinds import is_pipe_url
+from ._urls import read_manifest
 
 logger = get_logger(__name__)
 

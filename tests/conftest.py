@@ -25,6 +25,36 @@ settings.register_profile("explore", database=None)
 settings.load_profile(os.environ.get("SHARDCACHE_HYPOTHESIS", "deterministic"))
 
 
+# Under pytest-xdist (scripts/test: two workers, --dist loadgroup) the tests of a group run
+# on one worker, one after the other, as in a serial run:
+# - "system": tests that start a SLURM cluster (scripts/slurm-local starts and reconfigures
+#   the machine's one SLURM) or a multi-process job (torchrun, the benchmark harness), so
+#   that two such jobs never compete for the two cores (their jobs have time limits);
+# - "accounts": the security tests' second accounts, made with useradd.
+# xdist hands out the largest units first, so the groups start at once.
+_GROUP_OF_FIXTURE = {"slurm": "system", "cluster": "system", "accounts": "accounts"}
+_SYSTEM_MODULES = {"test_resume_torchrun", "test_ddp_epochs", "test_report_job", "test_bench_smoke"}
+
+
+def _group(item: pytest.Item) -> str | None:
+    groups = {
+        _GROUP_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in _GROUP_OF_FIXTURE
+    }
+    module = getattr(item, "module", None)
+    if module is not None and module.__name__.rsplit(".", 1)[-1] in _SYSTEM_MODULES:
+        groups.add("system")
+    assert len(groups) <= 1, (item.nodeid, groups)
+    return groups.pop() if groups else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # not a pytest-xdist worker
+        return
+    for item in items:
+        if (group := _group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests see no SHARDCACHE_*, torchrun or SLURM settings of the machine they run on."""

@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+from processes import end_process_group
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
@@ -156,7 +157,8 @@ def main() -> int:
             if args.mark_epochs is not None and rank == 0:
                 mark(args.mark_epochs, epoch)
             dist.barrier()  # no rank starts the next epoch before the mark
-    dist.destroy_process_group()
+    del model, optimizer  # the DDP model holds the process group
+    end_process_group()
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import sys
@@ -53,3 +54,19 @@ def torchrun(ranks: int, job: str | os.PathLike[str], *args: str) -> list[str]:
         os.fspath(job),
         *args,
     ]
+
+
+def end_process_group() -> None:
+    """Destroy the default process group while the interpreter is whole; a job calls it
+    last, after dropping the group's other owners (a DDP model).
+
+    The group must really go, not only leave torch's registry: a gloo worker
+    thread may still be freeing the tensors of the last ``all_gather_object`` (the epoch
+    report's), which takes the GIL; if the group outlives ``main`` that happens during
+    interpreter finalisation and aborts the rank ("terminate called without an active
+    exception", SIGABRT, after the job's work is done). The group's destructor drains its
+    queue and joins those threads."""
+    import torch.distributed as dist
+
+    gc.collect()  # DDP's hooks form reference cycles
+    dist.destroy_process_group()

@@ -20,7 +20,8 @@ checkpointed after, whether it had been waiting for it), then requeues the job
 sources (comma-separated), each batch's keys logged as ``<source>/<key>``.
 ``--model`` steps a tiny model once per batch, ``DistributedDataParallel`` over the gloo
 group (``--timeout`` bounds every collective): ranks yielding different numbers of batches
-fail the job instead of finishing. ``--report`` ends each epoch with
+fail the job instead of finishing; a DataLoader worker stuck for half of it fails its rank,
+and a rank that torchrun stops prints its threads' stacks. ``--report`` ends each epoch with
 ``shardcache.log_epoch_summary`` (a collective) and rank 0 writes the job's report as
 ``report-<run>-epoch<e>.json``.
 ``--resume DIR`` starts from a checkpoint if DIR holds one. ``--run`` names the log; its
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -43,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from processes import end_process_group
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
@@ -104,6 +107,16 @@ class Signalled:
         self.event.set()
 
 
+def install_signal_handlers(args: argparse.Namespace) -> Signalled:
+    """SIGUSR1 as :class:`Signalled` (with ``--checkpoint-on-signal``); on SIGTERM (torchrun
+    stops the other ranks when one fails) the stacks of every thread, then the default."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    signalled = Signalled()
+    if args.checkpoint_on_signal:
+        signalled.install()
+    return signalled
+
+
 def make_model(world_size: int) -> Any:
     """A step of a tiny model (DDP when distributed): ``step(batch_size)``."""
     torch.manual_seed(0)
@@ -136,6 +149,18 @@ def make_dataset(args: argparse.Namespace) -> Any:
         seed=args.seed,
         shuffle_buffer=args.shuffle_buffer,
         cache=cache,
+    )
+
+
+def make_loader(args: argparse.Namespace, dataset: Any) -> StatefulDataLoader:
+    return StatefulDataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        collate_fn=keys_of,
+        # A stuck worker fails its rank with the DataLoader's error, before a collective
+        # times out on the other ranks without saying why.
+        timeout=args.timeout / 2 if args.workers else 0,
     )
 
 
@@ -191,14 +216,10 @@ def main() -> int:
     rank = dist.get_rank() if world_size > 1 else 0
     step_model = make_model(world_size) if args.model else None
 
-    signalled = Signalled()
-    if args.checkpoint_on_signal:
-        signalled.install()
+    signalled = install_signal_handlers(args)
 
     dataset = make_dataset(args)
-    loader = StatefulDataLoader(
-        dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=keys_of
-    )
+    loader = make_loader(args, dataset)
     epoch = resume(args, loader, dataset, world_size, rank)
     resumed = epoch is not None
     epoch = epoch or 0
@@ -243,7 +264,8 @@ def main() -> int:
                 write_json(args.out / f"report-{run}-epoch{epoch}.json", report)
     (args.out / f"done-{run}-rank{rank}").write_text(str(step))
     if world_size > 1:
-        dist.destroy_process_group()
+        del step_model  # the DDP model holds the process group: see end_process_group
+        end_process_group()
     return 0
 
 

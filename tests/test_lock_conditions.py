@@ -17,7 +17,8 @@ from mounts import fill, needs_root, read_only, tmpfs
 from shardcache import ShardCache
 from shardcache._config import Settings
 from shardcache._errors import ConfigError, LockFileError, LockTimeout
-from shardcache._locks import LockPolicy, ShardLock
+from shardcache._lock_policy import LockPolicy
+from shardcache._locks import ShardLock
 
 CTX = mp.get_context("spawn")
 PATIENT = {"timeout": 3600.0, "stuck_after": 3600.0, "lease_time": 3600.0}

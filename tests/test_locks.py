@@ -16,7 +16,8 @@ import pytest
 
 from shardcache._errors import LockTimeout
 from shardcache._identity import ProcessIdentity
-from shardcache._locks import LockPolicy, ShardLock
+from shardcache._lock_policy import LockPolicy
+from shardcache._locks import ShardLock
 
 MODES = ["flock", "lease"]
 CTX = mp.get_context("spawn")

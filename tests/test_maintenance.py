@@ -21,7 +21,8 @@ import pytest
 from shardcache import ShardCache
 from shardcache._layout import CacheLayout
 from shardcache._lock_lease import remove_lease_if_unchanged
-from shardcache._locks import LockPolicy, ShardLock
+from shardcache._lock_policy import LockPolicy
+from shardcache._locks import ShardLock
 from shardcache._maintenance import clean, status
 from shardcache._pins import is_held
 from shardcache._safefs import SafeFS

@@ -21,7 +21,8 @@ from processes import run_together
 from shardcache import ShardCache
 from shardcache._errors import LockTimeout
 from shardcache._lock_node import node_lock_path
-from shardcache._locks import LockPolicy, ShardLock
+from shardcache._lock_policy import LockPolicy
+from shardcache._locks import ShardLock
 
 CTX = mp.get_context("spawn")
 BUCKET = "nodelock"

@@ -34,7 +34,8 @@ from shardcache._cli import main
 from shardcache._demo import make_shard
 from shardcache._layout import is_temp_name
 from shardcache._pipes import STDERR_TAIL
-from shardcache._urls import read_manifest, url_protocol
+from shardcache._url_kinds import url_protocol
+from shardcache._urls import read_manifest
 from shardcache._verify import verify
 
 pytestmark = pytest.mark.timeout(120)

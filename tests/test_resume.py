@@ -26,6 +26,7 @@ from shardcache import (
     ShardCache,
     job_state,
 )
+from shardcache._resume_start import plan_for
 from shardcache._sample_index import index_document, learn, write_index
 
 BUCKET = "resume"
@@ -289,7 +290,7 @@ def test_job_state_refuses_states_of_different_epochs(dataset_s3, tmp_path: Path
 def test_a_shard_that_changed_since_the_state_is_refused(dataset_s3, tmp_path: Path, s3) -> None:
     state = _state_after(_dataset(tmp_path / "cache", shuffle_buffer=0), 3)
     # The shard being read: rewritten with other keys (the same sizes and offsets).
-    shard = _dataset(tmp_path / "cache")._plan_for(0)(1, 1, 0)[state["item"]].shard
+    shard = plan_for(_dataset(tmp_path / "cache")._epoch_split(), 0)(1, 1, 0)[state["item"]].shard
     changed = [(f"x{key}", files) for key, files in shard_samples(shard, PER_SHARD)]
     s3.put_objects(BUCKET, {f"train-{shard:06d}.tar": tar_bytes(changed)})
     dataset = _dataset(tmp_path / "fresh", shuffle_buffer=0)
@@ -308,7 +309,7 @@ def test_a_cold_resume_reads_buffered_samples_of_finished_shards_by_ranged_reque
     write_index(index, index_document(learn(urls, ShardCache(tmp_path / "c"), threads=2), urls))
     reference = [s["__key__"] for s in _dataset(tmp_path / "c", shuffle_buffer=8, index=index)]
     state = _state_after(_dataset(tmp_path / "c", shuffle_buffer=8, index=index), 50)
-    plan = _dataset(tmp_path / "c")._plan_for(0)(1, 1, 0)
+    plan = plan_for(_dataset(tmp_path / "c")._epoch_split(), 0)(1, 1, 0)
     left = {piece.shard for piece in plan[state["item"] :]}
     buffered = Counter(shard for shard, _offset, _key in state["buffer"])
     finished = {shard: n for shard, n in buffered.items() if shard not in left}

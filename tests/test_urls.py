@@ -10,7 +10,9 @@ import pytest
 
 from shardcache import expand_urls
 from shardcache._errors import UrlError
-from shardcache._urls import MAX_EXPANSION, read_manifest, url_protocol
+from shardcache._url_braces import MAX_EXPANSION
+from shardcache._url_kinds import url_protocol
+from shardcache._urls import read_manifest
 
 # --------------------------------------------------------------------------- expansion
 
