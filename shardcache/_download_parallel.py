@@ -37,7 +37,14 @@ from ._download import (
 from ._errors import IntegrityError
 from ._hash_follower import HashFollower, PartsWritten
 from ._redact import get_logger
-from ._retry import TruncatedBody, _http_status_and_code, describe, fetch_error, is_transient
+from ._retry import (
+    TruncatedBody,
+    _http_status_and_code,
+    describe,
+    fetch_error,
+    is_transient,
+    retry_cause,
+)
 from ._url_kinds import url_protocol
 
 logger = get_logger(__name__)
@@ -94,7 +101,7 @@ class ParallelDownload(Strategy):
 
         def on_retry(exc: Exception, n: int) -> None:
             nonlocal info
-            metrics.retried(exc)
+            metrics.retried(retry_cause(exc))
             info = self.start_over(info.url, out)
 
         done = self.options.retry.run(
@@ -305,7 +312,7 @@ def _upto(body: Iterator[bytes], end: int) -> Iterator[bytes]:
 
 
 def _part_retry(url: str, exc: Exception, n: int) -> None:
-    metrics.retried(exc)
+    metrics.retried(retry_cause(exc))
     logger.info("retrying a part of %s after %s (attempt %d)", url, describe(exc), n)
 
 

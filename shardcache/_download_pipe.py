@@ -19,6 +19,7 @@ from ._download import ObjectInfo, OpenedObject, Progress, Strategy, local_io, r
 from ._errors import PipeCommandError
 from ._pipes import CommandFailed, command_of, run_command
 from ._redact import get_logger
+from ._retry import retry_cause
 
 logger = get_logger(__name__)
 
@@ -61,7 +62,7 @@ class PipeDownload(Strategy):
         def on_retry(exc: Exception, n: int) -> None:
             assert isinstance(exc, CommandFailed)
             what = exc.describe(self.options.io_timeout)
-            metrics.retried(exc)
+            metrics.retried(retry_cause(exc))
             logger.info("retrying pipe command %r (attempt %d): it %s", command, n, what)
 
         return self.options.retry.run(

@@ -26,7 +26,7 @@ from ._download import (
     verification_failed,
 )
 from ._redact import get_logger
-from ._retry import TruncatedBody, describe, fetch_error, is_transient
+from ._retry import TruncatedBody, describe, fetch_error, is_transient, retry_cause
 from ._url_kinds import url_protocol
 
 logger = get_logger(__name__)
@@ -64,7 +64,7 @@ class StreamDownload(Strategy):
             return self.verify(state.info, state.done, digest, n)
 
         def on_retry(exc: Exception, n: int) -> None:
-            metrics.retried(exc)
+            metrics.retried(retry_cause(exc))
             if verification_failed(exc):
                 state.restart(self.start_over(state.info.url, out))
             else:

@@ -456,11 +456,8 @@ def request(method: str) -> None:
     collector().request(method)
 
 
-def retried(exc: BaseException) -> None:
-    """A remote attempt failed and will be tried again: count its cause."""
-    from ._retry import retry_cause
-
-    cause = retry_cause(exc)
+def retried(cause: str) -> None:
+    """A remote attempt failed and will be tried again: count its cause (``retry_cause``)."""
     if cause == "integrity":
         collector().add(integrity_redownloads=1)
     else:

@@ -37,7 +37,7 @@ from ._download_stream import StreamDownload
 from ._errors import FetchError, PermanentFetchError, UrlError
 from ._pipes import check_allowed
 from ._redact import get_logger
-from ._retry import describe, fetch_error, is_transient
+from ._retry import describe, fetch_error, is_transient, retry_cause
 from ._throttle import throttled_call
 from ._url_check import check_url
 from ._url_kinds import LOCAL_PROTOCOLS, local_path, url_protocol
@@ -233,7 +233,7 @@ class Remote:
             ),
             retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
             give_up=lambda exc, n: fetch_error(url, n, exc),
-            on_retry=lambda exc, n: metrics.retried(exc),
+            on_retry=lambda exc, n: metrics.retried(retry_cause(exc)),
         )
 
     # -- download --------------------------------------------------------------------
@@ -292,12 +292,12 @@ def s3_object_info(url: str, response: Any) -> ObjectInfo:
 
 
 def _stat_retry(url: str, exc: Exception) -> None:
-    metrics.retried(exc)
+    metrics.retried(retry_cause(exc))
     logger.info("retrying stat of %s after %s", url, describe(exc))
 
 
 def _open_retry(url: str, exc: Exception) -> None:
-    metrics.retried(exc)
+    metrics.retried(retry_cause(exc))
     logger.info("retrying the GET of %s after %s", url, describe(exc))
 
 

@@ -56,7 +56,7 @@ def test_records_are_deltas_per_period_and_sum_to_the_epoch() -> None:
     made.shard_downloaded("s3://AKIDSECRET:pw@b/a.tar", 2.5, 100)
     metrics.shard_delivered()  # closes interval 1
     made.add(hits=2, bytes_served=200, samples=16)
-    metrics.retried(ConnectionResetError())
+    metrics.retried(retry_cause(ConnectionResetError()))
     made.lock_wait(0.25, "pid 7 on n1")
     made.lock_wait(0.5, "pid 8 on n2")
     made.waited_for_data(0.1)
@@ -347,7 +347,7 @@ def _rank_main(rank: int, store: str, start: Any, results: Any) -> None:
             made.waited_for_data(0.001)
             metrics.request("GET")
             if rank == 1:
-                metrics.retried(ConnectionResetError())
+                metrics.retried(retry_cause(ConnectionResetError()))
             report = shardcache.log_epoch_summary(0)
         finally:
             dist.destroy_process_group()
