@@ -44,12 +44,12 @@ import webdataset as wds
 
 from bench.infra import env_vars
 from shardcache import Settings, split_by_node
-from shardcache._config import SPECS
-from shardcache._download import ObjectInfo
-from shardcache._epoch_split import EpochSplit
-from shardcache._remote import Remote
-from shardcache._retry import RetryPolicy
-from shardcache._throttle import Throttle
+from shardcache._config.settings import SPECS
+from shardcache._datasets.epoch_split import EpochSplit
+from shardcache._retry.policy import RetryPolicy
+from shardcache._retry.throttle import Throttle
+from shardcache._transfer.download import ObjectInfo
+from shardcache._transfer.remote import Remote
 from shardcache.warm import plan_warm
 
 S3_GET_LIMIT = 5500  # GET/HEAD requests per second per partitioned prefix (S3's documentation)
@@ -123,7 +123,7 @@ def requests_per_shard(size: int) -> int:
     ``ParallelDownload.suits`` the object (the first part from the whole-object GET whose
     headers gave the size, the others ranged), else one GET. No HEAD."""
     s = Settings.resolve(env={})
-    from shardcache._cache import ShardCache
+    from shardcache._cache.shard_cache import ShardCache
 
     remote: Remote = ShardCache(settings=s).remote  # the options exactly as a cache has them
     with tempfile.TemporaryFile() as out:
@@ -418,7 +418,7 @@ def report(job: Job, seconds: float, scale: int, seed: int) -> str:
 
 
 def _size(text: str) -> int:
-    from shardcache._config import parse_size
+    from shardcache._config.settings import parse_size
 
     return parse_size(text, "--shard-size")
 

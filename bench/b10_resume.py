@@ -265,8 +265,8 @@ def _measure(b: Bench, cfg: dict[str, Any], urls: list[str], at: int) -> dict[st
         warm.fetch(url)
     # A restarted job carries the sample index (made once, beside the shards): without it
     # the dataset would learn it by fetching every shard first.
-    from shardcache._resume_start import plan_for as fresh_plan
-    from shardcache._sample_index import index_document, learn, write_index
+    from shardcache._datasets.resume_start import plan_for as fresh_plan
+    from shardcache._datasets.sample_index import index_document, learn, write_index
 
     index = str(b.fresh_dir("b10i") / "index.json")
     write_index(index, index_document(learn(urls, warm, threads=4), urls))

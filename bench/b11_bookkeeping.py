@@ -116,8 +116,8 @@ def _timed_s(fn: Any) -> tuple[float, Any]:
 
 
 def b11_bookkeeping(b: Any) -> dict[str, Any]:
-    from shardcache._maintenance import status
-    from shardcache._verify import verify
+    from shardcache._ops.maintenance import status
+    from shardcache._ops.verify import verify
 
     cfg = SIZES[b.size]
     levels = cfg["levels"]

@@ -370,7 +370,7 @@ def _free_port() -> int:
 def _prepare(b: Bench, cfg: dict[str, Any]) -> dict[str, Any]:
     """The tars, Mosaic's copy of the same samples (if installed) and the sample index."""
     from shardcache import ShardCache
-    from shardcache._sample_index import index_document, learn, write_index
+    from shardcache._datasets.sample_index import index_document, learn, write_index
 
     shards = {
         f"{PREFIX}-{i:06d}.tar": make_shard(cfg["shard_bytes"], cfg["sample"], i)

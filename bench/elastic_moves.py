@@ -26,7 +26,7 @@ import sys
 from itertools import accumulate
 from typing import Any
 
-from shardcache._epoch_split import EpochSplit
+from shardcache._datasets.epoch_split import EpochSplit
 
 CASES = [
     (2000, 8, 7),

@@ -185,7 +185,7 @@ def _per_call(fn: Callable[[], Any], calls: int) -> float:
 def b4_overhead(b: Bench) -> dict[str, Any]:
     import filelock
 
-    from shardcache._locks import ShardLock
+    from shardcache._locking.shard_lock import ShardLock
 
     urls = b.upload("b4", 1, 64_000)
     cache = new_cache(b.fresh_dir("b4"), b.direct)

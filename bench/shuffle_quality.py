@@ -11,18 +11,17 @@ differences between neighbours, of the sample indices plus of the shard indices.
 training consumes is Mosaic's too: step after step (a DataLoader takes its workers' batches
 in turn), each step the ranks' batches in rank order (nodes, then ranks).
 
-ResumableDataset's order is computed with the library itself, without tar files: each
-consumer's pieces from ``shardcache._epoch_split.EpochSplit.fresh`` (the shards as runs of
-sample offsets), then the seeded shuffle buffer of ``shardcache._shuffle_buffer.ShuffleBuffer``
-with the draws ``RandomDraws(seed, epoch, "", consumers, slot)`` the dataset uses; each
-worker cuts its samples into batches of ``batch``. The bounds: the same split with
-``shuffle_shards=False`` and no buffer (no shuffle), and a uniformly random permutation of
-all samples (a global shuffle); ``of_global`` places a figure between them (0 no shuffle,
-1 global). Two more figures: the distinct shards in a global batch (ranks x batch samples),
-and how many of a rank's samples it also had in the previous epoch (a global shuffle:
-1 / ranks; a split that keeps each cache's shards: all of them at rank scope). Mosaic's
-own algorithms are added when ``streaming`` is importable (its partition and shuffle
-functions, default block size, canonical nodes = physical nodes).
+ResumableDataset's order is computed with the library itself, without tar files: each consumer's
+pieces from ``shardcache._datasets.epoch_split.EpochSplit.fresh`` (the shards as runs of sample
+offsets), then the seeded shuffle buffer of ``shardcache._datasets.shuffle_buffer.ShuffleBuffer``
+with the draws ``RandomDraws(seed, epoch, "", consumers, slot)`` the dataset uses; each worker cuts
+its samples into batches of ``batch``. The bounds: the same split with ``shuffle_shards=False`` and
+no buffer (no shuffle), and a uniformly random permutation of all samples (a global shuffle);
+``of_global`` places a figure between them (0 no shuffle, 1 global). Two more figures: the distinct
+shards in a global batch (ranks x batch samples), and how many of a rank's samples it also had in
+the previous epoch (a global shuffle: 1 / ranks; a split that keeps each cache's shards: all of them
+at rank scope). Mosaic's own algorithms are added when ``streaming`` is importable (its partition
+and shuffle functions, default block size, canonical nodes = physical nodes).
 """
 
 from __future__ import annotations
@@ -37,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from shardcache._epoch_split import EpochSplit
-from shardcache._resume_plan import RandomDraws
-from shardcache._shuffle_buffer import ShuffleBuffer
+from shardcache._datasets.epoch_split import EpochSplit
+from shardcache._datasets.resume_plan import RandomDraws
+from shardcache._datasets.shuffle_buffer import ShuffleBuffer
 
 Order = Callable[[int], list[list[np.ndarray]]]  # epoch -> per rank, its samples in order
 

@@ -15,10 +15,8 @@ __version__ = "0.1.0"  # the one place: pyproject.toml reads it
 
 from importlib import import_module as _import_module
 
-from . import _extras
-from ._cache import CacheStats, ShardCache
-from ._config import Settings
-from ._errors import (
+from ._base import extras as _extras
+from ._base.errors import (
     CacheDirError,
     CacheError,
     CacheFullError,
@@ -43,15 +41,17 @@ from ._errors import (
     UrlError,
     WaitTimeout,
 )
-from ._eviction import CacheEntry, EvictReport
-from ._loader_report import log_epoch_summary
-from ._metrics import add_metrics_sink
-from ._prefetch import PrefetchedShard, Prefetcher
-from ._prometheus import PrometheusSink  # imports prometheus_client only when made
-from ._redact import RedactingFilter
-from ._resume_state import job_state
-from ._tensorboard import TensorBoardSink  # imports nothing of TensorBoard
-from ._urls import expand_urls
+from ._base.redact import RedactingFilter
+from ._cache.shard_cache import CacheStats, ShardCache
+from ._config.settings import Settings
+from ._datasets.resume_state import job_state
+from ._datasets.urls import expand_urls
+from ._observe.loader_report import log_epoch_summary
+from ._observe.metrics import add_metrics_sink
+from ._observe.prometheus import PrometheusSink  # imports prometheus_client only when made
+from ._observe.tensorboard import TensorBoardSink  # imports nothing of TensorBoard
+from ._prefetch.prefetcher import PrefetchedShard, Prefetcher
+from ._store.eviction import CacheEntry, EvictReport
 
 # The WebDataset integration imports webdataset, which imports torch if installed (over a
 # second): load it on first use only. It works without torch, as webdataset does.
@@ -59,16 +59,16 @@ _WDS_NAMES = ("split_by_node", "stage", "tarfile_samples", "tarfile_to_samples")
 # Classes built on torch.utils.data, loaded on first use. Without the torch extra their
 # names import as stand-ins that raise MissingExtraError when used.
 _TORCH_CLASSES = {
-    "ResumableDataset": "_resumable",
-    "MixtureDataset": "_mixture",
-    "Source": "_mixture",
+    "ResumableDataset": "_datasets.resumable",
+    "MixtureDataset": "_datasets.mixture",
+    "Source": "_datasets.mixture",
 }
 _stand_ins: dict[str, type] = {}
 
 
 def __getattr__(name: str) -> object:
     if name in _WDS_NAMES:
-        from . import _wds as wds
+        from ._datasets import wds
 
         return getattr(wds, name)
     if name in _TORCH_CLASSES:
@@ -79,7 +79,7 @@ def __getattr__(name: str) -> object:
         found.__module__ = __name__
         return found
     if name == "WebDataset":
-        from ._webdataset import WebDataset
+        from ._datasets.webdataset import WebDataset
 
         WebDataset.__module__ = __name__
         return WebDataset

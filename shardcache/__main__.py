@@ -1,5 +1,5 @@
 """``python -m shardcache`` is the ``shardcache`` command."""
 
-from ._cli import main
+from ._cli.main import main
 
 raise SystemExit(main())

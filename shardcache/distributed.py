@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from ._config import Settings
-from ._dirs import NOT_YET_ERRNOS, ensure_dir
-from ._errors import ConfigError, WaitTimeout
-from ._fsinfo import mount_for
-from ._redact import get_logger
+from ._base.dirs import NOT_YET_ERRNOS, ensure_dir
+from ._base.errors import ConfigError, WaitTimeout
+from ._base.fsinfo import mount_for
+from ._base.redact import get_logger
+from ._config.settings import Settings
 
 log = get_logger(__name__)
 
@@ -188,7 +188,7 @@ def makedirs(path: Path | str, mode: int = 0o755, timeout: float = 30.0) -> Path
 
     Existing directories are success; ENOENT/ESTALE/EIO from a shared file system's
     caches are retried until ``timeout``. Returns the absolute path; raises
-    ``CacheDirError`` when something is in the way. See :func:`shardcache._dirs.ensure_dir`.
+    ``CacheDirError`` when something is in the way. See :func:`shardcache._base.dirs.ensure_dir`.
     """
     return ensure_dir(path, mode=mode, timeout=timeout)
 

@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ._cache import ShardCache
-from ._errors import (
+from ._base.errors import (
     IntegrityError,
     LockTimeout,
     PipeCommandError,
@@ -46,13 +45,14 @@ from ._errors import (
     RemoteNotFoundError,
     ShardFormatError,
 )
-from ._fetch_progress import LOG_EVERY, FetchProgress, stats_delta, thread_count
-from ._index_build import IndexResult, build_index
-from ._redact import get_logger, redact_text
-from ._units import format_bytes
+from ._base.redact import get_logger, redact_text
+from ._base.units import format_bytes
+from ._cache.shard_cache import ShardCache
+from ._ops.fetch_progress import LOG_EVERY, FetchProgress, stats_delta, thread_count
+from ._ops.index_build import IndexResult, build_index
 
 if TYPE_CHECKING:
-    from ._resumable import ResumableDataset
+    from ._datasets.resumable import ResumableDataset
 
 logger = get_logger(__name__)
 

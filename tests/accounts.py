@@ -55,7 +55,7 @@ class Account:
     def _command(self, code: str, env: dict[str, str], cwd: Path) -> tuple[list[str], dict]:
         prelude = (
             "import fcntl, grp, hashlib, json, os, pwd, sys, tarfile, pathlib\n"
-            "import shardcache, shardcache._cache, fsspec.implementations.local\n"
+            "import shardcache, shardcache._cache.shard_cache, fsspec.implementations.local\n"
             # What json.loads may look up for odd bytes, while the stdlib is reachable:
             "import encodings.utf_16_be, encodings.utf_16_le, encodings.utf_32_be\n"
             "import encodings.utf_32_le, encodings.utf_16, encodings.utf_32\n"

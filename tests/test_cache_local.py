@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from shardcache import CacheFullError, RemoteNotFoundError, ShardCache, UrlError, expand_urls
-from shardcache._cli import main
-from shardcache._demo import DEMO_PORT, demo_port, run_demo
-from shardcache._fsinfo import mount_for, parse_mountinfo
+from shardcache._base.fsinfo import mount_for, parse_mountinfo
+from shardcache._cli.main import main
+from shardcache._ops.demo import DEMO_PORT, demo_port, run_demo
 
 MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
@@ -92,7 +92,7 @@ def test_auto_lock_mode_follows_the_file_system(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     network = parse_mountinfo(MOUNTINFO)[2]
-    monkeypatch.setattr("shardcache._cache_locks.mount_for", lambda path: network)
+    monkeypatch.setattr("shardcache._cache.locks.mount_for", lambda path: network)
     cache = ShardCache(tmp_path / "cache")
     assert cache._locks.policy().mode == "lease"
     assert "network file system" in caplog.text
@@ -105,7 +105,9 @@ def test_not_enough_space_is_reported_before_downloading(
 ) -> None:
     src, _ = _source(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("shardcache._space.shutil.disk_usage", lambda p: usage(10**6, 10**6, 10))
+    monkeypatch.setattr(
+        "shardcache._store.space.shutil.disk_usage", lambda p: usage(10**6, 10**6, 10)
+    )
     cache = ShardCache(tmp_path / "cache")
     with pytest.raises(CacheFullError) as info:
         cache.fetch(src)

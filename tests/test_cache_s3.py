@@ -22,11 +22,11 @@ from shardcache import (
     RemoteNotFoundError,
     ShardCache,
     TransientFetchError,
-    _shard_ids,
 )
-from shardcache import _layout as layout
-from shardcache._layout import is_temp_name
-from shardcache._remote import Remote
+from shardcache._disk import layout
+from shardcache._disk.layout import is_temp_name
+from shardcache._store import shard_ids
+from shardcache._transfer.remote import Remote
 
 BUCKET = "shards"
 CTX = mp.get_context("spawn")
@@ -112,7 +112,7 @@ def test_a_fetch_computes_the_shards_identity_once(
 
     monkeypatch.setattr(layout, "canonical_url", counting_canonical)
     monkeypatch.setattr(Remote, "_resolve_options", counting_resolve)
-    monkeypatch.setattr(_shard_ids, "IDENTITY_MEMO", 3)
+    monkeypatch.setattr(shard_ids, "IDENTITY_MEMO", 3)
     cache = _cache(tmp_path)
     urls = list(shards)
     cache.fetch(urls[0])  # a miss: hit check, lock, re-check, metadata, publish

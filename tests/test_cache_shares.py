@@ -9,7 +9,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardcache._cache_shares import Run, cache_shares, even_out, owners, whole_shards
+from shardcache._datasets.cache_shares import Run, cache_shares, even_out, owners, whole_shards
 
 
 def shard_runs(counts: list[int]) -> list[Run]:

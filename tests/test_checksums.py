@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from shardcache import IntegrityError, ShardCache
-from shardcache._checksums import Hasher, from_s3_head
-from shardcache._layout import is_temp_name
-from shardcache._metadata import read_meta
-from shardcache._verify import verify
+from shardcache._disk.layout import is_temp_name
+from shardcache._disk.metadata import read_meta
+from shardcache._ops.verify import verify
+from shardcache._transfer.checksums import Hasher, from_s3_head
 
 BUCKET = "sums"
 PART = 64 * 1024

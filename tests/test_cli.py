@@ -17,8 +17,8 @@ import pytest
 
 import shardcache
 from shardcache import ShardCache
-from shardcache._cli import main
-from shardcache._units import format_bytes
+from shardcache._base.units import format_bytes
+from shardcache._cli.main import main
 from shardcache.testing import FaultProxy
 from shardcache.warm import WarmPlan, plan_warm
 
@@ -202,7 +202,7 @@ def _plan(**kw: object) -> WarmPlan:
 
 
 def test_split_rank_scope_gives_each_rank_what_split_by_node_gives_it() -> None:
-    from shardcache._wds import split_by_node
+    from shardcache._datasets.wds import split_by_node
 
     shares = []
     for rank in range(4):

@@ -15,8 +15,8 @@ import pytest
 from tars import shard_samples, tar_bytes
 
 from shardcache import ResumableDataset, ShardCache
-from shardcache._cli import main
-from shardcache._sample_index import load_index
+from shardcache._cli.main import main
+from shardcache._datasets.sample_index import load_index
 
 BUCKET = "indexed"
 COUNTS = [3, 7, 1, 12, 5, 9, 2, 8]  # samples per shard: uneven, so the split cuts shards

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from shardcache import _config
-from shardcache._config import PREFETCH_OPTIONS, Settings, prefetch_overrides
-from shardcache._config_display import format_setting
-from shardcache._config_parse import parse_duration, parse_size
-from shardcache._config_specs import SPECS
-from shardcache._config_unknown import unknown_env
-from shardcache._errors import ConfigError
+from shardcache._base.errors import ConfigError
+from shardcache._config import settings
+from shardcache._config.display import format_setting
+from shardcache._config.parse import parse_duration, parse_size
+from shardcache._config.settings import PREFETCH_OPTIONS, Settings, prefetch_overrides
+from shardcache._config.specs import SPECS
+from shardcache._config.unknown import unknown_env
 
 
 @pytest.mark.parametrize(
@@ -362,14 +362,14 @@ def test_cli_warns_of_an_unknown_variable(tmp_path: Path) -> None:
     assert out.returncode == 0
     (line,) = out.stderr.splitlines()
     assert line.endswith(
-        "WARNING shardcache._config: SHARDCACHE_SCOPES is not a shardcache setting and is "
+        "WARNING shardcache._config.settings: SHARDCACHE_SCOPES is not a shardcache setting and is "
         "ignored: did you mean SHARDCACHE_SCOPE?"
     )
 
 
 def test_warning_names_each_variable_once(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(_config, "_warned_env", set())
-    with caplog.at_level(logging.WARNING, logger="shardcache._config"):
+    monkeypatch.setattr(settings, "_warned_env", set())
+    with caplog.at_level(logging.WARNING, logger="shardcache._config.settings"):
         for _ in range(3):
             Settings.resolve(env={"SHARDCACHE_THRADS": "8", "SHARDCACHE_FOO": "1"})
     assert [r.getMessage().split()[0] for r in caplog.records] == [

@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 
 from shardcache import CacheDirError, CacheFullError, ConfigError, ShardCache
-from shardcache._cli import main
-from shardcache._config import Settings
-from shardcache._layout import is_temp_name
+from shardcache._cli.main import main
+from shardcache._config.settings import Settings
+from shardcache._disk.layout import is_temp_name
 from shardcache.testing import FaultProxy, S3Server
 
 BUCKET = "diskfull"

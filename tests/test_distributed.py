@@ -20,7 +20,7 @@ import pytest
 
 from shardcache import ConfigError, ShardCacheError, WaitTimeout
 from shardcache import distributed as sd
-from shardcache._fsinfo import mount_for
+from shardcache._base.fsinfo import mount_for
 
 LAUNCHER_VARS = (
     "RANK",

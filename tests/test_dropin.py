@@ -15,9 +15,9 @@ import webdataset as wds
 
 import shardcache
 from shardcache import ConfigError, ShardCache, UrlError
-from shardcache._config import PREFETCH_OPTIONS
-from shardcache._demo import make_shard
-from shardcache._prefetch import Prefetcher
+from shardcache._config.settings import PREFETCH_OPTIONS
+from shardcache._ops.demo import make_shard
+from shardcache._prefetch.prefetcher import Prefetcher
 
 pytestmark = pytest.mark.timeout(120)
 PER_SHARD = 5

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcache import ConfigError, SampleIndexError
-from shardcache._epoch_split import EpochSplit
-from shardcache._resume_plan import Piece
+from shardcache._datasets.epoch_split import EpochSplit
+from shardcache._datasets.resume_plan import Piece
 
 
 def starts_of(counts: list[int]) -> list[list[int]]:

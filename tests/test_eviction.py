@@ -14,7 +14,7 @@ import pytest
 from processes import run_together
 
 from shardcache import CacheFullError, ConfigError, ShardCache
-from shardcache._maintenance import status
+from shardcache._ops.maintenance import status
 
 SIZE = 100_000
 CTX = mp.get_context("spawn")

@@ -13,9 +13,9 @@ import pytest
 
 import shardcache
 from shardcache import MissingExtraError, job_state
-from shardcache._cli import main
-from shardcache._demo import run_demo
-from shardcache._resume_state import MIXTURE_FORMAT
+from shardcache._cli.main import main
+from shardcache._datasets.resume_state import MIXTURE_FORMAT
+from shardcache._ops.demo import run_demo
 from shardcache.testing import S3Server
 
 TORCH = r"pip install 'shardcache\[torch\]'"
@@ -67,7 +67,7 @@ def test_star_import_works_without_torch(monkeypatch) -> None:
 
 def test_torch_classes_are_the_real_ones_with_torch() -> None:
     pytest.importorskip("torch")  # scripts/check-dist runs this file without torch too
-    from shardcache._resumable import ResumableDataset
+    from shardcache._datasets.resumable import ResumableDataset
 
     assert shardcache.ResumableDataset is ResumableDataset
 

@@ -24,7 +24,7 @@ from tars import tar_bytes
 
 import shardcache
 from shardcache import ShardCache
-from shardcache._metadata import read_meta
+from shardcache._disk.metadata import read_meta
 from shardcache.testing import FaultProxy, RcloneS3Server
 from shardcache.testing.rclone import rclone_binary
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from shardcache import ConfigError, RemoteNotFoundError, ShardCache
-from shardcache import _freshness as freshness
-from shardcache._locks import ShardLock
-from shardcache._metadata import read_meta, write_meta
+from shardcache._disk.metadata import read_meta, write_meta
+from shardcache._locking.shard_lock import ShardLock
+from shardcache._store import freshness
 
 pytestmark = pytest.mark.timeout(120)
 BUCKET = "fresh"

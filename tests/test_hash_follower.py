@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardcache._hash_follower import HashFollower, PartsWritten
+from shardcache._transfer.hash_follower import HashFollower, PartsWritten
 
 PART = 100_000
 

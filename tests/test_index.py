@@ -17,8 +17,8 @@ import pytest
 from processes import run_together
 
 from shardcache import ShardCache
-from shardcache._eviction import listings
-from shardcache._layout import is_temp_name
+from shardcache._disk.layout import is_temp_name
+from shardcache._store.eviction import listings
 
 SIZE = 10_000
 
@@ -194,7 +194,7 @@ def test_shards_removed_behind_the_index_are_dropped_when_met(tmp_path: Path) ->
 def test_shards_added_behind_the_index_are_found_by_the_periodic_reconcile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("shardcache._index.RECONCILE_EVERY", 4)
+    monkeypatch.setattr("shardcache._store.index.RECONCILE_EVERY", 4)
     cache, urls = _fill(tmp_path)
     unbounded = ShardCache(tmp_path / "c")  # does not keep the index
     extra = _sources(tmp_path, 3, name="extra")
@@ -243,7 +243,7 @@ _CHILD = textwrap.dedent(
     """
     import sys
     from shardcache import ShardCache
-    from shardcache import _index
+    from shardcache._store import index
 
     cache_dir, where, max_bytes, *urls = sys.argv[1:]
 
@@ -254,23 +254,23 @@ _CHILD = textwrap.dedent(
     if where == "published":
         def published(self, part, final):
             stop()
-        _index.Index.published = published
+        index.Index.published = published
     elif where == "reserved":
-        from shardcache import _space
-        real_reserve = _space.Space.reserve
+        from shardcache._store import space
+        real_reserve = space.Space.reserve
         def reserve(self, fd, info):
             real_reserve(self, fd, info)
             stop()  # space reserved, nothing downloaded
-        _space.Space.reserve = reserve
+        space.Space.reserve = reserve
     else:
-        real_remove, removed = _index.remove, []
+        real_remove, removed = index.remove, []
         def remove(layout, path):
             ok = real_remove(layout, path)
             removed.append(ok)
             if len(removed) == 2:
                 stop()  # mid-eviction: two files gone, the transaction not committed
             return ok
-        _index.remove = remove
+        index.remove = remove
 
     cache = ShardCache(cache_dir, max_bytes=int(max_bytes))
     for url in urls:
@@ -327,7 +327,7 @@ def test_sigkill_mid_eviction_leaves_a_repairable_index(tmp_path: Path) -> None:
 
 
 def test_a_crashed_download_counts_until_cleaned(tmp_path: Path) -> None:
-    from shardcache._maintenance import clean
+    from shardcache._ops.maintenance import clean
 
     urls = _sources(tmp_path, 6)
     cache = ShardCache(tmp_path / "c", max_bytes=6 * SIZE)

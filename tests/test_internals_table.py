@@ -15,10 +15,18 @@ PAGE = ROOT / "docs" / "internals" / "design.md"
 
 
 def _modules() -> set[str]:
-    """Top-level module names (``_cache``, ``warm``, ``testing``); ``__init__``/``__main__``
-    are the package itself."""
+    """The public top-level modules and packages (``warm``, ``testing``) and the modules of the
+    private subpackages, dotted (``_locking.flock``); ``__init__``/``__main__`` are the package
+    itself, and a private subpackage is read through its modules."""
     names = {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__")}
-    return names | {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    for package in (p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
+        if package.name.startswith("_"):
+            names |= {
+                f"{package.name}.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__"
+            }
+        else:
+            names.add(package.name)
+    return names
 
 
 def _table_names() -> list[str]:

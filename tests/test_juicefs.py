@@ -20,7 +20,7 @@ from juicefs import (
 )
 
 from shardcache import ShardCache
-from shardcache._fsinfo import mount_for
+from shardcache._base.fsinfo import mount_for
 
 
 def test_two_mounts_share_files_flock_and_links(jfs_nodes: list[Node]) -> None:

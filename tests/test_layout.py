@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from shardcache._dirs import dir_error, ensure_dir
-from shardcache._errors import CacheDirError, ConfigError
-from shardcache._layout import (
+from shardcache._base.dirs import dir_error, ensure_dir
+from shardcache._base.errors import CacheDirError, ConfigError
+from shardcache._disk.layout import (
     LEASE_STEPS,
     CacheLayout,
     TempName,

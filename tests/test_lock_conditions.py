@@ -15,10 +15,10 @@ import pytest
 from mounts import fill, needs_root, read_only, tmpfs
 
 from shardcache import ShardCache
-from shardcache._config import Settings
-from shardcache._errors import ConfigError, LockFileError, LockTimeout
-from shardcache._lock_policy import LockPolicy
-from shardcache._locks import ShardLock
+from shardcache._base.errors import ConfigError, LockFileError, LockTimeout
+from shardcache._config.settings import Settings
+from shardcache._locking.policy import LockPolicy
+from shardcache._locking.shard_lock import ShardLock
 
 CTX = mp.get_context("spawn")
 PATIENT = {"timeout": 3600.0, "stuck_after": 3600.0, "lease_time": 3600.0}
@@ -75,7 +75,7 @@ def test_owner_record_failure_is_logged_once_and_shown_to_waiters(
         holder = ShardLock(
             fs / "x.lock", url="s3://b/k", policy=LockPolicy(mode="flock", **PATIENT)
         )
-        with caplog.at_level(logging.WARNING, logger="shardcache._locks"):
+        with caplog.at_level(logging.WARNING, logger="shardcache._locking.shard_lock"):
             assert holder.acquire()
             try:
                 for n in range(5):
@@ -140,7 +140,7 @@ class _Count(logging.Handler):
 
 def _wait_for_lease(lock_path: str, lease_time: float, held, out) -> None:
     counter = _Count()
-    logging.getLogger("shardcache._locks").addHandler(counter)
+    logging.getLogger("shardcache._locking.shard_lock").addHandler(counter)
     held.wait(60)
     lock = ShardLock(
         Path(lock_path),

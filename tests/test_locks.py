@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from shardcache._errors import LockTimeout
-from shardcache._identity import ProcessIdentity
-from shardcache._lock_policy import LockPolicy
-from shardcache._locks import ShardLock
+from shardcache._base.errors import LockTimeout
+from shardcache._base.process_identity import ProcessIdentity
+from shardcache._locking.policy import LockPolicy
+from shardcache._locking.shard_lock import ShardLock
 
 MODES = ["flock", "lease"]
 CTX = mp.get_context("spawn")
@@ -272,7 +272,7 @@ def test_waiter_sees_the_holders_progress(tmp_path: Path) -> None:
 def test_a_symlinked_lock_file_is_refused_without_touching_its_target(
     tmp_path: Path, mode: str
 ) -> None:
-    from shardcache._errors import CacheError
+    from shardcache._base.errors import CacheError
 
     lock_path = tmp_path / "cache" / "x.lock"
     lock_path.parent.mkdir()

@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 
 from shardcache import ShardCache
-from shardcache._layout import CacheLayout
-from shardcache._lock_lease import remove_lease_if_unchanged
-from shardcache._lock_policy import LockPolicy
-from shardcache._locks import ShardLock
-from shardcache._maintenance import clean, status
-from shardcache._pins import is_held
-from shardcache._safefs import SafeFS
-from shardcache._trust import Trust
-from shardcache._verify import verify
+from shardcache._base.safefs import SafeFS
+from shardcache._base.trust import Trust
+from shardcache._disk.layout import CacheLayout
+from shardcache._locking.lease import remove_lease_if_unchanged
+from shardcache._locking.policy import LockPolicy
+from shardcache._locking.shard_lock import ShardLock
+from shardcache._ops.maintenance import clean, status
+from shardcache._ops.verify import verify
+from shardcache._store.pins import is_held
 
 CTX = mp.get_context("spawn")
 BUCKET = "maint"
@@ -536,8 +536,8 @@ def test_sample_records_go_with_their_shard(tmp_path: Path) -> None:
     """The sample offsets learned of a cached shard (``.samples/``) are removed with it by
     eviction; one whose shard vanished behind the cache's back is an orphan for ``clean``,
     and one of a shard still cached is kept."""
-    from shardcache._demo import make_shard
-    from shardcache._sample_index import cached_samples
+    from shardcache._datasets.sample_index import cached_samples
+    from shardcache._ops.demo import make_shard
 
     sources = []
     for i in range(3):
@@ -567,7 +567,7 @@ def test_sample_records_go_with_their_shard(tmp_path: Path) -> None:
 
 
 def test_status_of_a_cache_that_is_not_there_says_what_is(tmp_path: Path, capsys) -> None:
-    from shardcache._cli import main
+    from shardcache._cli.main import main
 
     root = tmp_path / "cache"
 

@@ -23,10 +23,10 @@ from torch.utils.data import DataLoader
 
 import shardcache
 from shardcache import ConfigError, Settings, ShardCache
-from shardcache import _metrics as metrics
-from shardcache._demo import make_shard
-from shardcache._metrics_summary import format_job_line, format_line, merge
-from shardcache._retry import retry_cause
+from shardcache._observe import metrics
+from shardcache._observe.summary import format_job_line, format_line, merge
+from shardcache._ops.demo import make_shard
+from shardcache._retry.policy import retry_cause
 
 BUCKET = "metrics"
 SHARDS = 6
@@ -91,7 +91,7 @@ def test_close_emits_what_is_left_and_nothing_when_nothing_is(caplog) -> None:
     shardcache.add_metrics_sink(got.append)
     assert metrics.collector().close() is None
     metrics.count(hits=1, bytes_served=5)
-    with caplog.at_level(logging.INFO, logger="shardcache._metrics"):
+    with caplog.at_level(logging.INFO, logger="shardcache._observe.metrics"):
         record = metrics.collector().close()
     assert record is not None and record["kind"] == "close" and record["hits"] == 1
     assert got == [record]
@@ -117,7 +117,7 @@ def test_retry_causes() -> None:
     from botocore.exceptions import ClientError
 
     from shardcache import IntegrityError
-    from shardcache._retry import TruncatedBody
+    from shardcache._retry.policy import TruncatedBody
 
     def client_error(status: int, code: str) -> ClientError:
         response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
@@ -259,7 +259,7 @@ def test_counts_of_a_dataloader_run_equal_the_server_and_the_injected_faults(
         times = 2 if kind == "reset" else 1
         fault_proxy.add_fault(kind, times=times, method=method, path_contains=key)
     loader = _loader(fault_proxy.endpoint_url, tmp_path / "cache", workers=2)
-    with caplog.at_level(logging.INFO, logger="shardcache._metrics"):
+    with caplog.at_level(logging.INFO, logger="shardcache._observe.metrics"):
         keys = [key for key, _cls in loader]
         report = shardcache.log_epoch_summary()
         assert [key for key, _cls in loader] and shardcache.log_epoch_summary()["hits"] == SHARDS
@@ -310,7 +310,7 @@ def test_the_stage_in_the_training_process_closes_its_epoch_itself(
     got: list[dict] = []
     shardcache.add_metrics_sink(got.append)
     loader = _loader(s3.endpoint_url, tmp_path / "cache", workers=0)
-    with caplog.at_level(logging.INFO, logger="shardcache._metrics"):
+    with caplog.at_level(logging.INFO, logger="shardcache._observe.metrics"):
         assert len(list(loader)) == SHARDS * PER_SHARD
         report = shardcache.log_epoch_summary(0)  # the same report, no second line
     assert [r["kind"] for r in got] == ["epoch"]

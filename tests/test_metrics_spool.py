@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shardcache._metrics_spool import spool, spool_root, unspool
+from shardcache._observe.spool import spool, spool_root, unspool
 
 OTHER_UID = 65534  # nobody: a user who is not this process
 TOTAL = {"epoch": 3, "samples": 40, "hits": 2}

@@ -17,7 +17,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
 from shardcache import ConfigError, MixtureDataset, ResumeError, ShardCache, Source
-from shardcache._mixture import _online, epoch_counts, next_source, picks
+from shardcache._datasets.mixture import _online, epoch_counts, next_source, picks
 
 pytestmark = pytest.mark.timeout(120)
 SOURCES = {"web": (12, 9, 15, 7), "code": (6, 5), "books": (4,)}  # samples per shard

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from tars import shard_samples, tar_bytes
 
 from shardcache import MixtureDataset, ShardCache, Source, job_state
-from shardcache._sample_index import index_document, learn, write_index
+from shardcache._datasets.sample_index import index_document, learn, write_index
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = settings(

@@ -19,10 +19,10 @@ from juicefs import Node
 from processes import run_together
 
 from shardcache import ShardCache
-from shardcache._errors import LockTimeout
-from shardcache._lock_node import node_lock_path
-from shardcache._lock_policy import LockPolicy
-from shardcache._locks import ShardLock
+from shardcache._base.errors import LockTimeout
+from shardcache._locking.node_lock import node_lock_path
+from shardcache._locking.policy import LockPolicy
+from shardcache._locking.shard_lock import ShardLock
 
 CTX = mp.get_context("spawn")
 BUCKET = "nodelock"
@@ -32,16 +32,16 @@ PATIENT = {"timeout": 3600.0, "stuck_after": 3600.0, "lease_time": 3600.0}
 
 def _count_lease_attempts(log: Path) -> None:
     """In a child: log each lease attempt (the lease file it tries) to ``log``."""
-    from shardcache import _lock_lease
+    from shardcache._locking import lease
 
-    original = _lock_lease.LeaseBackend.try_acquire
+    original = lease.LeaseBackend.try_acquire
 
     def counted(self: Any) -> bool:
         with log.open("a") as f:
             f.write(f"{os.getpid()} {self.record_path.name}\n")
         return original(self)
 
-    _lock_lease.LeaseBackend.try_acquire = counted  # type: ignore[method-assign]
+    lease.LeaseBackend.try_acquire = counted  # type: ignore[method-assign]
 
 
 def _racer(node: dict, urls: list[str], seed: int, start, out) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from shardcache import PermanentFetchError, ShardCache
-from shardcache._layout import is_temp_name
-from shardcache._metadata import read_meta
+from shardcache._disk.layout import is_temp_name
+from shardcache._disk.metadata import read_meta
 
 BUCKET = "shards"
 PART = 64 * 1024

@@ -30,13 +30,13 @@ from shardcache import (
     UrlError,
     expand_urls,
 )
-from shardcache._cli import main
-from shardcache._demo import make_shard
-from shardcache._layout import is_temp_name
-from shardcache._pipes import STDERR_TAIL
-from shardcache._url_kinds import url_protocol
-from shardcache._urls import read_manifest
-from shardcache._verify import verify
+from shardcache._base.url_kinds import url_protocol
+from shardcache._cli.main import main
+from shardcache._datasets.urls import read_manifest
+from shardcache._disk.layout import is_temp_name
+from shardcache._ops.demo import make_shard
+from shardcache._ops.verify import verify
+from shardcache._transfer.pipe_commands import STDERR_TAIL
 
 pytestmark = pytest.mark.timeout(120)
 

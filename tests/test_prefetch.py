@@ -33,8 +33,8 @@ from shardcache import (
     UrlError,
     log_epoch_summary,
 )
-from shardcache._layout import is_temp_name
-from shardcache._prefetch import THREAD_NAME_PREFIX, PrefetchedShard, Prefetcher
+from shardcache._disk.layout import is_temp_name
+from shardcache._prefetch.prefetcher import THREAD_NAME_PREFIX, PrefetchedShard, Prefetcher
 
 BUCKET = "prefetch"
 WAIT = 10.0  # bound of every wait on a test event
@@ -380,7 +380,7 @@ def test_starved_consumer_gets_one_warning(tmp_path: Path, caplog) -> None:
     fake = FakeFetch(tmp_path, size=2_000_000, clock=clock, seconds=1.0)
     urls = _urls(40)
     shards = Prefetcher(fake, urls, threads=1, depth=1, stall_timeout=1e6, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="shardcache._prefetch"), shards:
+    with caplog.at_level(logging.WARNING, logger="shardcache._prefetch.prefetcher"), shards:
         assert [s.url for s in shards] == urls
     warnings = [r.getMessage() for r in caplog.records if "waited for data" in r.getMessage()]
     assert len(warnings) == 1, warnings
@@ -393,7 +393,7 @@ def test_no_starvation_warning_when_the_consumer_is_the_bottleneck(tmp_path: Pat
     clock = FakeClock()
     fake = FakeFetch(tmp_path, size=2_000_000)  # downloads take no fake time
     shards = Prefetcher(fake, _urls(40), threads=2, depth=4, stall_timeout=1e6, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="shardcache._prefetch"), shards:
+    with caplog.at_level(logging.WARNING, logger="shardcache._prefetch.prefetcher"), shards:
         for _ in shards:
             clock.advance(1.0)  # the consumer's work: 1 s of fake time per shard
     assert not [r for r in caplog.records if "waited for data" in r.getMessage()]

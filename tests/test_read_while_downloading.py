@@ -23,10 +23,11 @@ import pytest
 import webdataset as wds
 
 import shardcache
-from shardcache import IntegrityError, ShardCache, StallError, _publish
-from shardcache._demo import make_shard
-from shardcache._growing import GrowingFile
-from shardcache._layout import is_temp_name
+from shardcache import IntegrityError, ShardCache, StallError
+from shardcache._disk.layout import is_temp_name
+from shardcache._ops.demo import make_shard
+from shardcache._store import publish
+from shardcache._store.growing import GrowingFile
 
 BUCKET = "early"
 SAMPLES = 48
@@ -486,7 +487,7 @@ def test_directories_removed_under_a_reader_mid_download(
     hold = fault_proxy.add_fault("hold", times=1, method="GET", truncate_bytes=len(body) // 2)
     cache = _cache(tmp_path, fault_proxy, max_bytes=10 << 20)
     if removal == "again-and-again":
-        real_write_meta = _publish.write_meta
+        real_write_meta = publish.write_meta
         calls = []
 
         def write_meta(layout, final, record) -> None:
@@ -495,7 +496,7 @@ def test_directories_removed_under_a_reader_mid_download(
                 raise FileNotFoundError(2, "No such file or directory", str(final))
             real_write_meta(layout, final, record)
 
-        monkeypatch.setattr(_publish, "write_meta", write_meta)
+        monkeypatch.setattr(publish, "write_meta", write_meta)
     if way == "stage":
         samples = _samples(cache, [url])
         got = [next(samples)]

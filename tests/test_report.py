@@ -14,10 +14,10 @@ import pytest
 from metrics_records import RANKS, SLOW_RANK, T0, record, write_job, write_records
 
 from shardcache import MetricsError
-from shardcache._cli import main
-from shardcache._report import build_report
-from shardcache._report_plot import timeline
-from shardcache._report_text import format_report
+from shardcache._cli.main import main
+from shardcache._ops.report import build_report
+from shardcache._ops.report_plot import timeline
+from shardcache._ops.report_text import format_report
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from processes import job_env, torchrun
 
-from shardcache._cli import main
-from shardcache._demo import make_shard
+from shardcache._cli.main import main
+from shardcache._ops.demo import make_shard
 from shardcache.testing import FaultProxy, S3Server
 
 JOB = Path(__file__).with_name("metrics_job.py")

@@ -26,8 +26,8 @@ from shardcache import (
     ShardCache,
     job_state,
 )
-from shardcache._resume_start import plan_for
-from shardcache._sample_index import index_document, learn, write_index
+from shardcache._datasets.resume_start import plan_for
+from shardcache._datasets.sample_index import index_document, learn, write_index
 
 BUCKET = "resume"
 SHARDS = 6

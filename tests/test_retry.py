@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardcache._retry import RetryPolicy
+from shardcache._retry.policy import RetryPolicy
 
 
 class Flaky(Exception):

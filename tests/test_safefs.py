@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from shardcache import CacheDirError, ShardCache
-from shardcache import _safefs as safefs
-from shardcache._trust import Trust
+from shardcache._base import safefs
+from shardcache._base.trust import Trust
 
 pytestmark = pytest.mark.timeout(120)
 

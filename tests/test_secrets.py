@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from shardcache import ShardCache, StallError
-from shardcache._config import Settings
-from shardcache._errors import ConfigError, FetchError
-from shardcache._redact import REDACTED, redact_options, redact_text, redact_url
+from shardcache._base.errors import ConfigError, FetchError
+from shardcache._base.redact import REDACTED, redact_options, redact_text, redact_url
+from shardcache._config.settings import Settings
 
 BUCKET = "secrets-bucket"
 KEY_ID = "AKIDdistinctKeyId4411"

@@ -240,7 +240,7 @@ def python_task(code: str) -> list[str]:
     prelude = (
         "import hashlib\n"
         "from shardcache import ShardCache\n"
-        "from shardcache._config import Settings\n"
+        "from shardcache._config.settings import Settings\n"
     )
     return [PYTHON, "-c", EMIT + prelude + code]
 

@@ -27,9 +27,9 @@ import pytest
 from processes import CTX
 
 from shardcache import ShardCache, StallError, log_epoch_summary
-from shardcache import _prefetch_diagnostics as prefetch_diagnostics
-from shardcache._demo import make_shard
-from shardcache._prefetch import Prefetcher
+from shardcache._ops.demo import make_shard
+from shardcache._prefetch import diagnostics as prefetch_diagnostics
+from shardcache._prefetch.prefetcher import Prefetcher
 from shardcache.testing import FaultProxy
 
 BUCKET = "stall"
@@ -97,7 +97,7 @@ def test_a_slow_but_moving_link_is_not_a_stall_and_warns_of_starvation_once(
     )
     assert cache.settings.chunk_size == 8 << 20, "the default chunk: far bigger than a shard"
     fetch = RecordingFetch(cache)
-    with caplog.at_level(logging.WARNING, logger="shardcache._prefetch"):
+    with caplog.at_level(logging.WARNING, logger="shardcache._prefetch.prefetcher"):
         shards = Prefetcher(fetch, urls, threads=1, depth=2, stall_timeout=stall_timeout)
         got = [(url, path.read_bytes()) for url, path in shards]  # raises StallError if stalled
     assert got == [(f"s3://{BUCKET}/{key}", data) for key, data in objects.items()]

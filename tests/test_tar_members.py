@@ -1,4 +1,4 @@
-"""Samples with their byte offsets (shardcache._tar_members) against webdataset's own tar
+"""Samples with their byte offsets (shardcache._datasets.tar_members) against webdataset's own tar
 expansion, over every tar format tarfile writes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tars import tar_bytes
 
 from shardcache import ShardFormatError
-from shardcache._tar_members import samples
+from shardcache._datasets.tar_members import samples
 
 FORMATS = [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT]
 _segment = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-", min_size=1, max_size=60)

@@ -17,8 +17,8 @@ import torch
 from botocore.exceptions import ClientError
 
 from shardcache import ShardCache
-from shardcache._retry import is_throttled, is_transient
-from shardcache._throttle import BETA, FLOOR, GROWTH, Throttle, process_throttle
+from shardcache._retry.policy import is_throttled, is_transient
+from shardcache._retry.throttle import BETA, FLOOR, GROWTH, Throttle, process_throttle
 from shardcache.testing import FaultProxy, S3Server
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from shardcache import expand_urls
-from shardcache._errors import UrlError
-from shardcache._url_braces import MAX_EXPANSION
-from shardcache._url_kinds import url_protocol
-from shardcache._urls import read_manifest
+from shardcache._base.errors import UrlError
+from shardcache._base.url_kinds import url_protocol
+from shardcache._datasets.url_braces import MAX_EXPANSION
+from shardcache._datasets.urls import read_manifest
 
 # --------------------------------------------------------------------------- expansion
 

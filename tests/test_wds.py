@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 
 import shardcache
 from shardcache import ShardCache, TransientFetchError
-from shardcache._demo import make_shard
-from shardcache._prefetch import THREAD_NAME_PREFIX
+from shardcache._ops.demo import make_shard
+from shardcache._prefetch.prefetcher import THREAD_NAME_PREFIX
 
 BUCKET = "wds"
 SHARDS = 6

@@ -21,9 +21,9 @@ import webdataset.compat
 
 import shardcache
 from shardcache import ConfigError, ShardCache, ShardCacheError, UrlError
-from shardcache._demo import make_shard
-from shardcache._prefetch import THREAD_NAME_PREFIX
-from shardcache._wds import TarfileToSamples
+from shardcache._datasets.wds import TarfileToSamples
+from shardcache._ops.demo import make_shard
+from shardcache._prefetch.prefetcher import THREAD_NAME_PREFIX
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -33,7 +33,7 @@ pytestmark = [
 SHARDS = 4
 PER_SHARD = 5
 BUCKET = "wdsclass"
-LOGGER = "shardcache._webdataset"
+LOGGER = "shardcache._datasets.webdataset"
 
 
 @pytest.fixture

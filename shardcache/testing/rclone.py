@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from shardcache._errors import MissingExtraError
+from shardcache._base.errors import MissingExtraError
 from shardcache.testing._service import HOST, S3Service
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from shardcache._extras import require_extras
+from shardcache._base.extras import require_extras
 from shardcache.testing._service import HOST, S3Service
 
 logger = logging.getLogger(__name__)

@@ -31,11 +31,11 @@ import s3fs  # noqa: F401  (imported once by the fork server, with aiobotocore)
 from fsspec.asyn import sync
 
 from shardcache import ShardCache
-from shardcache import _download as download
-from shardcache import _download_stream as download_stream
-from shardcache import _locks as locks
-from shardcache import _publish as publish
-from shardcache import _safefs as safefs
+from shardcache._base import safefs
+from shardcache._locking import shard_lock as locks
+from shardcache._store import publish
+from shardcache._transfer import download
+from shardcache._transfer import stream_download as download_stream
 
 INSTANTS = (
     "locked",  # lock held, nothing requested yet (not even the GET)

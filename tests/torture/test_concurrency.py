@@ -13,8 +13,8 @@ from processes import run_together
 from torture_scale import scale
 
 from shardcache import ShardCache
-from shardcache._eviction import evict_lock, scan
-from shardcache._layout import CacheLayout
+from shardcache._disk.layout import CacheLayout
+from shardcache._store.eviction import evict_lock, scan
 
 SIZE = 64_000
 

@@ -47,11 +47,11 @@ from crash_child import INSTANTS, PATHS
 from torture_scale import scale
 
 from shardcache import ShardCache
-from shardcache import _cli as cli
-from shardcache import _maintenance as maintenance
-from shardcache._cache import CacheStats
-from shardcache._layout import is_temp_name
-from shardcache._lock_records import holder_verdict, read_owner, read_record
+from shardcache._cache.shard_cache import CacheStats
+from shardcache._cli.main import main as cli
+from shardcache._disk.layout import is_temp_name
+from shardcache._locking.records import holder_verdict, read_owner, read_record
+from shardcache._ops import maintenance
 from shardcache.testing import FaultProxy, S3Server
 
 # Children are forked from a server that imported shardcache and s3fs once (crash_child

@@ -24,9 +24,9 @@ from shardcache import (
     UrlError,
     expand_urls,
 )
-from shardcache import _verify as verify
-from shardcache._config import SPECS, Settings
-from shardcache._identity import ProcessIdentity
+from shardcache._base.process_identity import ProcessIdentity
+from shardcache._config.settings import SPECS, Settings
+from shardcache._ops import verify
 
 
 def _snapshot(root: Path, skip: Path | None = None) -> dict[str, tuple]:

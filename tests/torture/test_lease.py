@@ -16,7 +16,7 @@ from processes import run_together
 from torture_scale import scale
 
 from shardcache import ShardCache
-from shardcache._layout import is_temp_name
+from shardcache._disk.layout import is_temp_name
 
 BUCKET = "lease"
 

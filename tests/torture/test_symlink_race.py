@@ -23,7 +23,7 @@ from processes import CTX
 from torture_scale import scale
 
 from shardcache import ShardCache, ShardCacheError
-from shardcache._maintenance import clean
+from shardcache._ops.maintenance import clean
 
 SHARDS = 12
 FOREIGN = b"FOREIGN BYTES "

@@ -1,0 +1,53 @@
+"""A cache's counters: :class:`CacheStats` and the thread-safe counter that also reports
+the loader metrics among them (:mod:`shardcache._observe.metrics`)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .._observe import metrics
+
+# CacheStats counters that are also loader metrics (shardcache._observe.metrics); lock waits are
+# counted by the lock itself, which knows whom it waited for.
+_METRICS_COUNTS = frozenset({"hits", "misses", "shared", "bytes_downloaded", "bytes_served"})
+
+
+@dataclass
+class CacheStats:
+    """Counters of this process's cache activity."""
+
+    hits: int = 0  # found complete in the cache
+    misses: int = 0  # downloaded by this process
+    shared: int = 0  # downloaded by another process while we waited for the lock
+    bytes_downloaded: int = 0
+    bytes_served: int = 0  # bytes of shards returned (hits, misses and shared)
+    download_seconds: float = 0.0
+    lock_wait_seconds: float = 0.0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StatsCounter:
+    """One cache's :class:`CacheStats`, added to from any thread."""
+
+    def __init__(self) -> None:
+        self._stats = CacheStats()
+        self._lock = threading.Lock()
+
+    def count(self, url: str, **deltas: float) -> None:
+        """Add ``deltas`` (about shard ``url``) to the cache's stats and the metrics."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+        shown = {k: v for k, v in deltas.items() if k in _METRICS_COUNTS}
+        if shown:
+            metrics.count(url, **shown)
+
+    def snapshot(self) -> CacheStats:
+        """A copy of the counters as they are now."""
+        with self._lock:
+            return CacheStats(**self._stats.as_dict())

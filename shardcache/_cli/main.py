@@ -1,0 +1,93 @@
+"""The ``shardcache`` command (also ``python -m shardcache``).
+
+Exit codes: 0 success, 1 a shardcache error or a partial failure (some shards failed to
+warm, bad shards found by ``verify``; the output says which), 2 usage error (one line on
+stderr), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from .. import __version__
+from .._base.errors import ConfigError, ShardCacheError, UrlError
+from .._base.redact import RedactingFilter
+from . import common, config, demo, index, maintenance, report, warm
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one clear line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(common.EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="shardcache",
+        description="Fast, safe local caching of sharded training data from S3 / fsspec URLs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  shardcache warm 's3://bucket/train-{000000..000127}.tar' --threads 16\n"
+        "  shardcache index 's3://bucket/train-{000000..000127}.tar' -o train.index.json\n"
+        "  shardcache status\n"
+        "  shardcache clean\n"
+        "  shardcache evict --max-bytes 500G\n"
+        "  shardcache verify\n"
+        "  shardcache config --json\n"
+        "  shardcache report /shared/metrics/job-1234 --plot wait.png\n"
+        "  shardcache demo\n"
+        "\nexit codes: 0 ok, 1 failed (or some shards failed), 2 usage error",
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    for module in (
+        config,
+        demo,
+        warm,
+        index,
+        maintenance,
+        report,
+    ):  # in this order in --help
+        module.add(commands)
+    for command in commands.choices.values():  # -v after the command too: "warm -v ..."
+        command.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,  # absent: the value before the command stands
+            help="log debug details",
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardcache`` console script."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for handler in logging.getLogger().handlers:  # -v: botocore logs request headers
+        handler.addFilter(RedactingFilter())
+    try:
+        return int(args.func(args))
+    except common.UsageError as exc:
+        prog = f"shardcache {args.command}"
+        sys.stderr.write(f"{prog}: error: {exc} (see {prog} --help)\n")
+        return common.EXIT_USAGE
+    except (ConfigError, UrlError) as exc:
+        sys.stderr.write(f"shardcache: {type(exc).__name__}: {common.one_line(exc)}\n")
+        return common.EXIT_USAGE
+    except ShardCacheError as exc:
+        sys.stderr.write(f"shardcache: {type(exc).__name__}: {exc}\n")
+        return common.EXIT_FAILED
+    except KeyboardInterrupt:
+        sys.stderr.write("shardcache: interrupted\n")
+        return 130

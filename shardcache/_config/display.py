@@ -1,0 +1,59 @@
+"""Settings written for people: a value in the form its variable accepts (``1h``, ``8M``,
+``unlimited``) as ``shardcache config`` and the documentation show it, a bound as an
+error message names it, and credentials redacted from what is shown.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._base.redact import redact_options, redact_text
+from .parse import SIZE_UNITS, parse_duration, parse_optional_rate, parse_optional_size, parse_size
+from .specs import SPECS, SettingSpec
+
+
+def format_setting(name: str, value: Any) -> str:
+    """``value`` of setting ``name`` written as the documentation writes it (``1h``, ``8M``,
+    ``unlimited``): a form its variable accepts, where the setting has one."""
+    spec = SPECS.get(name)
+    if value is None:
+        return spec.unset if spec is not None else "none"
+    if spec is not None and spec.parse is parse_duration:
+        return format_duration(value) if value else "0"
+    if spec is not None and spec.parse in (parse_size, parse_optional_size):
+        return format_size(value)
+    if spec is not None and spec.parse is parse_optional_rate:
+        return f"{value:g}/s"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def shown(name: str, value: Any) -> Any:
+    """``value`` of setting ``name`` as shown to people: credentials redacted."""
+    if name == "storage_options":
+        return redact_options(value)
+    return redact_text(value) if isinstance(value, str) else value
+
+
+def show_bound(spec: SettingSpec, bound: float) -> str:
+    if spec.parse is parse_duration:
+        return format_duration(bound)
+    if spec.parse is parse_size:
+        return format_size(int(bound))
+    return f"{bound:g}"
+
+
+def format_duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds * 1000:g}ms"
+
+
+def format_size(size: int) -> str:
+    for unit in ("P", "T", "G", "M", "K"):
+        if size >= SIZE_UNITS[unit] and size % SIZE_UNITS[unit] == 0:
+            return f"{size // SIZE_UNITS[unit]}{unit}"
+    return str(size)

@@ -1,0 +1,433 @@
+"""A mixture of sources: several shard lists read at set proportions, resumable.
+
+::
+
+    dataset = shardcache.MixtureDataset(
+        [
+            shardcache.Source("s3://web/{000000..000999}.tar", weight=0.7, name="web"),
+            shardcache.Source("s3://code/{000000..000099}.tar", weight=0.3, name="code"),
+        ],
+        epoch_size=1_000_000,
+        seed=0,
+    )
+
+Each source is a :class:`~shardcache._datasets.resumable.ResumableDataset` of its own with the
+epoch size the mixture gives it (``samples=``, or its ``weight``'s share of
+``epoch_size``), so each keeps what that dataset guarantees: a sample-level split with
+every consumer (rank x DataLoader worker) the same number of samples of the source, each
+shard read by the same cache in every epoch, fewer samples than the source holds cycling
+through it over epochs and more repeating it, exact and elastic resume. Each consumer then
+interleaves its sources sample by sample (:func:`next_source`): every prefix of a
+consumer's stream holds each source less than one sample off its proportion, so every
+batch less than two, and a window of ``N`` global batches (``R`` ranks of ``W`` workers)
+less than ``2 * R * min(N, W)``.
+
+The state is every source's state; an elastic resume gathers them per source
+(``shardcache.job_state``, in ``_resume_state``). A state is refused
+(:class:`ResumeError`, naming the source) when the sources, their names, shard lists or
+the samples each gets an epoch differ: a mixture changed between runs starts a new epoch
+from scratch rather than mixing two plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.utils.data
+import webdataset as wds
+
+from .._base.errors import ConfigError, ResumeError, ShardCacheError
+from .._base.redact import get_logger
+from .._cache.shard_cache import ShardCache
+from .._observe import metrics
+from .resumable import ResumableDataset, Stage
+from .resume_options import whole
+from .resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State
+from .urls import Spec
+from .wds import Handler
+
+logger = get_logger(__name__)
+
+FORMAT = MIXTURE_FORMAT
+VERSION = MIXTURE_VERSION
+
+
+@dataclass(frozen=True)
+class Source:
+    """One shard list of a mixture and what it gets each epoch: ``weight`` (a share of the
+    mixture's ``epoch_size``) or ``samples`` (a count), exactly one. ``name`` tags its
+    samples (``"__source__"``) and errors; ``index`` is its sample index file."""
+
+    urls: Spec
+    weight: float | None = None
+    samples: int | None = None
+    name: str | None = None
+    index: str | None = None
+
+
+def epoch_counts(sources: Sequence[Source], epoch_size: int | None) -> list[int]:
+    """The samples each source gets an epoch: its ``samples``, or its weight's share of
+    what ``epoch_size`` leaves (largest remainders, so they add up exactly)."""
+    fixed = sum(s.samples for s in sources if s.samples is not None)
+    weights = [s.weight for s in sources if s.weight is not None]
+    if not weights:
+        return [s.samples or 0 for s in sources]
+    if epoch_size is None:
+        raise ConfigError(
+            "a mixture with weights needs epoch_size: a weight is a share of the epoch's "
+            "samples (give epoch_size=N, or samples= to every source)",
+            name="epoch_size",
+            value=None,
+        )
+    if epoch_size < fixed:
+        raise ConfigError(
+            f"epoch_size={epoch_size} is smaller than the {fixed} samples the sources with "
+            "samples= take; raise epoch_size or lower those counts",
+            name="epoch_size",
+            value=epoch_size,
+        )
+    left, total = epoch_size - fixed, sum(weights)
+    if total == 0 and left == 0:  # nothing is left to the weights: they all get 0
+        return [s.samples or 0 for s in sources]
+    if total == 0:
+        raise ConfigError(
+            f"epoch_size={epoch_size} leaves {left} samples to the sources with weights, "
+            "but every weight is 0; give one a positive weight, or lower epoch_size to the "
+            "samples= total",
+            name="weight",
+            value=0,
+        )
+    exact = [left * w / total for w in weights]
+    shares = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (shares[i] - exact[i], i))
+    for i in by_remainder[: left - sum(shares)]:
+        shares[i] += 1
+    it = iter(shares)
+    return [s.samples if s.samples is not None else next(it) for s in sources]
+
+
+def next_source(taken: Sequence[int], shares: Sequence[int]) -> int:
+    """The source to take the next sample from (-1: none left), by Tijdeman's solution of
+    the chairman assignment problem: with ``k`` sources, the ``j``-th sample of source
+    ``i`` is due within the steps ``t`` where ``|j - t * p_i| <= 1 - 1/(2k - 2)`` allows
+    it (``p_i`` its share of the total), and of the sources whose next sample is due, the
+    one with the earliest last step goes first (ties: the first). Every prefix of the
+    sequence then holds every source less than one sample off its proportion.
+
+    ``taken`` and ``shares`` are counts (whole numbers >= 0). Run once a sample, so in one
+    pass of integer arithmetic: source ``i``'s next sample is due when ``(taken[i] * m + 1)
+    * total <= step * m * shares[i]`` (``m = 2k - 2``, ``step`` the sample's number), and
+    its last step, ``((taken[i] + 1) * m - 1) / shares[i]`` in units of ``total / m``
+    steps, is compared across sources by cross-multiplying."""
+    n = len(shares)
+    if len(taken) != n:
+        raise ValueError(f"{len(taken)} counts taken for {n} shares")
+    m = 2 * (n - shares.count(0)) - 2
+    total = sum(shares)
+    m_total, step_m, m_1 = m * total, (sum(taken) + 1) * m, m - 1
+    best, best_due, best_share = -1, 1, 0  # 0 / 1: later than any source that has a sample left
+    for i, done in enumerate(taken):
+        share = shares[i]
+        if done < share and done * m_total + total <= step_m * share:
+            due = done * m + m_1
+            if due * best_share < best_due * share:
+                best, best_due, best_share = i, due, share
+    if best >= 0:
+        return best
+    for i, done in enumerate(taken):  # none due (one source with samples, or counts off it)
+        share = shares[i]
+        if done < share:
+            due = done * m + m_1
+            if due * best_share < best_due * share:
+                best, best_due, best_share = i, due, share
+    return best
+
+
+ORDER_LIMIT = 1 << 26  # samples of the longest order kept (1 byte each), see picks()
+
+
+def picks(taken: Sequence[int], shares: Sequence[int]) -> Iterator[int]:
+    """The sources to take the rest of an epoch's samples from, in order: the
+    :func:`next_source` picks from ``taken`` on. When ``taken`` is a prefix of the epoch's
+    whole order (a fresh epoch, an exact resume), that order is read from memory: computed
+    once a process for these ``shares`` (one byte a sample) and kept for the next epochs,
+    so mixing costs a lookup a sample, not a schedule step."""
+    step = sum(taken)
+    if len(shares) <= 256 and sum(shares) <= ORDER_LIMIT:
+        order = _order(tuple(shares))
+        if all(order.count(i, 0, step) == done for i, done in enumerate(taken)):
+            return iter(memoryview(order)[step:])
+    return _online(list(taken), shares)
+
+
+@functools.lru_cache(maxsize=4)
+def _order(shares: tuple[int, ...]) -> bytes:
+    return bytes(_online([0] * len(shares), shares))
+
+
+def _online(taken: list[int], shares: Sequence[int]) -> Iterator[int]:
+    while (i := next_source(taken, shares)) >= 0:
+        taken[i] += 1
+        yield i
+
+
+class MixtureDataset(torch.utils.data.IterableDataset):
+    """Samples of several :class:`Source` s at set proportions (each sample tagged
+    ``"__source__"``), resumable exactly and elastically. ``epoch_size`` is the samples an
+    epoch (needed with weights); the other arguments are :class:`ResumableDataset`'s, for
+    every source."""
+
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        *,
+        epoch_size: int | None = None,
+        seed: int = 0,
+        shuffle_shards: bool = True,
+        shuffle_buffer: int = 0,
+        remainder: str = "pad",
+        handler: Handler = wds.reraise_exception,
+        cache: ShardCache | None = None,
+        threads: int | None = None,
+        depth: int | None = None,
+        stall_timeout: float | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        given = _checked(sources)
+        if epoch_size is not None:
+            epoch_size = whole("epoch_size", epoch_size, low=1)
+        counts = epoch_counts(given, epoch_size)
+        if not any(counts):
+            raise ConfigError(
+                "the mixture gets no sample an epoch: every source has samples=0 or a "
+                "weight whose share rounds to 0; raise epoch_size or the counts",
+                name="epoch_size",
+                value=epoch_size,
+            )
+        for i, (source, count) in enumerate(zip(given, counts, strict=True)):
+            if count == 0:
+                logger.warning("source %r gets no sample an epoch: left out", _name(source, i))
+        live = [i for i, count in enumerate(counts) if count > 0]
+        self.sources = [given[i] for i in live]
+        self.names = [_name(given[i], i) for i in live]
+        self.counts = [counts[i] for i in live]
+        self._parts: list[ResumableDataset] = []
+        for name, source, count in zip(self.names, self.sources, self.counts, strict=True):
+            with _naming(name):
+                self._parts.append(
+                    ResumableDataset(
+                        source.urls,
+                        seed=seed,
+                        shuffle_shards=shuffle_shards,
+                        shuffle_buffer=shuffle_buffer,
+                        remainder=remainder,
+                        epoch_size=count,
+                        index=source.index,
+                        handler=handler,
+                        cache=cache,
+                        threads=threads,
+                        depth=depth,
+                        stall_timeout=stall_timeout,
+                        rank=rank,
+                        world_size=world_size,
+                    )
+                )
+        for name, part in zip(self.names, self._parts, strict=True):
+            part._source = name  # its samples count for the source; the mixture ends epochs
+        self._stages: list[Stage] = []
+        self._name_sources()
+
+    def compose(self, *stages: Stage) -> MixtureDataset:
+        """Append pipeline stages run on the mixed stream (as ``ResumableDataset``'s)."""
+        for stage in stages:
+            if not callable(stage):
+                raise TypeError(f"a stage must be callable, not {stage!r:.80}")
+        self._stages.extend(stages)
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next, in every source."""
+        for name, part in zip(self.names, self._parts, strict=True):
+            with _naming(name):
+                part.set_epoch(epoch)
+
+    def prepare(self) -> MixtureDataset:
+        """Every source's :meth:`ResumableDataset.prepare`."""
+        for name, part in zip(self.names, self._parts, strict=True):
+            with _naming(name):
+                part.prepare()
+        return self
+
+    def cache_urls(self) -> list[str]:
+        """The shards this process's cache reads in every epoch, of every source."""
+        return [url for part in self._parts for url in part.cache_urls()]
+
+    def state_dict(self) -> State:
+        """Every source's state (plain JSON), as :meth:`ResumableDataset.state_dict`."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "sources": self.names,
+            "states": [part.state_dict() for part in self._parts],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume every source from ``state`` (a consumer's, or ``shardcache.job_state``'s)."""
+        states = _source_states(state, self.names)
+        for name, part, part_state in zip(self.names, self._parts, states, strict=True):
+            with _naming(name):
+                part.load_state_dict(part_state)
+
+    def _name_sources(self) -> None:
+        """Count the cache's work on each source's shards for the source, in this process
+        (called again in every iterating process: spawned workers do not inherit it)."""
+        for name, part in zip(self.names, self._parts, strict=True):
+            metrics.name_sources(name, part.urls)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._name_sources()
+        streams = []
+        for name, part in zip(self.names, self._parts, strict=True):
+            with _naming(name):
+                streams.append(iter(part))
+        stream: Iterator[Any] = self._mixed(streams)
+        for stage in self._stages:
+            stream = stage(stream)
+        return iter(stream)
+
+    def _mixed(self, streams: list[Iterator[Any]]) -> Iterator[Any]:
+        shares, taken = [], []
+        for part in self._parts:
+            own, delivered = part.share_taken()
+            shares.append(own)
+            taken.append(delivered)
+        names = self.names
+        try:
+            for i in picks(taken, shares):
+                sample = next(streams[i], None)
+                if sample is None:  # the handler left a shard out: the source ended early
+                    continue
+                sample["__source__"] = names[i]
+                yield sample
+        finally:
+            for stream in streams:  # each counts the samples it delivered
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
+        metrics.end_epoch()  # the epoch its sources set (metrics.set_epoch)
+
+
+def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        seen = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+        raise ResumeError(
+            f"not a shardcache mixture state (format {seen!r}, expected {FORMAT!r}); pass "
+            "what MixtureDataset.state_dict() or shardcache.job_state() returned",
+            expected=FORMAT,
+            seen=seen,
+        )
+    if state.get("version") != VERSION:
+        raise ResumeError(
+            f"mixture state version {state.get('version')!r} cannot be read by this "
+            f"shardcache (it reads version {VERSION})",
+            expected=VERSION,
+            seen=state.get("version"),
+        )
+    if state.get("sources") != names:
+        raise ResumeError(
+            f"the state is of a mixture of the sources {state.get('sources')}, this one "
+            f"has {names}: a changed mixture starts its epoch afresh (do not load the "
+            "state) or resumes with the sources it was taken with",
+            expected=names,
+            seen=state.get("sources"),
+        )
+    return list(state["states"])
+
+
+def _checked(sources: Sequence[Source]) -> list[Source]:
+    if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
+        raise ConfigError(
+            f"sources must be a non-empty list of shardcache.Source, not {sources!r:.80}",
+            name="sources",
+            value=sources,
+        )
+    for i, source in enumerate(sources):
+        if not isinstance(source, Source):
+            raise ConfigError(
+                f"source {i} must be a shardcache.Source, not {source!r:.80}",
+                name="sources",
+                value=source,
+            )
+        _check_amount(source, _name(source, i))
+    weights = [s.weight for s in sources if s.weight is not None]
+    if weights and not any(weights) and all(s.samples is None for s in sources):
+        raise ConfigError(
+            "every source has weight 0: the mixture would have no sample; give some "
+            "source a positive weight",
+            name="weight",
+            value=0,
+        )
+    names = [_name(s, i) for i, s in enumerate(sources)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(
+            f"source names must differ: {twice} given more than once (name= tells them "
+            "apart in states, errors and samples)",
+            name="name",
+            value=twice[0],
+        )
+    return list(sources)
+
+
+def _check_amount(source: Source, name: str) -> None:
+    if (source.weight is None) == (source.samples is None):
+        raise ConfigError(
+            f"source {name!r}: give exactly one of weight= (a share of epoch_size) and "
+            f"samples= (a count per epoch), not weight={source.weight!r}, "
+            f"samples={source.samples!r}",
+            name="weight",
+            value=source.weight,
+        )
+    if source.weight is not None:
+        weight = source.weight
+        number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+        if not number or not math.isfinite(weight) or weight < 0:
+            raise ConfigError(
+                f"source {name!r}: weight must be a finite number >= 0, not {weight!r}",
+                name="weight",
+                value=weight,
+            )
+    elif (
+        isinstance(source.samples, bool)
+        or not isinstance(source.samples, int)
+        or (source.samples < 0)
+    ):
+        raise ConfigError(
+            f"source {name!r}: samples must be a whole number >= 0, not {source.samples!r}",
+            name="samples",
+            value=source.samples,
+        )
+
+
+def _name(source: Source, index: int) -> str:
+    return source.name if source.name is not None else f"source-{index}"
+
+
+@contextlib.contextmanager
+def _naming(name: str) -> Iterator[None]:
+    """Re-raise a shardcache error of one source with the source's name in front."""
+    try:
+        yield
+    except ShardCacheError as exc:
+        if "source" not in exc.details:
+            exc.message = f"source {name!r}: {exc.message}"
+            exc.args = (exc.message,)
+            exc.details["source"] = exc.source = name
+        raise

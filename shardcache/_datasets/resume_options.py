@@ -1,0 +1,99 @@
+"""The arguments of a resumable dataset, checked: each wrong one a ``ConfigError`` naming the
+argument, its value and what it must be, raised when the dataset is made (before anything is
+fetched)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._base.errors import ConfigError
+from .epoch_split import REMAINDERS
+from .urls import Spec, expand_urls
+from .wds import STDIN_URL
+
+
+def resumable_urls(urls: Spec) -> list[str]:
+    """The shard URLs of ``urls``; standard input is refused (it cannot be read again)."""
+    expanded = expand_urls(urls)
+    if STDIN_URL in expanded:
+        raise ConfigError(
+            "ResumableDataset cannot read standard input ('-'): a resumable shard must "
+            "be read again from an offset; put the data in a file or bucket",
+            name="urls",
+            value=STDIN_URL,
+        )
+    return expanded
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value`` if it is True or False, else a ConfigError."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, not {value!r}", name=name, value=value)
+    return value
+
+
+def remainder_rule(remainder: str) -> str:
+    """``remainder`` if it is one of :data:`REMAINDERS`, else a ConfigError saying what each
+    does."""
+    if remainder not in REMAINDERS:
+        raise ConfigError(
+            f"remainder must be one of {REMAINDERS}, not {remainder!r}: 'pad' repeats "
+            "samples so that every consumer gets the same number, 'drop' leaves the rest "
+            "out of the epoch",
+            name="remainder",
+            value=remainder,
+        )
+    return remainder
+
+
+def index_location(index: Any) -> str | None:
+    """The path or URL of a sample index file (None: none given), else a ConfigError."""
+    if index is None:
+        return None
+    if not isinstance(index, (str, os.PathLike)):
+        raise ConfigError(
+            f"index must be a path or URL of a sample index file, not {index!r:.80}",
+            name="index",
+            value=index,
+        )
+    return os.fspath(index)
+
+
+def rank_and_world_size(rank: Any, world_size: Any) -> tuple[int | None, int | None]:
+    """Both given (rank below world size), or neither (None, None: detected later)."""
+    if (rank is None) != (world_size is None):
+        raise ConfigError(
+            "give both rank and world_size, or neither (then they are detected)",
+            name="rank" if rank is None else "world_size",
+            value=None,
+        )
+    if world_size is not None:
+        world_size = whole("world_size", world_size, low=1)
+        rank = whole("rank", rank, low=0)
+        if rank >= world_size:
+            raise ConfigError(
+                f"rank {rank} is not below world_size {world_size}",
+                name="rank",
+                value=rank,
+            )
+    return rank, world_size
+
+
+def whole(name: str, value: Any, *, low: int) -> int:
+    """``value`` if it is an int (not a bool) of at least ``low``, else a ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(
+            f"{name} must be a whole number >= {low}, not {value!r}", name=name, value=value
+        )
+    return value
+
+
+__all__ = [
+    "flag",
+    "index_location",
+    "rank_and_world_size",
+    "remainder_rule",
+    "resumable_urls",
+    "whole",
+]

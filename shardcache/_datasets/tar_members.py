@@ -1,0 +1,226 @@
+"""WebDataset samples out of a tar stream, each with the byte offset it starts at.
+
+A resumable reader needs what webdataset's tar expansion does not give: where each sample
+starts, so that a restart seeks straight to it instead of reading (or decoding) what came
+before. The headers are parsed here (ustar, GNU long names, pax ``path``/``size``); the
+grouping into samples follows webdataset's (:func:`sample_key`, lower-cased suffixes,
+``__meta__`` members skipped, a repeated suffix is an error).
+
+A sample's offset is the offset of the first header block of its first member, extension
+headers included, so reading from it yields that sample first. Every header's checksum is
+verified: an offset that is not a header (a shard changed since a state was taken) is
+refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from .._base.errors import ShardFormatError
+
+BLOCK = 512
+_KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_META_RE = re.compile(r"__[^/]*__($|/)")
+_REGULAR = (b"0", b"\0", b"7")  # regular file, old-style regular, contiguous
+_GNU_LONGNAME = b"L"
+_PAX = (b"x", b"X")
+_MAX_MEMBER = 1 << 40  # larger sizes come from damaged headers (base-256 fields reach 2**95)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A regular file of the archive: its name, bytes and the offset its headers start at."""
+
+    offset: int
+    name: str
+    data: bytes
+
+
+@dataclass
+class Sample:
+    """Consecutive members with one key, and where they start; ``end`` is where the next
+    sample (key ``next_key``) starts, -1 if the archive ends after this one."""
+
+    offset: int
+    key: str
+    files: dict[str, bytes]
+    end: int = 0
+    next_key: str | None = None
+
+    def as_dict(self, url: str, local_path: str | None) -> dict[str, Any]:
+        sample: dict[str, Any] = {"__key__": self.key, "__url__": url}
+        if local_path is not None:
+            sample["__local_path__"] = local_path
+        sample.update(self.files)
+        return sample
+
+
+def sample_key(name: str) -> tuple[str, str] | None:
+    """``"dir/abc.seg.jpg"`` -> ``("dir/abc", "seg.jpg")``, webdataset's split; None for a
+    name with no suffix (such members are skipped)."""
+    match = _KEY_RE.match(name)
+    if match is None:
+        return None
+    return match.group(1), match.group(2)
+
+
+def _octal(field: bytes, where: str) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes of 8 GiB and more
+        value = int.from_bytes(field[1:], "big")
+        return value - (1 << (8 * (len(field) - 1))) if field[0] & 0x40 else value
+    text = field.split(b"\0", 1)[0].strip()
+    try:
+        return int(text, 8) if text else 0
+    except ValueError:
+        raise ShardFormatError(
+            f"{where}: a tar header field holds {field!r}, not an octal number",
+            where=where,
+        ) from None
+
+
+def _checked(header: bytes, where: str) -> None:
+    try:
+        stored: int | str = _octal(header[148:156], where)
+    except ShardFormatError:
+        stored = repr(header[148:156])
+    computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    if stored != computed:
+        raise ShardFormatError(
+            f"{where}: not a tar header (checksum {stored}, computed {computed}); expected a "
+            "tar member to start here. The shard is not a tar file, is damaged, or a resume "
+            "state points into a shard that changed since the state was taken.",
+            where=where,
+        )
+
+
+def _name(header: bytes) -> str:
+    name = header[:100].split(b"\0", 1)[0]
+    if header[257:263] == b"ustar\0":  # POSIX ustar: a prefix directory in 345..500
+        prefix = header[345:500].split(b"\0", 1)[0]
+        if prefix:
+            name = prefix + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
+def _pax_records(data: bytes, where: str) -> dict[str, str]:
+    records: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        try:
+            length = int(data[pos:space])
+        except ValueError:
+            raise ShardFormatError(
+                f"{where}: a pax header record starts with {data[pos:space][:20]!r}, not its "
+                "length; the shard is damaged",
+                where=where,
+            ) from None
+        if length <= 0:
+            break
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return records
+
+
+def _pax_size(text: str, where: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ShardFormatError(
+            f"{where}: a pax header gives the size {text[:20]!r}, not a number", where=where
+        ) from None
+
+
+def _read_exactly(stream: BinaryIO, count: int, where: str) -> bytes:
+    data = stream.read(count)
+    if len(data) != count:
+        raise ShardFormatError(
+            f"{where}: the tar stream ends inside a member (wanted {count} bytes, got "
+            f"{len(data)}); the shard is truncated",
+            where=where,
+        )
+    return data
+
+
+def members(stream: BinaryIO, offset: int, where: str) -> Iterator[Member]:
+    """The regular, non-``__meta__`` members from ``offset`` (``stream`` is positioned
+    there) to the end of the archive; their data is read, everything else is skipped by
+    its header."""
+    position = offset
+    start = offset  # first header block of the member being assembled
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    while True:
+        header = stream.read(BLOCK)
+        if len(header) < BLOCK or header.count(0) == BLOCK:
+            return  # the end-of-archive blocks (or a tar without them)
+        here = f"{where} at byte {position}"
+        _checked(header, here)
+        kind = header[156:157]
+        size = _pax_size(pax["size"], here) if "size" in pax else _octal(header[124:136], here)
+        if not 0 <= size <= _MAX_MEMBER:
+            raise ShardFormatError(
+                f"{here}: a tar member of size {size}; expected 0 to {_MAX_MEMBER} bytes. The "
+                "shard is damaged",
+                where=here,
+            )
+        padded = -(-size // BLOCK) * BLOCK
+        position += BLOCK
+        if kind == _GNU_LONGNAME or kind in _PAX:
+            data = _read_exactly(stream, padded, here)[:size]
+            if kind == _GNU_LONGNAME:
+                long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            else:
+                pax = _pax_records(data, here)
+            position += padded
+            continue  # an extension header: the member follows
+        name = pax.get("path") or long_name or _name(header)
+        wanted = kind in _REGULAR and not _META_RE.match(name)
+        if wanted:
+            data = _read_exactly(stream, size, here)
+            if padded != size:
+                stream.seek(padded - size, 1)
+            yield Member(start, name, data)
+        elif padded:
+            stream.seek(padded, 1)
+        position += padded
+        start = position
+        long_name = None
+        pax = {}
+
+
+def samples(
+    stream: BinaryIO, offset: int, where: str, *, only_one: bool = False
+) -> Iterator[Sample]:
+    """Samples from ``offset`` to the end of the archive (or just the first one), grouped
+    as webdataset groups them. ``stream`` must be positioned at ``offset``."""
+    current: Sample | None = None
+    for member in members(stream, offset, where):
+        split = sample_key(member.name)
+        if split is None:
+            continue
+        key, suffix = split
+        suffix = suffix.lower()
+        if current is None or key != current.key:
+            if current is not None:
+                current.end, current.next_key = member.offset, key
+                yield current
+                if only_one:
+                    return
+            current = Sample(member.offset, key, {})
+        if suffix in current.files:
+            raise ShardFormatError(
+                f"{where}: {member.name!r} repeats the suffix {suffix!r} within sample "
+                f"{key!r} (at byte {member.offset}); webdataset refuses such shards too",
+                where=where,
+            )
+        current.files[suffix] = member.data
+    if current is not None:
+        current.end = -1  # the archive ended: nothing follows
+        yield current

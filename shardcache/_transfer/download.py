@@ -1,0 +1,334 @@
+"""What every download strategy shares: the object's description, the options, the
+:class:`Strategy` interface and its common steps (verification, restarting the file).
+
+A strategy writes one object into the caller's file and verifies it, retrying under the options'
+:class:`~shardcache._retry.policy.RetryPolicy`. :class:`~shardcache._transfer.remote.Remote` picks
+one per object: :mod:`~shardcache._transfer.stream_download` (one GET, or a sequential read),
+:mod:`~shardcache._transfer.parallel_download` (concurrent ranged GETs of a large S3 object) or
+:mod:`~shardcache._transfer.pipe_download` (a ``pipe:`` command's output).
+
+A failure to write the caller's file is never the store's fault: it is marked
+:class:`LocalWriteError` (never retried or classified) and the caller gets the ``OSError``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, BinaryIO, Protocol
+
+from fsspec.asyn import sync
+
+from .._base.errors import IntegrityError
+from .._base.redact import get_logger, redact_options
+from .._retry.policy import RetryPolicy
+from .._retry.throttle import Throttle, throttled_call
+from .checksums import Checksum, expected
+
+logger = get_logger(__name__)
+
+
+class Progress(Protocol):
+    """Observer of one download (the lock heartbeat, the watchdog and progress bars)."""
+
+    def __call__(self, *, phase: str, bytes_done: int, bytes_total: int | None) -> None: ...
+
+
+def no_progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What we know of a remote object before downloading it."""
+
+    url: str
+    size: int | None  # None: known only once downloaded (a pipe: command's output)
+    etag: str | None = None
+    version_id: str | None = None
+    md5: str | None = None  # hex MD5 of the content when the ETag is one (single-part, no KMS)
+    mtime_ns: int | None = None  # a local source's modification time (its version)
+    checksum: Checksum | None = None  # the store's full-object checksum (S3: x-amz-checksum-*)
+    verified: Checksum | None = None  # set on the info a download returns: what it checked
+
+    def expected_checksum(self, verify: str) -> Checksum | None:
+        """What a download is checked against beyond the size (see
+        :func:`shardcache._transfer.checksums.expected`)."""
+        return expected(self, verify)
+
+
+@dataclass(frozen=True, repr=False)
+class RemoteOptions:
+    """How to reach remote stores and how hard to try (``repr``: credentials redacted)."""
+
+    # No defaults here: every value comes from the resolved settings (their specs).
+    storage_options: dict[str, Any] = field(repr=False)  # may hold credentials
+    retry: RetryPolicy
+    io_timeout: float
+    chunk_size: int
+    verify: str
+    parallel_threshold: int  # S3 objects at least this big use parallel ranged GETs
+    part_size: int
+    max_parts_in_flight: int  # concurrent ranged GETs per download; 1 disables them
+    max_connections: int  # connections one store's client may keep open at once
+    throttle: Throttle  # the process's request slots (shared by every thread; see _throttle)
+
+    def __repr__(self) -> str:
+        rest = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"RemoteOptions(storage_options={redact_options(self.storage_options)!r}, {rest})"
+
+
+class OpenedObject:
+    """An object whose GET is answered: its info, read from the response's headers, and its
+    body, not read yet. The download reads that body instead of sending a request of its own,
+    so a cold shard costs one request (see :meth:`shardcache._transfer.remote.Remote.open`).
+
+    Stores other than S3 have no such response: ``body`` is None and the download sends its
+    own request. :meth:`close` ends a response that was not read to its end."""
+
+    def __init__(self, info: ObjectInfo, fs: Any = None, body: Any = None) -> None:
+        self.info = info
+        self._fs = fs
+        self._body = body
+        self._taken = False
+
+    def take(self, piece: int) -> Iterator[bytes] | None:
+        """The body from byte 0 in pieces of at most ``piece`` bytes, once: a later attempt
+        (a retry, a second download after a full disk) sends its own request."""
+        if self._body is None or self._taken:
+            return None
+        self._taken = True
+        return read_body(self._fs, self._body, piece)
+
+    def close(self) -> None:
+        if self._body is not None:
+            self._body.close()
+
+    def __enter__(self) -> OpenedObject:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Source(Protocol):
+    """What a strategy needs of the remote: its options, file systems and fresh metadata."""
+
+    options: RemoteOptions
+
+    def filesystem(self, url: str) -> tuple[Any, str]: ...
+
+    def info(self, url: str) -> ObjectInfo: ...
+
+
+class LocalWriteError(Exception):
+    """Local file I/O failed (the ``OSError`` is ``__cause__``): not a remote error, never
+    retried or classified; :meth:`Remote.download` re-raises the ``OSError`` itself."""
+
+
+@contextlib.contextmanager
+def local_io() -> Iterator[None]:
+    """Mark writes to the caller's file: a full disk (ENOSPC, EDQUOT), a read-only or
+    failing file system (EROFS, EIO) is the cache's problem, not the store's."""
+    try:
+        yield
+    except OSError as exc:
+        raise LocalWriteError(str(exc)) from exc
+
+
+def restart(out: BinaryIO) -> None:
+    """Empty the caller's file for a download from byte 0."""
+    with local_io():
+        out.seek(0)
+        out.truncate()
+
+
+def verification_failed(exc: BaseException) -> bool:
+    """Whether a failed attempt calls for :meth:`Strategy.start_over` (the bytes were
+    corrupted in transit, or the object changed underneath)."""
+    return isinstance(exc, IntegrityError)
+
+
+class Strategy(abc.ABC):
+    """One way to download an object into the caller's file and verify it."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.options = source.options
+
+    @staticmethod
+    def phase(attempt: int, first: str = "downloading") -> str:
+        """The progress phase of attempt number ``attempt``: ``first``, then "retry N"."""
+        return first if attempt == 1 else f"retry {attempt - 1}"
+
+    def start_over(self, url: str, out: BinaryIO) -> ObjectInfo:
+        """After a failed verification: fresh metadata (a replaced object has a new size
+        and ETag) and an empty file, for a download from byte 0."""
+        logger.warning("%s failed verification; downloading it again", url)
+        info = self.source.info(url)
+        restart(out)
+        return info
+
+    @abc.abstractmethod
+    def download(
+        self,
+        info: ObjectInfo,
+        out: BinaryIO,
+        progress: Progress,
+        opened: OpenedObject | None = None,
+    ) -> ObjectInfo:
+        """Write ``info.url`` into ``out`` (positioned at 0, left at the end) and verify it;
+        returns the info the bytes were verified against. ``opened``: the object's GET,
+        already answered, whose body the first attempt reads instead of sending a request.
+        Raises a :class:`~shardcache.FetchError` subclass or :class:`IntegrityError`, or
+        :class:`LocalWriteError` for a failed write of ``out``."""
+
+    def verify(self, info: ObjectInfo, size: int, digest: str | None, attempt: int) -> ObjectInfo:
+        """Raise :class:`IntegrityError` unless ``size`` and ``digest`` (the downloaded
+        bytes' checksum of the algorithm ``info.expected_checksum`` names; None when it
+        names none) match the object's. Returns ``info`` with ``verified`` set to the
+        checksum that was checked (None: the size only)."""
+        if size != info.size:
+            raise IntegrityError(
+                f"{info.url}: downloaded {size} bytes, expected {info.size} on attempt "
+                f"{attempt} (the object changed during the download, or the store misreports "
+                "its size); nothing was published. Check the object, then fetch again.",
+                url=info.url,
+                attempts=attempt,
+                expected=info.size,
+                seen=size,
+            )
+        want = info.expected_checksum(self.options.verify)
+        if want is not None and digest != want.value:
+            instead = ", checked instead of the slower MD5 of the ETag" if info.md5 else ""
+            hint = (
+                "set SHARDCACHE_VERIFY=size if this store's ETags are not MD5s"
+                if want.algorithm == "md5"
+                else "check that the store computes this checksum over the object's bytes"
+            )
+            raise IntegrityError(
+                f"{info.url}: {want.algorithm.upper()} of the downloaded bytes is {digest}, "
+                f"expected {want.value} ({want.source}{instead}) on attempt {attempt}. The "
+                "bytes were corrupted in transit or the object changed; nothing was "
+                f"published. Check the network path (proxies) and the object; {hint}.",
+                url=info.url,
+                attempts=attempt,
+                expected=want.value,
+                seen=digest,
+                algorithm=want.algorithm,
+            )
+        return replace(info, verified=want)
+
+
+def s3_get(
+    fs: Any,
+    path: str,
+    info: ObjectInfo,
+    throttle: Throttle,
+    *,
+    start: int = 0,
+    end: int | None = None,
+) -> Any:
+    """Send one GET of bytes ``[start, end)`` of an S3 object (the whole object when neither
+    is given) in a slot of ``throttle``; returns the response once its headers arrived, its
+    ``Body`` unread. A ranged GET carries ``If-Match`` on the ETag, so a changed object is
+    never stitched together (HTTP 412 instead). A whole-object GET asks for the object's
+    full-object checksum (``x-amz-checksum-mode``: see :func:`ask_for_checksums`)."""
+    bucket, key, version = fs.split_path(path)
+    kw: dict[str, Any] = {}
+    if version or info.version_id:
+        kw["VersionId"] = version or info.version_id
+    if start or end is not None:
+        kw["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        if info.etag:
+            kw["IfMatch"] = f'"{info.etag}"'
+    return throttled_call(
+        throttle,
+        "GET",
+        lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw),
+    )
+
+
+def s3_body(
+    fs: Any,
+    path: str,
+    info: ObjectInfo,
+    piece: int,
+    throttle: Throttle,
+    *,
+    start: int = 0,
+    end: int | None = None,
+) -> Iterator[bytes]:
+    """One GET of bytes ``[start, end)`` of an S3 object (:func:`s3_get`), its body in
+    pieces of at most ``piece`` bytes (:func:`read_body`). Nothing is sent until the first
+    piece is asked for."""
+    response = s3_get(fs, path, info, throttle, start=start, end=end)
+    yield from read_body(fs, response["Body"], piece)
+
+
+def read_body(fs: Any, body: Any, piece: int) -> Iterator[bytes]:
+    """The pieces of a GET response's ``body``, each at most ``piece`` bytes; closes it.
+
+    Each piece is gathered on the event loop's thread until it holds at least
+    ``_MIN_PIECE`` bytes, the body ends, or ``_MAX_GATHER`` seconds passed (progress
+    reports stay frequent on a slow link): over a slow link a read returns only what
+    arrived since the last one, a few KiB, and handing every such scrap to this thread
+    (a wake-up of each thread, a write, a checksum update, a progress report) cost more
+    CPU than the bytes themselves."""
+    # The first pieces are handed over small, then twice as big each time up to
+    # _MIN_PIECE: a reader following the download sees its first bytes (and its first
+    # samples) about one round trip after the request, not once 1 MiB arrived (100 ms at
+    # 10 MB/s), for a few more hand-overs per object.
+    least = min(piece, _FIRST_PIECE)
+    try:
+        while data := sync(fs.loop, _read_piece, body, piece, least):
+            yield data
+            least = min(piece, _MIN_PIECE, 2 * least)
+    finally:
+        body.close()
+
+
+def ask_for_checksums(client: Any) -> None:
+    """Have ``client`` (an S3 client) ask for the object's full-object checksum on every
+    whole-object GET (header ``x-amz-checksum-mode: ENABLED``), so one GET brings what a
+    ``HeadObject`` with ``ChecksumMode`` would. Sent as a header rather than botocore's
+    ``ChecksumMode`` parameter, which would also make botocore check the body itself: a
+    second checksum of every byte beside ours. Ranged GETs do not ask (S3 returns no
+    full-object checksum for a range). Idempotent."""
+    client.meta.events.register(
+        "before-sign.s3.GetObject", _checksum_mode_header, unique_id=_CHECKSUM_MODE_HANDLER
+    )
+
+
+_CHECKSUM_MODE_HANDLER = "shardcache-checksum-mode"
+
+
+def _checksum_mode_header(request: Any, **kwargs: Any) -> None:
+    if "Range" not in request.headers:
+        request.headers["x-amz-checksum-mode"] = "ENABLED"
+
+
+_MIN_PIECE = 1 << 20  # bytes gathered per hand-over from the event loop (see s3_body)
+_FIRST_PIECE = 64 << 10  # the first hand-over of a body
+_MAX_GATHER = 0.1  # seconds: a slower piece is handed over with what it has
+
+
+async def _read_piece(body: Any, most: int, least: int) -> bytes:
+    """At most ``most`` bytes of ``body``: at least ``least`` unless the body ends or
+    more than ``_MAX_GATHER`` seconds passed since the call (then what has arrived)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _MAX_GATHER
+    chunks: list[bytes] = []
+    got = 0
+    while got < least:
+        data = await body.read(most - got)
+        if not data:
+            break
+        chunks.append(data)
+        got += len(data)
+        if loop.time() >= deadline:
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -1,0 +1,332 @@
+"""Remote access through fsspec: file systems, object metadata, and the choice of a download.
+
+:meth:`Remote.info` stats an object (retried under the retry policy); :meth:`Remote.download` hands
+it to one strategy (:mod:`shardcache._transfer.download`): ``pipe:`` URLs (size unknown) to
+:mod:`~shardcache._transfer.pipe_download`, S3 objects of at least ``parallel_threshold`` bytes to
+:mod:`~shardcache._transfer.parallel_download`, everything else to
+:mod:`~shardcache._transfer.stream_download`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import threading
+from typing import Any, BinaryIO
+
+import fsspec
+from fsspec.asyn import sync
+
+from .._base.errors import FetchError, PermanentFetchError, UrlError
+from .._base.redact import get_logger
+from .._base.url_check import check_url
+from .._base.url_kinds import LOCAL_PROTOCOLS, local_path, url_protocol
+from .._observe import metrics
+from .._retry.policy import describe, fetch_error, is_transient, retry_cause
+from .._retry.throttle import throttled_call
+from .checksums import from_s3_head
+from .download import (
+    LocalWriteError,
+    ObjectInfo,
+    OpenedObject,
+    Progress,
+    RemoteOptions,
+    Strategy,
+    ask_for_checksums,
+    no_progress,
+    s3_body,
+    s3_get,
+)
+from .parallel_download import ParallelDownload
+from .pipe_commands import check_allowed
+from .pipe_download import PipeDownload
+from .stream_download import StreamDownload
+
+logger = get_logger(__name__)
+
+_MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
+_DECIDED = (FetchError, UrlError)  # errors of ours: raised as they are, never retried
+
+
+class Remote:
+    """Reads objects from any fsspec URL with our retry policy and verification."""
+
+    def __init__(self, options: RemoteOptions) -> None:
+        self.options = options
+        self._resolved_options: dict[str, dict[str, Any]] = {}
+        self._filesystems: dict[str, tuple[int, fsspec.AbstractFileSystem]] = {}
+        self.stream = StreamDownload(self)
+        self.parallel = ParallelDownload(self, fallback=self.stream)
+        self.pipe = PipeDownload(self)
+
+    # -- file systems ----------------------------------------------------------------
+
+    def storage_options_for(self, protocol: str) -> dict[str, Any]:
+        """Options for ``protocol``: per-protocol (``{"s3": {...}}``) or flat (non-local only).
+        Resolved once per protocol; callers must not modify the result."""
+        resolved = self._resolved_options.get(protocol)
+        if resolved is None:
+            resolved = self._resolved_options[protocol] = self._resolve_options(protocol)
+        return resolved
+
+    def _resolve_options(self, protocol: str) -> dict[str, Any]:
+        opts = self.options.storage_options
+        protocols = set(fsspec.available_protocols())
+        per_protocol = {k: v for k, v in opts.items() if k in protocols and isinstance(v, dict)}
+        if per_protocol:
+            chosen = dict(per_protocol.get(protocol, {}))
+        elif protocol in LOCAL_PROTOCOLS:
+            chosen = {}
+        else:
+            chosen = dict(opts)
+        if protocol in {"s3", "s3a"}:
+            config = dict(chosen.get("config_kwargs") or {})
+            config.setdefault("connect_timeout", self.options.io_timeout)
+            config.setdefault("read_timeout", self.options.io_timeout)
+            # Our RetryPolicy owns retries: botocore's and s3fs's own would multiply them.
+            config.setdefault("retries", {"total_max_attempts": 1})
+            # One client serves every thread of the process (see filesystem): enough
+            # connections for every download thread's parts at once.
+            config.setdefault("max_pool_connections", self.options.max_connections)
+            # We verify downloads ourselves (SHARDCACHE_VERIFY; the whole-object GET asks for
+            # the object's checksum: _download.ask_for_checksums). botocore's own check of a
+            # GET's x-amz-checksum-* would compute it a second time, and a server that sends
+            # the whole object's checksum with a ranged GET would fail every part.
+            config.setdefault("response_checksum_validation", "when_required")
+            chosen["config_kwargs"] = config
+        return chosen
+
+    def filesystem(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        """The file system for ``url`` and the path within it.
+
+        An asynchronous one (s3, http, gcs, ...) is made once per process and shared by
+        every thread: its requests run on fsspec's own event-loop thread, and one client
+        keeps one connection pool and one parsed service model. (fsspec alone would make
+        one per thread in older versions, and botocore adds keys to the ``config_kwargs``
+        it is given, which changes fsspec's cache key and made a second client.)"""
+        protocol = url_protocol(url)
+        pid = os.getpid()
+        made = self._filesystems.get(protocol)
+        if made is not None and made[0] == pid:
+            fs = made[1]
+        else:
+            fs = self._make_filesystem(url, protocol)
+            if getattr(fs, "async_impl", False):
+                self._filesystems[protocol] = (pid, fs)
+        if protocol in LOCAL_PROTOCOLS:
+            return fs, local_path(url)
+        return fs, fs._strip_protocol(url)
+
+    def _make_filesystem(self, url: str, protocol: str) -> fsspec.AbstractFileSystem:
+        try:
+            fs = fsspec.filesystem(protocol, **_fresh(self.storage_options_for(protocol)))
+        except ValueError:
+            check_url(url)  # an unknown protocol: the UrlError expand_urls raises for it
+            raise
+        if protocol in {"s3", "s3a"}:
+            fs.retries = 1
+            _share_service_models(fs)
+        return fs
+
+    # -- metadata --------------------------------------------------------------------
+
+    def info(self, url: str) -> ObjectInfo:
+        """Size and checksum of ``url``; transient errors are retried. A ``pipe:`` command is
+        not run here: its size is None (unknown until :meth:`download`)."""
+        if url_protocol(url) == "pipe":
+            check_allowed(url)
+            return ObjectInfo(url, None)
+        return self.options.retry.run(
+            lambda n: self._info_once(url),
+            retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
+            give_up=lambda exc, n: (
+                exc if isinstance(exc, _DECIDED) else fetch_error(url, n, exc, "stat")
+            ),
+            on_retry=lambda exc, n: _stat_retry(url, exc),
+        )
+
+    def _info_once(self, url: str) -> ObjectInfo:
+        fs, path = self.filesystem(url)
+        protocol = url_protocol(url)
+        if protocol in {"s3", "s3a"}:
+            bucket, key, version = fs.split_path(path)
+            kw = {"VersionId": version} if version else {}
+            head = throttled_call(
+                self.options.throttle,
+                "HEAD",
+                lambda: sync(
+                    fs.loop,
+                    fs._call_s3,
+                    "head_object",
+                    Bucket=bucket,
+                    Key=key,
+                    ChecksumMode="ENABLED",  # the object's additional checksum, if it has one
+                    **kw,
+                ),
+            )
+            return s3_object_info(url, head)
+        if protocol in LOCAL_PROTOCOLS:
+            st = os.stat(path)  # before any byte is read: a later change shows on the next hit
+            if stat.S_ISDIR(st.st_mode):
+                raise fetch_error(url, 1, IsADirectoryError(url), "stat")
+            return ObjectInfo(url, st.st_size, mtime_ns=st.st_mtime_ns)
+        info = fs.info(path)
+        if info.get("type") == "directory":
+            raise fetch_error(url, 1, IsADirectoryError(url), "stat")
+        size = info.get("size")
+        if size is None:
+            raise PermanentFetchError(
+                f"{url}: the store reports no size, so a download cannot be verified.",
+                url=url,
+                attempts=1,
+                cause="no size",
+            )
+        etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+        return ObjectInfo(url, int(size), str(etag).strip('"') if etag else None)
+
+    def open(self, url: str) -> OpenedObject:
+        """The object at ``url`` opened for a download: for S3, one GET of the whole object
+        whose response headers give its info (size, ETag, version, full-object checksum) and
+        whose body :meth:`download` then reads, so a cold object costs one request, not a
+        HEAD and a GET; for other stores, :meth:`info` (their download sends its own
+        request). Transient errors are retried; a missing object raises
+        :class:`~shardcache.RemoteNotFoundError` at once. Close the result (a ``with``
+        block) if its body may go unread."""
+        if url_protocol(url) not in {"s3", "s3a"}:
+            return OpenedObject(self.info(url))
+        fs, path = self.filesystem(url)
+        unknown = ObjectInfo(url, None)
+
+        def once(n: int) -> OpenedObject:
+            # The client s3fs made (made now if it has none yet: a hop to its event loop
+            # only then); registering is idempotent.
+            client = getattr(fs, "_s3", None) or sync(fs.loop, fs.set_session)
+            ask_for_checksums(client)
+            response = s3_get(fs, path, unknown, self.options.throttle)
+            return OpenedObject(s3_object_info(url, response), fs, response["Body"])
+
+        return self.options.retry.run(
+            once,
+            retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
+            give_up=lambda exc, n: exc if isinstance(exc, _DECIDED) else fetch_error(url, n, exc),
+            on_retry=lambda exc, n: _open_retry(url, exc),
+        )
+
+    # -- ranged reads ------------------------------------------------------------------
+
+    def read_range(self, url: str, start: int, end: int, etag: str | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``url`` (fewer at the object's end), uncached: one ranged
+        GET on S3 (``If-Match`` on ``etag`` when given: a changed object is an error, not
+        other bytes), retried as downloads are."""
+        fs, path = self.filesystem(url)
+        if url_protocol(url) not in {"s3", "s3a"}:
+            return self.options.retry.run(
+                lambda n: fs.cat_file(path, start=start, end=end),
+                retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
+                give_up=lambda exc, n: fetch_error(url, n, exc),
+            )
+        info = ObjectInfo(url, None, etag)
+        chunk = self.options.chunk_size
+        return self.options.retry.run(
+            lambda n: b"".join(
+                s3_body(fs, path, info, chunk, self.options.throttle, start=start, end=end)
+            ),
+            retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
+            give_up=lambda exc, n: fetch_error(url, n, exc),
+            on_retry=lambda exc, n: metrics.retried(retry_cause(exc)),
+        )
+
+    # -- download --------------------------------------------------------------------
+
+    def download(
+        self,
+        info: ObjectInfo,
+        out: BinaryIO,
+        progress: Progress = no_progress,
+        opened: OpenedObject | None = None,
+    ) -> ObjectInfo:
+        """Stream ``info.url`` into ``out`` (positioned at 0) and verify it; ``opened``
+        (from :meth:`open`) gives the body of the object's GET, already answered.
+
+        Resumes after transient failures; raises a :class:`FetchError` subclass or
+        :class:`IntegrityError` for the remote side. A failure to write ``out`` (full disk,
+        read-only or failing file system) is raised as the ``OSError`` itself, at once and
+        without retries, whichever path fetched the bytes. Returns the info the bytes were
+        verified against (with the size seen when ``info.size`` was None: a ``pipe:``
+        command). Large S3 objects are fetched with parallel ranged GETs (``out`` must then
+        have a ``fileno()``); ``out`` is left positioned at the end of the object either way.
+        """
+        if info.size is None:
+            strategy: Strategy = self.pipe
+        elif self.parallel.suits(info, out):
+            strategy = self.parallel
+        else:
+            strategy = self.stream
+        try:
+            return strategy.download(info, out, progress, opened)
+        except LocalWriteError as exc:
+            raise exc.__cause__ from None  # type: ignore[misc]
+
+
+def s3_object_info(url: str, response: Any) -> ObjectInfo:
+    """What a ``HeadObject`` response, or a whole-object ``GetObject`` one, says of the object.
+    The ETag is its content's MD5 only for a single-part upload without KMS or customer keys
+    (a ``-N`` suffix marks a multipart one)."""
+    etag = str(response.get("ETag", "")).strip('"') or None
+    md5 = None
+    if (
+        etag
+        and _MD5_ETAG.match(etag)
+        and response.get("ServerSideEncryption") != "aws:kms"
+        and "SSECustomerAlgorithm" not in response
+    ):
+        md5 = etag
+    return ObjectInfo(
+        url,
+        int(response["ContentLength"]),
+        etag,
+        response.get("VersionId"),
+        md5,
+        checksum=from_s3_head(response, multipart_etag=bool(etag and "-" in etag)),
+    )
+
+
+def _stat_retry(url: str, exc: Exception) -> None:
+    metrics.retried(retry_cause(exc))
+    logger.info("retrying stat of %s after %s", url, describe(exc))
+
+
+def _open_retry(url: str, exc: Exception) -> None:
+    metrics.retried(retry_cause(exc))
+    logger.info("retrying the GET of %s after %s", url, describe(exc))
+
+
+def _fresh(options: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``options`` whose dicts are new (the file system's client may add keys to
+    them); other values (a session, credentials) are passed as they are."""
+    return {k: _fresh(v) if isinstance(v, dict) else v for k, v in options.items()}
+
+
+_loader_lock = threading.Lock()
+_shared: dict[str, Any] = {}  # "loader": botocore's data loader, for every S3 client here
+
+
+def _share_service_models(fs: Any) -> None:
+    """Give a new S3 file system (one that would make its own aiobotocore session) a session
+    whose data loader is shared by the whole process: every session otherwise parses
+    botocore's S3 service model and endpoint rules again, 0.15-0.4 s of CPU per client on
+    a 2-core machine, paid by every cache and every DataLoader worker. The loader only
+    reads botocore's bundled JSON (``AWS_DATA_PATH`` is read when it is first made);
+    credentials, profile and configuration stay per session."""
+    if getattr(fs, "session", True) is not None or getattr(fs, "_s3", True) is not None:
+        return  # the caller gave its own session, or this s3fs is not the one we know
+    from aiobotocore.session import AioSession
+
+    session = AioSession(**getattr(fs, "kwargs", {}))
+    with _loader_lock:
+        if "loader" not in _shared:
+            _shared["loader"] = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _shared["loader"])
+    fs.session = session
