@@ -471,7 +471,7 @@ def test_missing_shard_raises_not_found_after_the_earlier_shards(s3, tmp_path: P
     assert got == [(urls[0], objects["ok-0.tar"]), (urls[1], objects["ok-1.tar"])]
     assert info.value.url == urls[2] and urls[2] in str(info.value)
     files = {f.filename.rsplit("/", 1)[-1] for f in traceback.extract_tb(info.value.__traceback__)}
-    assert "_remote.py" in files, "the worker's traceback is preserved"
+    assert "remote.py" in files, "the worker's traceback is preserved"
     assert not _temp_files(tmp_path)
 
 

@@ -48,7 +48,7 @@ from torture_scale import scale
 
 from shardcache import ShardCache
 from shardcache._cache.shard_cache import CacheStats
-from shardcache._cli.main import main as cli
+from shardcache._cli import main as cli
 from shardcache._disk.layout import is_temp_name
 from shardcache._locking.records import holder_verdict, read_owner, read_record
 from shardcache._ops import maintenance
