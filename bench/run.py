@@ -202,7 +202,7 @@ def b4_overhead(b: Bench) -> dict[str, Any]:
             pass
 
     lock_dir = b.fresh_dir("b4locks")
-    policy = cache._lock_policy()
+    policy = cache._locks.policy()
 
     def sc_lock() -> None:
         lock = ShardLock(lock_dir / "x.lock", url=urls[0], policy=policy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -26,34 +27,61 @@ settings.register_profile("explore", database=None)
 settings.load_profile(os.environ.get("SHARDCACHE_HYPOTHESIS", "deterministic"))
 
 
-# Under pytest-xdist (scripts/test: two workers, --dist loadgroup) the tests of a group run
-# on one worker, one after the other, as in a serial run:
-# - "system": tests that start a SLURM cluster (scripts/slurm-local starts and reconfigures
-#   the machine's one SLURM) or a multi-process job (torchrun, the benchmark harness), so
-#   that two such jobs never compete for the two cores (their jobs have time limits);
-# - "accounts": the security tests' second accounts, made with useradd.
-# xdist hands out the largest units first, so the groups start at once.
+# Under pytest-xdist (scripts/test: two workers) the test files of a group run on one worker,
+# one test after the other, as in a serial run; every other test goes wherever a worker is
+# free:
+# - "system": the files that start a SLURM cluster (scripts/slurm-local starts, reconfigures
+#   and takes down the machine's one SLURM) or a multi-process job (torchrun, the benchmark
+#   harness), so that two such jobs never compete for the two cores (their jobs have time
+#   limits);
+# - "accounts": the security tests, whose second accounts are made with useradd.
+# The groups are whole files, assigned by the scheduler below (xdist's own --dist loadgroup
+# renames node ids, which pytest 9.2 no longer allows: it silently grouped nothing). A test
+# that uses a group's fixture from a file outside the group fails at collection.
+_GROUP_FILES = {
+    "system": {
+        "test_bench_smoke.py",
+        "test_ddp_epochs.py",
+        "test_report_job.py",
+        "test_resume_slurm.py",
+        "test_resume_torchrun.py",
+        "test_slurm.py",
+        "test_slurm_epochs.py",
+        "test_slurm_nodes.py",
+        "test_slurm_nodes_shared_fs.py",
+    },
+    "accounts": {"test_security.py"},
+}
+_GROUP_OF_FILE = {name: group for group, names in _GROUP_FILES.items() for name in names}
 _GROUP_OF_FIXTURE = {"slurm": "system", "cluster": "system", "accounts": "accounts"}
-_SYSTEM_MODULES = {"test_resume_torchrun", "test_ddp_epochs", "test_report_job", "test_bench_smoke"}
 
 
-def _group(item: pytest.Item) -> str | None:
-    groups = {
-        _GROUP_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in _GROUP_OF_FIXTURE
-    }
-    module = getattr(item, "module", None)
-    if module is not None and module.__name__.rsplit(".", 1)[-1] in _SYSTEM_MODULES:
-        groups.add("system")
-    assert len(groups) <= 1, (item.nodeid, groups)
-    return groups.pop() if groups else None
+def _group_of(nodeid: str) -> str | None:
+    return _GROUP_OF_FILE.get(Path(nodeid.split("::", 1)[0]).name)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not hasattr(config, "workerinput"):  # not a pytest-xdist worker
-        return
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduler with a scope per group (the largest go out first) and one
+    per test otherwise."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if (group := _group(item)) is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        for fixture in getattr(item, "fixturenames", ()):
+            group = _GROUP_OF_FIXTURE.get(fixture)
+            if group is not None and _group_of(item.nodeid) != group:
+                raise pytest.UsageError(
+                    f"{item.nodeid} uses the fixture {fixture!r}: add its file to the "
+                    f"{group!r} group of tests/conftest.py (_GROUP_FILES)"
+                )
 
 
 @pytest.fixture(autouse=True)

@@ -131,12 +131,58 @@ def run_job(cmd: list[str], env: Mapping[str, str], cwd: Path, name: str) -> str
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        subprocess.run(["scancel", f"--name={name}"], env=dict(env), timeout=30, check=False)
+        cancel_job(name, env)
         pytest.fail(f"{cmd[0]} did not finish in {JOB_TIMEOUT}s: {' '.join(cmd)}\n{_text(exc)}")
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     )
     return proc.stdout
+
+
+def cancel_job(name: str, env: Mapping[str, str], wait: float = 30.0) -> None:
+    """Cancel the job called ``name`` and wait (bounded) until it has left the queue.
+
+    A job still completing after ``wait`` seconds has a hung ``slurmstepd`` (seen once a
+    test cancelled a job on a heavily loaded machine: its nodes stayed "completing" and
+    every later job pended until it timed out); it is ended as an administrator would (as
+    scripts/slurm-local does at start): its step daemons killed, its nodes set down and
+    resumed, so that the next test finds them idle."""
+    subprocess.run(["scancel", f"--name={name}"], env=dict(env), timeout=30, check=False)
+    deadline = time.monotonic() + wait
+    while jobs := _queued(name, env):
+        if time.monotonic() > deadline:
+            for job, nodes in jobs:
+                _end_stuck(job, nodes, env)
+            return
+        time.sleep(0.2)  # poll interval of a bounded wait, not a synchronisation
+
+
+def _end_stuck(job: str, nodes: str, env: Mapping[str, str]) -> None:
+    """Kill ``job``'s step daemons; set its ``nodes`` (if any) down, then resume them."""
+    subprocess.run(["pkill", "-KILL", "-f", rf"^slurmstepd: \[{job}\."], check=False)
+    updates = [["state=down", "reason=stuck_completing"], ["state=resume"]] if nodes else []
+    for update in updates:
+        subprocess.run(
+            ["scontrol", "update", f"nodename={nodes}", *update],
+            env=dict(env),
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+
+
+def _queued(name: str, env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(id, nodes) of each job called ``name`` still in the queue (completing ones too)."""
+    proc = subprocess.run(
+        ["squeue", "--noheader", f"--name={name}", "--format=%i %N"],
+        env=dict(env),  # SLURM_CONF: the cluster the job was submitted to
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    jobs = (line.strip().partition(" ") for line in proc.stdout.splitlines() if line.strip())
+    return [(job, nodes.strip()) for job, _, nodes in jobs]
 
 
 # Final job states (scontrol's JobState); COMPLETING is not final: output may be unflushed.
@@ -180,7 +226,7 @@ def sbatch_and_wait(args: list[str], env: Mapping[str, str], cwd: Path) -> tuple
         if fields.get("JobState") in _FINAL_STATES:
             return fields["JobState"], fields.get("ExitCode", "?")
         if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], env=dict(env), timeout=30, check=False)
+            cancel_job(name, env)
             pytest.fail(f"batch job {job_id} did not end in {JOB_TIMEOUT}s: {proc.stdout}")
         time.sleep(0.1)  # poll interval of a bounded wait, not a synchronisation
 

@@ -50,8 +50,8 @@ multi_usable() { # every node of $1 usable
     for node in $(node_names "$1"); do
         state="$(awk -v n="$node" '$1 == n {print $2}' <<<"$states" | head -n 1)"
         case "$state" in
-        idle | mix | alloc | comp) ;;
-        *) return 1 ;;
+        idle | mix | alloc) ;;
+        *) return 1 ;; # "comp" too: a job still ending (end_stuck_jobs if it is stuck)
         esac
     done
 }
@@ -259,7 +259,12 @@ multi_up() { # $1 nodes
     done
 
     deadline=$((SECONDS + TIMEOUT))
+    stuck_check=$((SECONDS + STUCK_AFTER))
     while ! multi_usable "$n"; do
+        if [ "$SECONDS" -ge "$stuck_check" ]; then
+            end_stuck_jobs "$MULTI_CONF"
+            stuck_check=$((SECONDS + STUCK_AFTER))
+        fi
         if [ $((SECONDS - last_resume)) -ge 5 ]; then
             # Nodes left down/drained by an earlier run answer again: back in service.
             for node in $(multi_sinfo | awk '$2 ~ /^(down|drain|drng|drained|fail|failg)$/ {print $1}'); do

@@ -205,11 +205,20 @@ class ShardCache:
         at most once across all processes sharing this cache directory."""
         return self._fetch(url, progress, None)
 
-    def _fetch(self, url: str, progress: Progress | None, announce: Announce | None) -> Path:
+    def _fetch(
+        self,
+        url: str,
+        progress: Progress | None,
+        announce: Announce | None,
+        *,
+        count_hit: bool = True,
+    ) -> Path:
         """``fetch``; ``announce`` (if given) gets the :class:`GrowingFile` of a download
-        this process makes, once its first bytes landed."""
+        this process makes, once its first bytes landed. ``count_hit=False``: a cached copy
+        is no delivery to the loader (reading a shard's sample layout), so it is not counted
+        as a hit; a download still counts as a miss (or shared)."""
         shard = self._identify(url)
-        if self._hit(shard):
+        if self._hit(shard) if count_hit else self._hits.hit(shard) is not None:
             return shard.data_path
         try:
             return self._miss.fetch(shard, progress, announce)

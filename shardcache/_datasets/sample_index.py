@@ -227,8 +227,9 @@ def _unreadable(url: str, exc: OSError) -> SampleIndexError:
 def cached_samples(cache: ShardCache, url: str) -> ShardSamples:
     """``url``'s samples: fetched into ``cache`` if needed, scanned once per cached copy."""
     layout = cache.layout
-    # A cached copy is looked at without a fetch (which would count as a hit of the loader).
-    path = cache.path_for(url) if cache.contains(url) else cache.fetch(url)
+    # Reading the layout is no delivery to the loader: a cached copy counts as no hit (one
+    # check, so a copy another process publishes meanwhile is not counted either).
+    path = cache._fetch(url, None, None, count_hit=False)
     try:
         st = os.stat(path)
     except FileNotFoundError:  # evicted since: fetch it again
