@@ -18,6 +18,7 @@ from .._store.publish import VANISHED_RETRIES
 
 if TYPE_CHECKING:
     from .._config.settings import Settings
+    from .._prefetch.workers import WorkerProgress
     from .._transfer.download import Progress
 
 CacheFetch = Callable[[str, "Progress | None", "Announce | None"], Path]
@@ -115,12 +116,11 @@ class PinnedFetch:
         self._pins.hold(path, fd)
         return path
 
-    def fetch_streaming(self, fetch: CacheFetch, url: str, progress: Progress) -> Path:
+    def fetch_streaming(self, fetch: CacheFetch, url: str, progress: WorkerProgress) -> Path:
         """:meth:`fetch_pinned` whose download is offered to the consumer as soon as its first
         bytes landed (``progress.offer``: :meth:`Prefetcher.next_early`). A shard the
         consumer claimed early is pinned by its reader, not held for the prefetcher."""
-        offer = getattr(progress, "offer", None)
-        path, fd = self.fetch_and_pin(fetch, url, progress, offer)
+        path, fd = self.fetch_and_pin(fetch, url, progress, progress.offer)
         if fd is not None:
             self._pins.hold(path, fd)
         return path

@@ -26,6 +26,7 @@ from .._config.settings import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from .._disk.layout import CacheLayout, ShardId
 from .._observe import metrics
 from .._prefetch.prefetcher import Fetch, Prefetcher
+from .._prefetch.workers import WorkerProgress
 from .._retry.policy import RetryPolicy
 from .._retry.throttle import process_throttle
 from .._store.eviction import CacheEntry, EvictReport
@@ -239,7 +240,7 @@ class ShardCache:
         prefetcher releases it, after its consumer is done with it."""
         return self._pinned.fetch_pinned(self._fetch, url, progress)
 
-    def _fetch_streaming(self, url: str, progress: Progress) -> Path:
+    def _fetch_streaming(self, url: str, progress: WorkerProgress) -> Path:
         """``_fetch_pinned`` whose download may be read as it lands (``progress.offer``)."""
         return self._pinned.fetch_streaming(self._fetch, url, progress)
 

@@ -1,6 +1,7 @@
-"""The worker side of the prefetcher: what it calls (:class:`Fetch`, and the :class:`Early`
-shard a fetch may offer), one shard's state in the window (:class:`Task`), the state the
-consumer and the workers share (:class:`Shared`), the progress callback and the worker loop.
+"""The worker side of the prefetcher: what it calls (:class:`Fetch`, with the
+:class:`WorkerProgress` it hands over and the :class:`Early` shard a fetch may offer), one
+shard's state in the window (:class:`Task`), the state the consumer and the workers share
+(:class:`Shared`), the progress callback and the worker loop.
 
 Invariants:
 
@@ -31,11 +32,21 @@ class Fetch(Protocol):
     """What the prefetcher calls in a worker: ``ShardCache.fetch`` or a test double.
 
     It must call ``progress`` as bytes arrive; once the prefetcher is closed that call
-    raises (see the module docstring), and ``progress.cancelled`` (a ``threading.Event``)
-    is set, for fetchers that block without reporting.
+    raises (see the module docstring), and ``progress.cancelled`` is set, for fetchers
+    that block without reporting.
     """
 
-    def __call__(self, url: str, progress: Progress) -> Path: ...
+    def __call__(self, url: str, progress: WorkerProgress) -> Path: ...
+
+
+class WorkerProgress(Progress, Protocol):
+    """The ``progress`` a worker hands to its :class:`Fetch`: called as bytes arrive (it
+    raises once the prefetcher is closed), ``cancelled`` set then too, and ``offer`` for a
+    download the consumer may read before it ends (:meth:`Prefetcher.next_early`)."""
+
+    cancelled: threading.Event
+
+    def offer(self, early: Early) -> None: ...
 
 
 Release = Callable[[Path], None]
