@@ -19,6 +19,7 @@ import os
 import pwd
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -521,3 +522,86 @@ def test_sbatch_example_warms_then_trains_from_cache(
     assert {r["master"] for r in records} == {slurm}
     check_all_hits(records, str(tmp_path / f"shardcache-{user}" / "node"), data, log)
     assert gets_per_shard(s3) == dict.fromkeys(gets_per_shard(s3), 1)
+
+
+def _hung_job(env: Mapping[str, str], name: str) -> str:
+    """A running one-task job whose step daemons are stopped (SIGSTOP), then cancelled: it
+    stays "completing", as after a slurmstepd hang. Returns its id."""
+    proc = subprocess.Popen(
+        ["srun", "--ntasks=1", "--time=2", f"--job-name={name}", "sleep", "300"],
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (steps := _step_daemons(name, env)):
+        assert proc.poll() is None, "srun ended before its step started"
+        assert time.monotonic() < deadline, "the job's step never started"
+        time.sleep(0.1)  # poll interval of a bounded wait, not a synchronisation
+    job, pids = steps
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    subprocess.run(["scancel", job], env=dict(env), timeout=30, check=True)
+    deadline = time.monotonic() + 30
+    while _queued(name, env) and _job_state(job, env) != "CG":
+        assert time.monotonic() < deadline, "the cancelled job never reached 'completing'"
+        time.sleep(0.1)  # poll interval of a bounded wait, not a synchronisation
+    proc.kill()
+    proc.wait(30)
+    return job
+
+
+def _step_daemons(name: str, env: Mapping[str, str]) -> tuple[str, list[int]] | None:
+    """The job called ``name`` and the pids of its step's slurmstepd, once both exist."""
+    jobs = _queued(name, env)
+    if not jobs:
+        return None
+    job = jobs[0][0]
+    found = subprocess.run(
+        ["pgrep", "-f", rf"^slurmstepd: \[{job}\.0\]"], capture_output=True, text=True, check=False
+    )
+    pids = [int(pid) for pid in found.stdout.split()]
+    return (job, pids) if pids else None
+
+
+def _job_state(job: str, env: Mapping[str, str]) -> str:
+    proc = subprocess.run(
+        ["squeue", "--noheader", f"--jobs={job}", "--format=%t"],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return proc.stdout.strip()
+
+
+def test_a_job_stuck_completing_is_ended_by_the_cancel_and_by_slurm_local(
+    slurm: str, tmp_path: Path
+) -> None:
+    """A job whose slurmstepd hangs stays "completing" and blocks its node. The tests' job
+    cancel ends it (step daemons killed, node set down and resumed), and so does
+    scripts/slurm-local at start; either way the next job runs."""
+    env = task_env()
+    name = f"shardcache-test-{uuid.uuid4().hex[:12]}"
+    job = _hung_job(env, name)
+    assert _job_state(job, env) == "CG"
+    cancel_job(name, env, wait=2)
+    assert _queued(name, env) == []
+    assert "hello" in srun([PYTHON, "-c", "print('hello')"], env, tmp_path, ntasks=1)
+
+    name = f"shardcache-test-{uuid.uuid4().hex[:12]}"
+    job = _hung_job(env, name)
+    assert _job_state(job, env) == "CG"
+    up = subprocess.run(
+        ["bash", str(SLURM_LOCAL)],
+        capture_output=True,
+        text=True,
+        timeout=SETUP_TIMEOUT,
+        check=False,
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert f"job {job} has been completing" in up.stdout + up.stderr
+    assert _queued(name, env) == []
+    assert "hello" in srun([PYTHON, "-c", "print('hello')"], env, tmp_path, ntasks=1)
