@@ -5,7 +5,7 @@
 Nothing is downloaded. The planning is shardcache's own code, run for every rank and
 worker of the job: ``shardcache.split_by_node`` then ``webdataset.split_by_worker`` (a
 WebDataset pipeline: the same shares every epoch) and ``ResumableDataset``'s sample-level
-split (``_epoch_split``: each rank's shards the same every epoch, in another order), the
+split (``_datasets.epoch_split``: each rank's shards the same every epoch, in another order), the
 scope directories
 (``Settings.scope_dir``), ``warm.plan_warm --split auto``, the prefetch and ranged-GET
 defaults (``_config.SPECS``) and the choice of a ranged download

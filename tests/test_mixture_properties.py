@@ -12,7 +12,7 @@ workers' batches in turn and a global batch is every rank's batch of one step. C
   source's epoch count, each sample of the right source, every prefix of its stream within
   Tijdeman's bound, every rank the same number of batches, and in every window of ``N``
   global batches each source less than ``2 * R * min(N, W)`` samples off its proportion
-  (the bound of shardcache/_mixture.py's docstring; the proportion is that of the
+  (the bound of shardcache/_datasets/mixture.py's docstring; the proportion is that of the
   consumers' shares, which rounding to whole shares can move off the weights);
 - a consumer stopped anywhere resumes exactly from its own state and from the job's
   (through JSON), and its next epoch is the uninterrupted next epoch;

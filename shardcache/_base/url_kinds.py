@@ -2,7 +2,7 @@
 local path a file URL names.
 
 Low-level on purpose: the storage side (layout, freshness, remote, retry, downloads) imports
-it alone, without the spec grammar, manifests or configuration of ``_urls``.
+it alone, without the spec grammar, manifests or configuration of ``_datasets.urls``.
 """
 
 from __future__ import annotations

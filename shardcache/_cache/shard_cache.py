@@ -219,7 +219,8 @@ class ShardCache:
         is no delivery to the loader (reading a shard's sample layout), so it is not counted
         as a hit; a download still counts as a miss (or shared)."""
         shard = self._identify(url)
-        if self._hit(shard) if count_hit else self._hits.hit(shard) is not None:
+        cached = self._hit(shard) if count_hit else (self._hits.hit(shard) is not None)
+        if cached:
             return shard.data_path
         try:
             return self._miss.fetch(shard, progress, announce)

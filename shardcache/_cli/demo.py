@@ -1,5 +1,5 @@
 """``shardcache demo``: read a small WebDataset (an embedded S3, or ``--source``) through
-the cache and print the demo's report (``_demo`` runs it).
+the cache and print the demo's report (``_ops.demo`` runs it).
 """
 
 from __future__ import annotations

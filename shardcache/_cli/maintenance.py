@@ -1,6 +1,6 @@
 """The maintenance commands of ``shardcache``: ``status`` and ``clean`` (one scope or
-``--all``), ``evict`` down to a size, and ``verify``; the work itself is ``_maintenance``'s
-and ``_verify``'s.
+``--all``), ``evict`` down to a size, and ``verify``; the work itself is ``_ops.maintenance``'s
+and ``_ops.verify``'s.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``shardcache report DIR``: one table of a job's ranks from their metrics files, as text
-(``_report_text``), JSON, or a plot (``_report_plot``).
+(``_ops.report_text``), JSON, or a plot (``_ops.report_plot``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ durations, integers, choices, rates, paths, JSON objects, groups, the metrics ta
 
 Each parser takes the text and the name to blame (a variable, or ``argument <name>``) and
 returns the value or raises :class:`ConfigError` naming the name, the value and the
-accepted form. Which setting uses which parser: ``_config_specs``.
+accepted form. Which setting uses which parser: ``_config.specs``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Resolved settings: explicit arguments > ``SHARDCACHE_*`` env > launcher env > defaults.
 
-Every value is parsed once, by a small typed parser (``_config_parse``) that the table of
-settings names (``_config_specs``), and remembers where it came from so ``shardcache
-config`` can show it (``_config_display``). A bad value raises :class:`ConfigError`
+Every value is parsed once, by a small typed parser (``_config.parse``) that the table of
+settings names (``_config.specs``), and remembers where it came from so ``shardcache
+config`` can show it (``_config.display``). A bad value raises :class:`ConfigError`
 naming the variable, the value and the accepted form. A ``SHARDCACHE_*`` variable no
-setting reads (``_config_unknown``) is warned of, once per variable and process.
+setting reads (``_config.unknown``) is warned of, once per variable and process.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ batch less than two, and a window of ``N`` global batches (``R`` ranks of ``W`` 
 less than ``2 * R * min(N, W)``.
 
 The state is every source's state; an elastic resume gathers them per source
-(``shardcache.job_state``, in ``_resume_state``). A state is refused
+(``shardcache.job_state``, in ``_datasets.resume_state``). A state is refused
 (:class:`ResumeError`, naming the source) when the sources, their names, shard lists or
 the samples each gets an epoch differ: a mixture changed between runs starts a new epoch
 from scratch rather than mixing two plans.

@@ -1,6 +1,6 @@
 """The interface a lock mode implements (:class:`LockBackend`): take, record and give up a
-shard's lock file. ``_lock_flock`` and ``_lock_lease`` implement it; ``_locks.ShardLock`` does
-the waiting, judging and timing out around it."""
+shard's lock file. ``_locking.flock`` and ``_locking.lease`` implement it;
+``_locking.shard_lock.ShardLock`` does the waiting, judging and timing out around it."""
 
 from __future__ import annotations
 

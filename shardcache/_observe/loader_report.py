@@ -1,7 +1,7 @@
 """The loader report of an epoch: :func:`log_epoch_summary` closes the epoch in this
 process's collector (``metrics``) and returns the rank's report, and, when
 ``torch.distributed`` is initialised, gathers every rank's on rank 0 and logs the job's
-line. What a report holds and how it is summed and written: ``_metrics_summary``.
+line. What a report holds and how it is summed and written: ``_observe.summary``.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ object per period, counts per record (deltas), never cumulative, so a reader sum
 
 Who counts what (each fact where it is born, thread-safe: prefetch threads count too):
 cache hits/misses/shared/bytes and per-shard download time (``_cache``), requests sent
-(``_download.s3_get``: GET; ``_remote.info``: HEAD; each attempt), retries by cause and
-integrity re-downloads (the remote retry loops, through :func:`retried`), lock waits
-with the holder (``_locks.ShardLock.acquire``), the consumer's wait for data and stall
-warnings/errors (``_prefetch``, ``_growing``), shards and samples delivered (``_wds``;
-samples are counted in batches, no lock per sample).
+(``_transfer.download.s3_get``: GET; ``_transfer.remote.info``: HEAD; each attempt),
+retries by cause and integrity re-downloads (the remote retry loops, through
+:func:`retried`), lock waits with the holder (``_locking.shard_lock.ShardLock.acquire``),
+the consumer's wait for data and stall warnings/errors (``_prefetch``,
+``_store.growing``), shards and samples delivered (``_datasets.wds``; samples are counted
+in batches, no lock per sample).
 
 Mixtures. A ``MixtureDataset`` names its sources' shard URLs (:func:`name_sources`) and
 labels its sources' sample counts, so records also carry ``sources``: per source name, its
@@ -34,7 +35,7 @@ DataLoader workers are separate processes: each emits its own records (``worker`
 id) to the sinks and to its own file. For the rank's single log line, a worker also hands
 its epoch total to the rank's main process through a private spool directory (one small
 JSON file per worker and epoch, ``<tmp>/shardcache-<euid>/metrics-spool/<main pid>/``,
-``_metrics_spool``);
+``_observe.spool``);
 the main process merges them with its own counts when it closes the epoch
 (:func:`log_epoch_summary`, or the stage's exhaustion when it iterates itself) and logs
 one line. Workers log no line. A worker's spool file is written before its iterator

@@ -6,8 +6,8 @@ A report is a dict shaped like a metrics record (``shardcache._observe.metric_re
 keys, ``kind`` "report", ``sources`` when a mixture counted), with counts summed over the
 records it was made of, plus ``processes`` (how many processes contributed) and
 ``consumer_s`` (the seconds the consuming processes ran: ``data_wait_share`` is
-``data_wait_s / consumer_s``). Pure functions of records: the collector (``_metrics``) and
-``log_epoch_summary`` (``_loader_report``) both build on them.
+``data_wait_s / consumer_s``). Pure functions of records: the collector (``_observe.metrics``) and
+``log_epoch_summary`` (``_observe.loader_report``) both build on them.
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ class JobReport:
 
 @dataclass
 class Report:
-    """What ``shardcache report`` prints (as text: ``_report_text.format_report``)."""
+    """What ``shardcache report`` prints (as text: ``_ops.report_text.format_report``)."""
 
     root: Path
     files: int
