@@ -33,7 +33,8 @@ settings.load_profile(os.environ.get("SHARDCACHE_HYPOTHESIS", "deterministic"))
 # - "system": the files that start a SLURM cluster (scripts/slurm-local starts, reconfigures
 #   and takes down the machine's one SLURM) or a multi-process job (torchrun, the benchmark
 #   harness), so that two such jobs never compete for the two cores (their jobs have time
-#   limits);
+#   limits), and test_node_lock.py, whose waiters give up on a holder that shows no progress
+#   for 8 s through a chain of polls on JuiceFS (it timed out once beside such a job);
 # - "accounts": the security tests, whose second accounts are made with useradd.
 # The groups are whole files, assigned by the scheduler below (xdist's own --dist loadgroup
 # renames node ids, which pytest 9.2 no longer allows: it silently grouped nothing). A test
@@ -42,6 +43,7 @@ _GROUP_FILES = {
     "system": {
         "test_bench_smoke.py",
         "test_ddp_epochs.py",
+        "test_node_lock.py",
         "test_report_job.py",
         "test_resume_slurm.py",
         "test_resume_torchrun.py",
