@@ -13,6 +13,7 @@ import s3fs
 from accounts import Account, make_accounts, world_tmp
 from hypothesis import settings
 from juicefs import Node, nodes, require_fuse
+from threads import PrefetchThreads
 
 from shardcache._observe import metrics
 from shardcache._retry import throttle
@@ -110,6 +111,12 @@ def _fresh_metrics() -> Iterator[None]:
     metrics.reset_for_tests()
     yield
     metrics.reset_for_tests()
+
+
+@pytest.fixture
+def prefetch_threads() -> PrefetchThreads:
+    """The prefetch threads alive before the test, to check that the ones it started end."""
+    return PrefetchThreads()
 
 
 @pytest.fixture(scope="session")

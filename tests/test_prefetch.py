@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from threads import PrefetchThreads
 
 from shardcache import (
     ConfigError,
@@ -41,26 +42,14 @@ WAIT = 10.0  # bound of every wait on a test event
 pytestmark = pytest.mark.timeout(60)
 
 
-def _prefetch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]
-
-
-def _assert_no_prefetch_threads(timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    for thread in _prefetch_threads():
-        thread.join(max(0.0, deadline - time.monotonic()))
-    alive = [t.name for t in _prefetch_threads() if t.is_alive()]
-    assert not alive, f"prefetch threads still running after {timeout}s: {alive}"
-
-
 def _temp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if is_temp_name(p.name)]
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_prefetch_threads() -> Iterator[None]:
+def no_leaked_prefetch_threads(prefetch_threads: PrefetchThreads) -> Iterator[None]:
     yield
-    _assert_no_prefetch_threads()
+    prefetch_threads.assert_ended()
 
 
 class FakeClock:
@@ -305,14 +294,16 @@ def test_an_infinite_url_iterator_is_pulled_lazily(tmp_path: Path) -> None:
         next(shards)
 
 
-def test_close_cancels_fetches_blocked_in_progress(tmp_path: Path) -> None:
+def test_close_cancels_fetches_blocked_in_progress(
+    tmp_path: Path, prefetch_threads: PrefetchThreads
+) -> None:
     fake = FakeFetch(tmp_path, gated=True)
     shards = Prefetcher(fake, _urls(10), threads=3, depth=4, stall_timeout=60)
     consumer = Consumer(shards)
     consumer.start()
     fake.wait_until(lambda: len(fake.started) == 3)
     shards.close()
-    _assert_no_prefetch_threads()
+    prefetch_threads.assert_ended()
     # Each blocked fetch ended at its next progress report with the cancellation, not at
     # its gate's own time limit (an AssertionError after WAIT).
     assert fake.ended == dict.fromkeys(fake.started, "_Cancelled"), fake.ended
@@ -417,7 +408,7 @@ def _blob(n: int, seed: int) -> bytes:
 
 @pytest.mark.parametrize("how", ["break", "close", "gc"])
 def test_abandoning_cancels_downloads_and_leaves_no_temp_files(
-    s3, tmp_path: Path, how: str
+    s3, tmp_path: Path, how: str, prefetch_threads: PrefetchThreads
 ) -> None:
     s3.put_objects(BUCKET, {f"big-{i}.tar": _blob(1 << 20, i) for i in range(4)})
     urls = [f"s3://{BUCKET}/big-{i}.tar" for i in range(4)]
@@ -453,7 +444,7 @@ def test_abandoning_cancels_downloads_and_leaves_no_temp_files(
         else:
             del shards
             gc.collect()
-    _assert_no_prefetch_threads()
+    prefetch_threads.assert_ended()
     assert not _temp_files(tmp_path)
     assert cache.contains(urls[0]) and not any(cache.contains(u) for u in urls[1:])
 
@@ -476,7 +467,9 @@ def test_missing_shard_raises_not_found_after_the_earlier_shards(s3, tmp_path: P
 
 
 @pytest.mark.timeout(90)
-def test_hung_download_raises_stall_error_with_diagnostics(s3, fault_proxy, tmp_path: Path) -> None:
+def test_hung_download_raises_stall_error_with_diagnostics(
+    s3, fault_proxy, tmp_path: Path, prefetch_threads: PrefetchThreads
+) -> None:
     s3.put_objects(BUCKET, {f"train-{i}.tar": _blob(200_000, i) for i in range(3)})
     urls = [f"s3://{BUCKET}/train-{i}.tar" for i in range(3)]
     # Margins for a loaded 2-core machine: the prefetch thread's first request makes its
@@ -514,6 +507,6 @@ def test_hung_download_raises_stall_error_with_diagnostics(s3, fault_proxy, tmp_
     assert pickle.loads(pickle.dumps(exc)).url == urls[0]
     with pytest.raises(StopIteration):
         next(shards)
-    _assert_no_prefetch_threads(io_timeout + 20)  # the hung read ends at its io_timeout
+    prefetch_threads.assert_ended(io_timeout + 20)  # the hung read ends at its io_timeout
     assert not _temp_files(tmp_path)
     assert log_epoch_summary(0)["stall_errors"] == 1  # and the loader report counts it

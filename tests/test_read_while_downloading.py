@@ -135,9 +135,14 @@ def test_a_corrupted_body_reaches_the_handler_as_integrity_error(
 ) -> None:
     """The reader consumed bytes that then failed the MD5 check: IntegrityError through the
     handler. Without retries nothing is published; with them the next, correct download
-    may be published (never the corrupted bytes), and the reader still gets the error."""
+    may be published (never the corrupted bytes), and the reader still gets the error.
+
+    The proxy holds the second half (corrupted near its end) until a sample was read, so
+    the reader is ahead of the verdict by construction, not by the download's pace."""
     url, body = shard
-    fault_proxy.add_fault("corrupt", times=1, method="GET", corrupt_at=len(body) - 100)
+    hold = fault_proxy.add_fault(
+        "hold", times=1, method="GET", truncate_bytes=len(body) // 2, corrupt_at=len(body) - 100
+    )
     # botocore's own response checksum (moto sends CRC32) off: shardcache's MD5 judges.
     options = {
         "endpoint_url": fault_proxy.endpoint_url,
@@ -156,12 +161,16 @@ def test_a_corrupted_body_reaches_the_handler_as_integrity_error(
         seen.append(exn)
         return True
 
-    got = list(_samples(cache, [url], handler=handler))
-    assert fault_proxy.faults_injected("corrupt") == 1
+    samples = _samples(cache, [url], handler=handler)
+    got = [next(samples)]  # from the first half: the proxy still holds the rest
+    assert not hold.released.is_set() and not seen
+    hold.release()
+    got += samples
+    assert fault_proxy.faults_injected("hold") == 1
     # webdataset's tar expansion may pass a stream's error to the handler once per level
     # (member, then shard): every call is this shard's IntegrityError.
     assert seen and all(isinstance(e, IntegrityError) and e.url == url for e in seen), seen
-    assert 0 < len(got) < SAMPLES + 1  # samples were read before the verdict
+    assert len(got) <= SAMPLES  # the first sample was read before the verdict
     if retries == 0:
         assert _published(cache) == []
     # With retries the download started again (and the stage, done, cancelled it or it

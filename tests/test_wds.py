@@ -8,19 +8,17 @@ import multiprocessing as mp
 import pickle
 import queue
 import tarfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import webdataset as wds
+from threads import PrefetchThreads
 from torch.utils.data import DataLoader
 
 import shardcache
 from shardcache import ShardCache, TransientFetchError
 from shardcache._ops.demo import make_shard
-from shardcache._prefetch.prefetcher import THREAD_NAME_PREFIX
 
 BUCKET = "wds"
 SHARDS = 6
@@ -40,13 +38,6 @@ def dataset(s3) -> str:
 
 def _all_keys(shards=range(SHARDS)) -> list[str]:
     return sorted(_key(s, i) for s in shards for i in range(PER_SHARD))
-
-
-def _assert_no_prefetch_threads(timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    for thread in [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]:
-        thread.join(max(0.0, deadline - time.monotonic()))
-        assert not thread.is_alive(), f"{thread.name} still running"
 
 
 def _pipeline(spec: str, cache: ShardCache, **options) -> wds.DataPipeline:
@@ -79,7 +70,7 @@ def test_dataloader_workers_yield_every_sample_once_per_epoch(
 
 
 def test_stage_yields_streams_and_local_paths_and_keeps_other_keys(
-    s3, dataset: str, tmp_path: Path
+    s3, dataset: str, tmp_path: Path, prefetch_threads: PrefetchThreads
 ) -> None:
     cache = ShardCache(tmp_path / "cache")
     urls = shardcache.expand_urls(dataset)
@@ -91,7 +82,7 @@ def test_stage_yields_streams_and_local_paths_and_keeps_other_keys(
             assert len([m for m in tar if m.isfile()]) == 2 * PER_SHARD
         seen.append((item["url"], item["extra"]))
     assert seen == [(url, n) for n, url in enumerate(urls)]
-    _assert_no_prefetch_threads()
+    prefetch_threads.assert_ended()
 
 
 def test_stages_pickle_before_iteration_without_touching_torch_state(tmp_path: Path) -> None:
@@ -148,25 +139,29 @@ def test_handler_returning_false_ends_the_stream(
     assert sorted(keys) == _all_keys([0, 1])
 
 
-def test_failing_shard_raises_with_its_url_by_default(s3, dataset: str, tmp_path: Path) -> None:
+def test_failing_shard_raises_with_its_url_by_default(
+    s3, dataset: str, tmp_path: Path, prefetch_threads: PrefetchThreads
+) -> None:
     spec = [*shardcache.expand_urls(dataset)[:2], f"s3://{BUCKET}/missing.tar"]
     with pytest.raises(shardcache.RemoteNotFoundError, match=r"missing\.tar"):
         list(_pipeline(spec, ShardCache(tmp_path / "cache")))
-    _assert_no_prefetch_threads()
+    prefetch_threads.assert_ended()
 
 
-def test_close_and_early_break_stop_every_thread(s3, dataset: str, tmp_path: Path) -> None:
+def test_close_and_early_break_stop_every_thread(
+    s3, dataset: str, tmp_path: Path, prefetch_threads: PrefetchThreads
+) -> None:
     cache = ShardCache(tmp_path / "cache")
     pipeline = _pipeline(dataset, cache)
     it = iter(pipeline)
     next(it)
     pipeline.close()  # wds.DataPipeline.close() calls close() on its stages
-    _assert_no_prefetch_threads()
+    prefetch_threads.assert_ended()
     del it
     for _sample in _pipeline(dataset, cache):
         break
     gc.collect()
-    _assert_no_prefetch_threads()
+    prefetch_threads.assert_ended()
     leftovers = [p for p in (tmp_path / "cache").rglob("*.part")]
     assert not leftovers
 

@@ -8,8 +8,6 @@ import logging
 import multiprocessing as mp
 import pickle
 import tarfile
-import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,12 +16,12 @@ import pytest
 import torch
 import webdataset as wds
 import webdataset.compat
+from threads import PrefetchThreads
 
 import shardcache
 from shardcache import ConfigError, ShardCache, ShardCacheError, UrlError
 from shardcache._datasets.wds import TarfileToSamples
 from shardcache._ops.demo import make_shard
-from shardcache._prefetch.prefetcher import THREAD_NAME_PREFIX
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -62,13 +60,6 @@ def _comparable(samples: Iterable[dict[str, Any]]) -> list[tuple]:
 
 def _both(urls: Any, cache: ShardCache, **kw: Any) -> tuple[wds.WebDataset, wds.WebDataset]:
     return shardcache.WebDataset(urls, cache=cache, **kw), wds.WebDataset(urls, **kw)
-
-
-def _no_prefetch_threads(timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    for thread in [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]:
-        thread.join(max(0.0, deadline - time.monotonic()))
-        assert not thread.is_alive(), f"{thread.name} still running"
 
 
 # -- the class ------------------------------------------------------------------------
@@ -219,11 +210,13 @@ def test_fluent_chain_shuffle_decode_to_tuple_batched(urls: list[str], cache: Sh
     assert batches[0][1].shape == (8, 64, 64, 3)
 
 
-def test_close_and_context_manager_stop_the_prefetchers(urls: list[str], cache: ShardCache) -> None:
+def test_close_and_context_manager_stop_the_prefetchers(
+    urls: list[str], cache: ShardCache, prefetch_threads: PrefetchThreads
+) -> None:
     with shardcache.WebDataset(urls, shardshuffle=False, cache=cache) as ds:
         it = iter(ds)
         next(it)
-    _no_prefetch_threads()
+    prefetch_threads.assert_ended()
 
 
 # -- loaders ----------------------------------------------------------------------------

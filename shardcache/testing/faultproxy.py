@@ -125,7 +125,8 @@ class FaultRule:
     truncate_bytes: int | None = None
     """Body bytes to forward before closing (``truncate``); default half the body."""
     corrupt_at: int | None = None
-    """Offset of the body byte inverted (``corrupt``); default the middle of the body."""
+    """Offset of the body byte inverted (``corrupt``); default the middle of the body.
+    With ``hold``, a byte after the held part inverted when the rest is sent; default none."""
     released: threading.Event = field(default_factory=threading.Event, repr=False)
     """``hold``: set it (:meth:`release`) to send the rest of the held bodies."""
 
@@ -483,6 +484,7 @@ class _Connection:
             resp.remove("Connection")
             raw = resp.to_bytes()
         self.send(self.client, raw)
+        held = 0
         if fault is not None and fault.kind == "hold" and framing[0] == "length":
             held = min(framing[1], fault.truncate_bytes or framing[1] // 2)
             self.relay_body(upstream_in, self.client, ("length", held))
@@ -501,6 +503,8 @@ class _Connection:
             corrupt_at = fault.corrupt_at
             if corrupt_at is None:
                 corrupt_at = framing[1] // 2 if framing[0] == "length" else 0
+        elif fault is not None and fault.kind == "hold" and fault.corrupt_at is not None:
+            corrupt_at = fault.corrupt_at - held  # offset in the rest, sent after the release
         self.relay_body(upstream_in, self.client, framing, corrupt_at=corrupt_at)
         if upstream_closes:
             self.drop_upstream()
@@ -781,7 +785,8 @@ class FaultProxy(LoopbackService):
         of the body, default half, then close), ``"corrupt"`` (the whole response with the
         body byte at ``corrupt_at``, default the middle one, inverted), ``"hang"`` (never
         answer), ``"hold"`` (headers plus ``truncate_bytes`` of a body, default half, then
-        the rest once the returned rule's ``release()`` was called). ``method``
+        the rest once the returned rule's ``release()`` was called; with ``corrupt_at``
+        past the held part, that byte of the rest inverted). ``method``
         and ``path_contains`` (substring of the decoded URL) narrow the match.
         """
         name, status = parse_kind(kind)
