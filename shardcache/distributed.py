@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import socket
 import stat
 import sys
@@ -26,9 +25,10 @@ from pathlib import Path
 from types import ModuleType
 
 from ._base.dirs import NOT_YET_ERRNOS, ensure_dir
-from ._base.errors import ConfigError, WaitTimeout
+from ._base.errors import WaitTimeout
 from ._base.fsinfo import mount_for
 from ._base.redact import get_logger
+from ._config.launcher import local_world_size
 from ._config.settings import Settings
 
 log = get_logger(__name__)
@@ -43,8 +43,6 @@ NFS_HINT = (
     "directory on every rank with shardcache.distributed.makedirs instead of waiting for "
     "rank 0, or raise the timeout."
 )
-
-_TASKS_RE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
 @dataclass(frozen=True)
@@ -86,54 +84,6 @@ def _initialised_dist() -> ModuleType | None:
     return None
 
 
-def _parse_tasks_per_node(text: str, node_rank: int, name: str) -> int:
-    """SLURM's compressed list ``"4(x2),3"`` -> the task count of node ``node_rank``."""
-    counts: list[int] = []
-    for part in text.split(","):
-        match = _TASKS_RE.match(part.strip())
-        if match is None:
-            raise ConfigError(
-                f"{name}={text!r} is not a SLURM task list; expected counts with optional "
-                "repeats, e.g. 4, 4(x2) or 2(x3),1.",
-                name=name,
-                value=text,
-            )
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    if 0 <= node_rank < len(counts):
-        return counts[node_rank]
-    # Node index unknown or out of range: only a uniform list gives a safe answer.
-    if len(set(counts)) == 1:
-        return counts[0]
-    raise ConfigError(
-        f"{name}={text!r} lists {len(counts)} nodes with different task counts, but this "
-        f"node's index {node_rank} is not among them; expected SLURM_NODEID below "
-        f"{len(counts)}.",
-        name=name,
-        value=text,
-    )
-
-
-def _local_world_size(env: Mapping[str, str], node_rank: int) -> int | None:
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if name in env:
-            text = env[name]
-            try:
-                value = int(text.strip())
-            except ValueError:
-                value = 0
-            if value < 1:
-                raise ConfigError(
-                    f"{name}={text!r} is not a positive integer; expected the number of "
-                    "processes on this node, e.g. 8.",
-                    name=name,
-                    value=text,
-                )
-            return value
-    if "SLURM_TASKS_PER_NODE" in env:
-        return _parse_tasks_per_node(env["SLURM_TASKS_PER_NODE"], node_rank, "SLURM_TASKS_PER_NODE")
-    return None
-
-
 def _source(sources: Mapping[str, str]) -> str:
     label = sources.get("rank", "default")
     if label == "default":
@@ -154,7 +104,6 @@ def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
     ``SLURM_NTASKS_PER_NODE`` or this node's entry of ``SLURM_TASKS_PER_NODE``, else None.
     Raises ``ConfigError`` for inconsistent or malformed launcher variables.
     """
-    env = os.environ if env is None else env
     settings = Settings.resolve(env)
     rank, world_size, source = settings.rank, settings.world_size, _source(settings.sources)
     dist = _initialised_dist()
@@ -164,7 +113,7 @@ def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
         rank=rank,
         local_rank=settings.local_rank,
         world_size=world_size,
-        local_world_size=_local_world_size(env, settings.node_rank),
+        local_world_size=local_world_size(settings.node_rank, env),
         node_rank=settings.node_rank,
         job_id=settings.job_id,
         source=source,

@@ -21,6 +21,7 @@ import pytest
 from shardcache import ConfigError, ShardCacheError, WaitTimeout
 from shardcache import distributed as sd
 from shardcache._base.fsinfo import mount_for
+from shardcache._config.launcher import parse_tasks_per_node
 
 LAUNCHER_VARS = (
     "RANK",
@@ -128,13 +129,13 @@ def test_rank_info_torchrun_under_slurm_prefers_torchrun(clean_env: pytest.Monke
     [("8", 0, 8), ("4(x2)", 1, 4), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("4(x2)", 9, 4)],
 )
 def test_slurm_tasks_per_node_parsing(text: str, node: int, expected: int) -> None:
-    assert sd._parse_tasks_per_node(text, node, "SLURM_TASKS_PER_NODE") == expected
+    assert parse_tasks_per_node(text, node, "SLURM_TASKS_PER_NODE") == expected
 
 
 @pytest.mark.parametrize("text", ["", "4(2)", "x", "2(x3),1;"])
 def test_slurm_tasks_per_node_malformed(text: str) -> None:
     with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE"):
-        sd._parse_tasks_per_node(text, 0, "SLURM_TASKS_PER_NODE")
+        parse_tasks_per_node(text, 0, "SLURM_TASKS_PER_NODE")
 
 
 def test_rank_info_bad_local_world_size(clean_env: pytest.MonkeyPatch) -> None:

@@ -49,6 +49,7 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 from .._base.errors import ConfigError, ShardCacheError, UrlError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
+from .._config.borrowed import webdataset_cache
 from .wds import Handler, TarfileToSamples
 
 logger = get_logger(__name__)
@@ -162,10 +163,10 @@ def _cache_from_wds_options(
                 name=", ".join(["cache", *given]),
                 value=str(cache_dir) if cache_dir is not None else cache_size,
             )
-        if "WDS_CACHE" in os.environ:
+        if webdataset_cache()[0] is not None:
             logger.info("shardcache.WebDataset: WDS_CACHE ignored, cache=%r given", cache)
         return None
-    env_dir, env_size = os.environ.get("WDS_CACHE"), os.environ.get("WDS_CACHE_SIZE")
+    env_dir, env_size = webdataset_cache()
     # As in webdataset: the variables win over the arguments.
     where = "WDS_CACHE" if env_dir is not None else "cache_dir"
     directory = env_dir if env_dir is not None else cache_dir

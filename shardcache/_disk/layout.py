@@ -62,16 +62,18 @@ def canonical_url(url: str, protocol: str) -> str:
     return url
 
 
-def namespace(protocol: str, storage_options: Mapping[str, Any]) -> str:
-    """The store behind URLs of ``protocol`` (its resolved ``storage_options``): equal keys on
-    two S3 endpoints never share a cache entry."""
+def namespace(
+    protocol: str, storage_options: Mapping[str, Any], env_endpoint: str | None = None
+) -> str:
+    """The store behind URLs of ``protocol`` (its resolved ``storage_options``, else the
+    endpoint the environment gives botocore, ``env_endpoint``): equal keys on two S3
+    endpoints never share a cache entry."""
     if protocol not in {"s3", "s3a"}:
         return protocol
     endpoint = (
         storage_options.get("endpoint_url")
         or (storage_options.get("client_kwargs") or {}).get("endpoint_url")
-        or os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
+        or env_endpoint
         or "aws"
     )
     return f"s3@{endpoint}"

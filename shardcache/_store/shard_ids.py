@@ -10,6 +10,7 @@ from typing import Any
 
 from .._base.url_check import check_url
 from .._base.url_kinds import LOCAL_PROTOCOLS, url_protocol
+from .._config.borrowed import s3_endpoint
 from .._disk.layout import CacheLayout, ShardId, namespace
 
 IDENTITY_MEMO = 65_536  # URLs whose identity a cache remembers (oldest dropped first)
@@ -37,7 +38,7 @@ class ShardIds:
         protocol = url_protocol(url)
         store = self._namespaces.get(protocol)
         if store is None:
-            store = namespace(protocol, self._storage_options_for(protocol))
+            store = namespace(protocol, self._storage_options_for(protocol), s3_endpoint())
             self._namespaces[protocol] = store
         shard = self._layout.identify(url, protocol, store)
         if protocol in LOCAL_PROTOCOLS and not url.startswith(("/", "file:///")):

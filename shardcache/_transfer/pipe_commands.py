@@ -40,6 +40,7 @@ from collections.abc import Callable
 from .._base.errors import UrlError
 from .._base.redact import get_logger
 from .._base.url_kinds import PIPE_PREFIX
+from .._config.borrowed import webdataset_secure
 
 logger = get_logger(__name__)
 
@@ -104,7 +105,7 @@ def check_allowed(url: str) -> None:
     if wds_utils is not None:
         secure = bool(getattr(wds_utils, "enforce_security", False))
     else:
-        secure = os.environ.get("WDS_SECURE", "0").strip() not in ("", "0")
+        secure = webdataset_secure()
     if secure:
         raise UrlError(
             f"pipe: URLs run shell commands and are disabled by webdataset's security setting "

@@ -1,0 +1,31 @@
+"""Variables of other libraries that shardcache honours as they do: botocore's S3 endpoint
+(``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``: which store a key names) and webdataset's
+cache and security switches (``WDS_CACHE``, ``WDS_CACHE_SIZE``, ``WDS_SECURE``).
+
+Read here, with the settings, so that no other module reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+
+def s3_endpoint(env: Mapping[str, str] | None = None) -> str | None:
+    """The S3 endpoint botocore would use when none is passed in code, or None (AWS)."""
+    env = os.environ if env is None else env
+    return env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+
+
+def webdataset_cache(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """``WDS_CACHE`` and ``WDS_CACHE_SIZE`` as set (None where unset), unparsed: the
+    WebDataset class judges them with the arguments they override."""
+    env = os.environ if env is None else env
+    return env.get("WDS_CACHE"), env.get("WDS_CACHE_SIZE")
+
+
+def webdataset_secure(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``WDS_SECURE`` turns webdataset's security on (set, and neither empty nor 0),
+    as webdataset reads it when it is imported."""
+    env = os.environ if env is None else env
+    return env.get("WDS_SECURE", "0").strip() not in ("", "0")
