@@ -15,9 +15,7 @@ from hypothesis import settings
 from juicefs import Node, nodes, require_fuse
 from threads import PrefetchThreads
 
-from shardcache._observe import metrics
-from shardcache._retry import throttle
-from shardcache.testing import FaultProxy, S3Server
+from shardcache.testing import FaultProxy, S3Server, fresh_process_state
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -97,20 +95,12 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_throttles() -> Iterator[None]:
-    """Every test starts with unthrottled processes: a SlowDown another test provoked must
-    not slow this one down (the throttle is process-wide on purpose)."""
-    throttle.reset_for_tests()
-    yield
-    throttle.reset_for_tests()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_metrics() -> Iterator[None]:
-    """Every test starts with no loader metrics counted and no sinks (process-wide too)."""
-    metrics.reset_for_tests()
-    yield
-    metrics.reset_for_tests()
+def _own_process_state() -> Iterator[None]:
+    """Every test starts with no loader metrics counted, no sinks and unthrottled: a
+    SlowDown another test provoked must not slow this one down (both are process-wide on
+    purpose)."""
+    with fresh_process_state():
+        yield
 
 
 @pytest.fixture

