@@ -93,7 +93,9 @@ def test_stages_pickle_before_iteration_without_touching_torch_state(tmp_path: P
         shardcache.stage(threds=3)
 
 
-def test_corrupt_shard_is_skipped_by_warn_and_continue(s3, dataset: str, tmp_path: Path) -> None:
+def test_corrupt_shard_is_skipped_by_warn_and_continue(
+    s3, dataset: str, tmp_path: Path, prefetch_threads: PrefetchThreads
+) -> None:
     s3.put_objects(BUCKET, {"train-000002.tar": b"this is not a tar file" * 100})
     cache = ShardCache(tmp_path / "cache")
     pipeline = _pipeline(dataset, cache, handler=wds.warn_and_continue)
@@ -103,6 +105,7 @@ def test_corrupt_shard_is_skipped_by_warn_and_continue(s3, dataset: str, tmp_pat
     strict = _pipeline(dataset, ShardCache(tmp_path / "strict"))
     with pytest.raises(tarfile.ReadError):
         list(strict)
+    prefetch_threads.assert_ended()  # the error stopped the prefetcher; nobody closed it
 
 
 def test_handler_is_called_once_per_failed_shard_after_retries(

@@ -157,10 +157,15 @@ def test_warn_and_continue_skips_a_damaged_shard(urls: list[str], cache: ShardCa
     assert len(got) == (SHARDS - 1) * PER_SHARD
 
 
-def test_a_damaged_shard_raises_by_default(urls: list[str], cache: ShardCache) -> None:
+def test_a_damaged_shard_raises_by_default(
+    urls: list[str], cache: ShardCache, prefetch_threads: PrefetchThreads
+) -> None:
     Path(urls[1]).write_bytes(b"not a tar file" * 64)
     with pytest.raises(Exception) as ours:
         list(shardcache.WebDataset(urls, shardshuffle=False, cache=cache))
+    # The error (raised by webdataset's tar expansion, after our stage) stopped the
+    # prefetcher, although its traceback, still held here, holds the stage's generator.
+    prefetch_threads.assert_ended()
     with pytest.raises(Exception) as theirs:
         list(wds.WebDataset(urls, shardshuffle=False))
     assert type(ours.value) is type(theirs.value)

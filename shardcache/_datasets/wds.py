@@ -37,7 +37,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -100,7 +100,8 @@ class CacheStage:
         self._live = weakref.WeakSet()
 
     def __call__(self, src: Iterable[Sample]) -> Iterator[Sample]:
-        return _epoch(self._opened_shards(src), count_samples=False)
+        opened = self._opened_shards(src)
+        return _epoch(opened, opened, count_samples=False)
 
     def opened(self, src: Iterable[Sample]) -> Iterator[Sample]:
         """The stage's shards without the end of the epoch at their end: for a caller
@@ -115,7 +116,7 @@ class CacheStage:
             prefetcher.close()
         metrics.collector().close()
 
-    def _opened_shards(self, src: Iterable[Sample]) -> Iterator[Sample]:
+    def _opened_shards(self, src: Iterable[Sample]) -> Generator[Sample, None, None]:
         cache = self.cache if self.cache is not None else ShardCache.from_env()
         source = iter(src)
         replay: deque[Sample] = deque()  # shards handed to a failed prefetcher, not yet served
@@ -196,13 +197,14 @@ class TarfileToSamples(CacheStage):
         self.rename_files = rename_files
 
     def __call__(self, src: Iterable[Sample]) -> Iterator[Sample]:
+        opened = self._opened_shards(src)
         files = wds.tariterators.tar_file_expander(
-            self._opened_shards(src),
+            opened,
             handler=self.handler,
             select_files=self.select_files,
             rename_files=self.rename_files,
         )
-        return _epoch(wds.tariterators.group_by_keys(files, handler=self.handler))
+        return _epoch(wds.tariterators.group_by_keys(files, handler=self.handler), opened)
 
 
 def _open(
@@ -219,11 +221,18 @@ def _open(
 SAMPLE_BATCH = 256  # samples are counted in the metrics at most this many at a time
 
 
-def _epoch(items: Iterator[Sample], *, count_samples: bool = True) -> Iterator[Sample]:
+def _epoch(
+    items: Iterator[Sample], opened: Generator[Sample, None, None], *, count_samples: bool = True
+) -> Iterator[Sample]:
     """``items``, counted in the loader metrics; exhausting them ends this process's epoch
     there (an early stop or an error does not). Samples are counted a shard (or
     ``SAMPLE_BATCH``) at a time, not one by one, so that records and plots follow the
-    samples within a shard's time."""
+    samples within a shard's time.
+
+    ``opened`` (the opened shards ``items`` come from) is closed when this ends in any
+    way: an error raised by a stage in between (webdataset's tar expansion of a damaged
+    shard) leaves it suspended, held by the error's traceback, and its prefetch threads
+    would run until the traceback was collected."""
     uncounted = 0
     shard = None
     try:
@@ -237,6 +246,7 @@ def _epoch(items: Iterator[Sample], *, count_samples: bool = True) -> Iterator[S
                 shard = url
             yield item
     finally:
+        opened.close()
         if uncounted:
             metrics.count(samples=uncounted)
     metrics.end_epoch()
