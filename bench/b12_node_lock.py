@@ -1,13 +1,14 @@
 """B12: network-file-system operations per shard with and without the node-local lock.
 
-Two "nodes" (two JuiceFS mounts of one volume: tests/juicefs.py; default attribute and
-entry caches, 1 s) each run N processes that fetch the same S shards from moto, in the same
-order (the most contention), into one node-scope cache on the volume, lease mode (chosen
-by ``lock_mode=auto``). Once with the node lock in front of the lease (each node its own
-node-lock directory), once with ``node_lock_dir=off``, each into a fresh cache directory.
-Counted by JuiceFS itself: the FUSE operations and the metadata-engine operations of both
-mounts (``<mountpoint>/.stats``, read before and after; the reads of ``.stats`` are
-included, a handful), per shard. Every shard must be downloaded once (server-side GETs).
+Two "nodes" (two JuiceFS mounts of one volume: tests/support/juicefs.py; default attribute
+and entry caches, 1 s) each run N processes that fetch the same S shards from moto, in the
+same order (the most contention), into one node-scope cache on the volume, lease mode
+(chosen by ``lock_mode=auto``). Once with the node lock in front of the lease (each node
+its own node-lock directory), once with ``node_lock_dir=off``, each into a fresh cache
+directory. Counted by JuiceFS itself: the FUSE operations and the metadata-engine
+operations of both mounts (``<mountpoint>/.stats``, read before and after; the reads of
+``.stats`` are included, a handful), per shard. Every shard must be downloaded once
+(server-side GETs).
 
     python -m bench.b12_node_lock [--size tiny|full] [--out FILE.json]
 
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 from juicefs import Node, fuse_unavailable, nodes
 from processes import run_together

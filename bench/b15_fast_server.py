@@ -19,7 +19,7 @@ Requests per 64 MiB object: shardcache 4 GETs (the whole-object GET gives the si
 checksum and its body the first 16 MiB part; 3 ranged GETs; one stream: 1 GET), s3fs ``get``
 3 GETs, boto3 ``download_file`` 1 HEAD + 8 ranged GETs, s3torchconnector 8 ranged GETs, curl
 1 GET (counted through a proxy before shardcache's HEAD was dropped; shardcache's own counts
-are checked in ``tests/test_fast_server.py``).
+are checked in ``tests/integration/testing/test_fast_server.py``).
 
 Readers, each run in a fresh process (spawned: its imports, client and threads its own),
 ``inflight`` objects in flight (full: 8), objects written to files in a fresh directory:

@@ -37,7 +37,9 @@ settings.load_profile(os.environ.get("SHARDCACHE_HYPOTHESIS", "deterministic"))
 # - "accounts": the security tests, whose second accounts are made with useradd.
 # The groups are whole files, assigned by the scheduler below (xdist's own --dist loadgroup
 # renames node ids, which pytest 9.2 no longer allows: it silently grouped nothing). A test
-# that uses a group's fixture from a file outside the group fails at collection.
+# that uses a group's fixture from a file outside the group fails at collection. Files are
+# named by basename (unique across tests/), wherever they sit; the "system" group is not the
+# folder tests/system: the JuiceFS and torture tests there go to either worker.
 _GROUP_FILES = {
     "system": {
         "test_bench_smoke.py",
@@ -138,7 +140,8 @@ def fault_proxy(s3: S3Server) -> Iterator[FaultProxy]:
 
 @pytest.fixture(scope="session")
 def accounts() -> dict[str, Account]:
-    """Real second accounts (tests/accounts.py), made with useradd as root, else skipped."""
+    """Real second accounts (tests/support/accounts.py), made with useradd as root, else
+    skipped."""
     return make_accounts()
 
 
@@ -151,9 +154,10 @@ def shared_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 def jfs_nodes(tmp_path: Path) -> Iterator[list[Node]]:
-    """Two "nodes": two JuiceFS mounts of one fresh volume (tests/juicefs.py), each with its
-    own node-local directory; skipped without FUSE (failed under SHARDCACHE_REQUIRE_SLURM=1).
-    Attribute and entry caches are off, so each node sees the other's changes at once."""
+    """Two "nodes": two JuiceFS mounts of one fresh volume (tests/support/juicefs.py), each
+    with its own node-local directory; skipped without FUSE (failed under
+    SHARDCACHE_REQUIRE_SLURM=1). Attribute and entry caches are off, so each node sees the
+    other's changes at once."""
     require_fuse()
     with nodes(tmp_path / "jfs", 2, cache_seconds=0) as made:
         yield made

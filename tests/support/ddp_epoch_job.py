@@ -1,0 +1,167 @@
+"""A DDP training job for tests/system/test_ddp_epochs.py and
+tests/system/test_slurm_epochs.py, run under torchrun or as ``srun`` tasks (not a test
+module).
+
+It reads a ``shardcache.ResumableDataset`` through torchdata's StatefulDataLoader and
+steps a tiny ``DistributedDataParallel`` model once per batch: the gradient all-reduce in
+``backward()`` is the collective that hangs (until the process group's timeout) if the
+ranks yield different numbers of batches in an epoch. The timeout is ``--timeout``
+seconds, so such a job fails fast instead of hanging.
+
+Per rank, one JSON line per epoch goes to ``<out>/rank-<r>.jsonl``: the epoch, the number
+of batches, every sample key delivered (in order) and, from ``loader.state_dict()`` taken
+after the epoch, each DataLoader worker's consumer slot, delivered count and ``sizes``.
+
+Under torchrun the process group comes from torchrun's variables. As an ``srun`` task
+(no ``RANK`` set) the rank and world size are ``SLURM_PROCID`` and ``SLURM_NTASKS``, and
+``MASTER_ADDR`` / ``MASTER_PORT`` must be set by whoever launches the job (an address every
+node reaches; ``GLOO_SOCKET_IFNAME`` too when the hostname does not resolve). The dataset
+takes its ranks, local world size and cache scope from the same variables
+(``SHARDCACHE_SCOPE=node``: one cache per node).
+
+``--index FILE`` gives the dataset a sample index made ahead (``shardcache index``); without
+it the dataset learns the sample offsets through the cache.
+
+``--mark-epochs URL`` (a bucket URL on the S3 server): after each epoch, once every rank
+has passed the epoch's barrier, rank 0 sends ``HEAD <URL>/epoch-<e>``; the server's
+request log then shows where each epoch's requests end (every request of the epoch was
+answered before the barrier, so it is logged before the mark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+from processes import end_process_group
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import shardcache
+
+
+def key_and_features(stream: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Only what the job uses crosses the worker pipes: the key and 4 input features."""
+    for sample in stream:
+        data = sample["bin"]
+        features = [data[i % len(data)] / 255.0 for i in range(4)]
+        yield {"__key__": sample["__key__"], "x": features}
+
+
+def collate(batch: list[dict[str, Any]]) -> tuple[list[str], torch.Tensor]:
+    keys = [sample["__key__"] for sample in batch]
+    return keys, torch.tensor([sample["x"] for sample in batch], dtype=torch.float32)
+
+
+def consumer_states(loader: StatefulDataLoader) -> list[dict[str, Any]]:
+    """Each worker's dataset state in the loader's state: slot, delivered, sizes."""
+    parts = shardcache.job_state(loader.state_dict())["parts"]
+    return [
+        {"slot": p.get("slot"), "delivered": p.get("delivered"), "sizes": p.get("sizes")}
+        for p in parts
+    ]
+
+
+def mark(url: str, epoch: int) -> None:
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    try:
+        conn.request("HEAD", f"{where.path.rstrip('/')}/epoch-{epoch}")
+        conn.getresponse().read()  # any status: only its place in the log counts
+    finally:
+        conn.close()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--cache", required=True, help="the cache directory (SHARDCACHE_DIR)")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--first-epoch", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--remainder", default="pad")
+    parser.add_argument("--epoch-size", type=int, default=None)
+    parser.add_argument("--shuffle-buffer", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout (s)")
+    parser.add_argument("--mark-epochs", default=None, metavar="URL")
+    parser.add_argument("--index", default=None, metavar="FILE", help="a sample index file")
+    return parser.parse_args()
+
+
+def init_process_group(timeout: float) -> None:
+    """gloo, with torchrun's variables or, in an ``srun`` task, SLURM's."""
+    limit = datetime.timedelta(seconds=timeout)
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=limit)
+    else:
+        dist.init_process_group("gloo", timeout=limit)
+
+
+def main() -> int:
+    args = parse_args()
+    init_process_group(args.timeout)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    dataset = shardcache.ResumableDataset(
+        args.spec,
+        seed=args.seed,
+        shuffle_buffer=args.shuffle_buffer,
+        remainder=args.remainder,
+        epoch_size=args.epoch_size,
+        index=args.index,
+        cache=shardcache.ShardCache(args.cache),
+    ).compose(key_and_features)
+    loader = StatefulDataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        collate_fn=collate,
+        timeout=60,  # a stuck worker fails the job too
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / f"rank-{rank}.jsonl").open("a") as log:
+        for epoch in range(args.first_epoch, args.epochs):
+            dataset.set_epoch(epoch)
+            batches, keys = 0, []
+            for batch_keys, x in loader:
+                optimizer.zero_grad()
+                loss = model(x).square().mean()
+                loss.backward()  # the all-reduce: every rank must take part, every batch
+                optimizer.step()
+                batches += 1
+                keys += batch_keys
+            record = {
+                "epoch": epoch,
+                "batches": batches,
+                "keys": keys,
+                "consumers": consumer_states(loader),
+            }
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            dist.barrier()
+            if args.mark_epochs is not None and rank == 0:
+                mark(args.mark_epochs, epoch)
+            dist.barrier()  # no rank starts the next epoch before the mark
+    del model, optimizer  # the DDP model holds the process group
+    end_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""A real DDP job: every rank yields the same number of batches, every epoch.
+
+tests/support/ddp_epoch_job.py runs under torchrun with 2 ranks x 2 DataLoader workers (4
+consumers) and steps a ``DistributedDataParallel`` model once per batch, with a 30 s
+collective timeout: a rank with fewer batches would leave the other blocked in the gradient
+all-reduce until the timeout fails the job. Over shards holding unequal numbers of samples
+(and fewer shards than consumers), each epoch must deliver every sample once plus exactly
+the repeats the loader's state reports (``remainder="pad"``), or every sample at most once
+and exactly the reported number left out (``"drop"``); the batch counts of the ranks must
+agree. Over the S3 server, at rank scope, the second and third epochs must make no GET at
+all: each shard is read by the same rank's cache every epoch. With a sample index made ahead
+(``shardcache index``) and ``shardcache warm --split dataset`` run once per rank, each rank
+warms only its own cache's shards and the training sends no request at all.
+tests/system/test_slurm_epochs.py runs the same job on two SLURM nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from processes import job_env, torchrun
+from repo import SUPPORT
+from tars import Files, shard_samples, tar_bytes
+
+from shardcache import ResumableDataset
+from shardcache.testing import S3Server
+
+JOB = SUPPORT / "ddp_epoch_job.py"
+RANKS, WORKERS = 2, 2
+CONSUMERS = RANKS * WORKERS
+RUN_TIMEOUT = 120  # the job itself fails after its 30 s collective timeout
+CLI_TIMEOUT = 60  # a shardcache index / warm command
+SEED = 3  # the job's default --seed
+UNEQUAL = (40, 157, 71, 103, 58, 126, 89, 44, 140, 93)  # 921 samples: 921 % 4 == 1
+FEW = (5, 9, 3)  # 17 samples, 3 shards for 4 consumers: 5 each, 3 repeated
+BUCKET = "ddp-epochs"
+MARK_BUCKET = "ddp-epoch-marks"  # HEAD /<it>/epoch-<e>: where epoch e ended
+pytestmark = pytest.mark.timeout(300)
+
+
+def varied_samples(shard: int, count: int) -> list[tuple[str, Files]]:
+    """shard_samples' keys, with sample sizes varying from 1 to 700 bytes."""
+    return [
+        (key, {**files, "bin": files["bin"][:1] * (1 + (i * 37 + shard * 11) % 700)})
+        for i, (key, files) in enumerate(shard_samples(shard, count))
+    ]
+
+
+def shard_tars(counts: tuple[int, ...]) -> dict[str, bytes]:
+    return {f"train-{s:06d}.tar": tar_bytes(varied_samples(s, n)) for s, n in enumerate(counts)}
+
+
+def all_keys(counts: tuple[int, ...]) -> list[str]:
+    return [key for s, n in enumerate(counts) for key, _ in shard_samples(s, n)]
+
+
+def local_spec(root: Path, counts: tuple[int, ...]) -> str:
+    shards = root / "shards"
+    shards.mkdir()
+    for name, data in shard_tars(counts).items():
+        (shards / name).write_bytes(data)
+    return f"{shards}/train-{{000000..{len(counts) - 1:06d}}}.tar"
+
+
+def run_job(root: Path, spec: str, *extra: str, env: dict[str, str] | None = None) -> float:
+    """Run the job to its end (it must exit 0); returns its wall time."""
+    environment = job_env(**(env or {}))
+    command = torchrun(
+        RANKS,
+        JOB,
+        f"--spec={spec}",
+        f"--cache={root / 'cache'}",
+        f"--out={root / 'out'}",
+        f"--workers={WORKERS}",
+        *extra,
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        command,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+    (root / "torchrun.stderr").write_text(done.stderr)
+    assert done.returncode == 0, _rank_errors(done.stderr)
+    return time.monotonic() - started
+
+
+def _rank_errors(stderr: str) -> str:
+    """What the ranks printed before torchrun's own traceback and summary (which say
+    little: "exitcode 1")."""
+    end = stderr.rfind("Traceback")
+    before = stderr[:end] if end > 0 else stderr
+    return before[-6000:] if before.strip() else stderr[-6000:]
+
+
+def requests_by_epoch(
+    s3: S3Server, bucket: str = BUCKET, mark_bucket: str = MARK_BUCKET
+) -> tuple[list[Counter[str]], list[Counter[str]]]:
+    """The server's requests since the last clear, split at the job's epoch marks
+    (``--mark-epochs``): per epoch (and a last part after the last mark), the GETs per
+    shard key and the requests per method."""
+    gets: list[Counter[str]] = [Counter()]
+    methods: list[Counter[str]] = [Counter()]  # every request, for the report
+    for request in s3.requests():
+        if request.bucket == mark_bucket:
+            gets.append(Counter())
+            methods.append(Counter())
+            continue
+        assert request.bucket == bucket, request
+        methods[-1][request.method] += 1
+        if request.method == "GET":
+            gets[-1][request.key] += 1
+    return gets, methods
+
+
+def records(root: Path, ranks: int = RANKS) -> dict[int, dict[int, dict[str, Any]]]:
+    """rank -> epoch -> that epoch's record."""
+    found: dict[int, dict[int, dict[str, Any]]] = {}
+    for rank in range(ranks):
+        lines = (root / "out" / f"rank-{rank}.jsonl").read_text().splitlines()
+        found[rank] = {}
+        for record in map(json.loads, lines):
+            assert record["epoch"] not in found[rank], "an epoch logged twice"
+            found[rank][record["epoch"]] = record
+    return found
+
+
+def check_epoch(
+    logged: dict[int, dict[int, dict[str, Any]]],
+    epoch: int,
+    keys: list[str],
+    *,
+    batch_size: int,
+    remainder: str,
+    workers: int = WORKERS,
+) -> dict[str, int]:
+    """Every check of one epoch over all ranks (those of ``logged``, each with ``workers``
+    DataLoader workers); returns the epoch's sizes."""
+    ranks = [logged[rank][epoch] for rank in range(len(logged))]
+    consumers_count = len(ranks) * workers
+    consumers = [c for record in ranks for c in record["consumers"]]
+    assert sorted(c["slot"] for c in consumers) == list(range(consumers_count)), consumers
+    job_wide = ("samples", "per_consumer", "repeated", "dropped")
+    sizes = {name: consumers[0]["sizes"][name] for name in job_wide}
+    for consumer in consumers:  # the job-wide figures are the same in every consumer
+        assert {n: consumer["sizes"][n] for n in job_wide} == sizes, (epoch, consumers)
+    each = sizes["per_consumer"]
+    assert sizes["samples"] == len(keys)
+    assert [c["sizes"]["own"] for c in consumers] == [each] * consumers_count
+    assert sum(c["sizes"]["own_repeated"] for c in consumers) == sizes["repeated"]
+
+    # Equal batches: every worker yields ceil(per_consumer / batch_size) of them.
+    batches = [record["batches"] for record in ranks]
+    assert batches == [workers * math.ceil(each / batch_size)] * len(ranks), (epoch, batches)
+    for record in ranks:  # each rank delivered its consumers' shares, as their states say
+        assert len(record["keys"]) == workers * each
+        assert sum(c["delivered"] for c in record["consumers"]) == len(record["keys"])
+
+    delivered = Counter(key for record in ranks for key in record["keys"])
+    assert delivered.total() == consumers_count * each
+    every = Counter(keys)
+    extra = delivered - every
+    assert set(extra) <= set(every), f"unknown keys delivered: {sorted(set(extra) - set(every))}"
+    if remainder == "pad":
+        assert sizes["dropped"] == 0
+        assert sizes["repeated"] == consumers_count * each - len(keys)
+        assert not every - delivered, f"epoch {epoch} missed {sorted(every - delivered)}"
+        assert extra.total() == sizes["repeated"], (epoch, extra)
+    else:
+        assert sizes["repeated"] == 0
+        assert sizes["dropped"] == len(keys) - consumers_count * each
+        assert not extra, f"epoch {epoch} delivered twice: {sorted(extra)}"
+        assert delivered.total() == sizes["samples"] - sizes["dropped"]
+    return sizes
+
+
+@pytest.mark.parametrize("remainder", ["pad", "drop"])
+def test_unequal_local_shards_give_every_rank_the_same_batches(
+    tmp_path: Path, remainder: str
+) -> None:
+    spec = local_spec(tmp_path, UNEQUAL)
+    run_job(tmp_path, spec, "--epochs=2", "--batch-size=8", f"--remainder={remainder}")
+    logged = records(tmp_path)
+    for epoch in (0, 1):
+        sizes = check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder=remainder)
+        if remainder == "pad":
+            assert (sizes["per_consumer"], sizes["repeated"]) == (231, 3)
+        else:
+            assert (sizes["per_consumer"], sizes["dropped"]) == (230, 1)
+    orders = [logged[0][e]["keys"] for e in (0, 1)]
+    assert orders[0] != orders[1]  # a new order each epoch
+
+
+def test_an_epoch_size_below_the_samples_cycles_through_them(tmp_path: Path) -> None:
+    """epoch_size=400 of 921 samples: every epoch 100 per consumer and no sample twice;
+    over 3 epochs every sample (each cache cycles through its own)."""
+    spec = local_spec(tmp_path, UNEQUAL)
+    run_job(tmp_path, spec, "--epochs=3", "--batch-size=8", "--epoch-size=400")
+    logged = records(tmp_path)
+    seen: Counter[str] = Counter()
+    for epoch in (0, 1, 2):
+        # Down-sampled, an epoch checks as a dropping one: the rest waits for later epochs.
+        sizes = check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder="drop")
+        assert (sizes["per_consumer"], sizes["dropped"]) == (100, 521)
+        seen.update(key for rank in logged for key in logged[rank][epoch]["keys"])
+    assert set(seen) == set(all_keys(UNEQUAL))
+    assert seen.total() == 1200 and max(seen.values()) <= 2
+
+
+def test_fewer_shards_than_consumers(tmp_path: Path) -> None:
+    """3 shards, 4 consumers: no rank or worker is left empty. Batches of 2, so that each
+    worker's 5 samples make 3 batches."""
+    spec = local_spec(tmp_path, FEW)
+    run_job(tmp_path, spec, "--epochs=2", "--batch-size=2")
+    logged = records(tmp_path)
+    for epoch in (0, 1):
+        sizes = check_epoch(logged, epoch, all_keys(FEW), batch_size=2, remainder="pad")
+        assert (sizes["per_consumer"], sizes["repeated"]) == (5, 3)
+
+
+def test_later_epochs_make_no_get_at_rank_scope(s3, tmp_path: Path) -> None:
+    """One job of 3 epochs over the S3 server; rank 0 marks each epoch's end in the
+    server's log, which splits the GETs by epoch."""
+    tars = shard_tars(UNEQUAL)
+    s3.put_objects(BUCKET, tars)
+    s3.clear_requests()
+    spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
+    run_job(
+        tmp_path,
+        spec,
+        "--epochs=3",
+        "--batch-size=8",
+        f"--mark-epochs={s3.endpoint_url}/{MARK_BUCKET}",
+        env=s3.env(),
+    )
+    logged = records(tmp_path)
+    for epoch in (0, 1, 2):
+        check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder="pad")
+
+    gets, methods = requests_by_epoch(s3)
+    assert len(gets) == 4, "the job did not mark the end of each of its 3 epochs"
+    first, second, third, after = gets
+    # Epoch 0 fetches every shard into the caches: at most once per rank's cache.
+    assert set(first) == set(tars)
+    assert max(first.values()) <= RANKS, first
+    assert not second, f"epoch 1 made GETs: {dict(second)}"
+    assert not third, f"epoch 2 made GETs: {dict(third)}"
+    assert not after
+    print(f"requests by epoch: {[dict(m) for m in methods[:3]]}")
+
+
+def shardcache_cli(*runs: tuple[list[str], dict[str, str]]) -> list[str]:
+    """Run ``python -m shardcache ARGS`` once per ``(ARGS, env)``, all at once (bounded);
+    each must exit 0. Returns their stdouts."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "shardcache", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, env in runs
+    ]
+    deadline = time.monotonic() + CLI_TIMEOUT
+    outs = []
+    try:
+        for proc, (args, _env) in zip(procs, runs, strict=True):
+            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, f"shardcache {' '.join(args)}: {proc.returncode}\n{err}"
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outs
+
+
+def make_index(s3: S3Server, root: Path, spec: str, endpoint_url: str | None = None) -> Path:
+    """``shardcache index SPEC -o FILE`` through a cache of its own (not the job's), over
+    the server at ``endpoint_url`` (default: its own address)."""
+    index = root / "train.index.json"
+    shardcache_cli(
+        (
+            ["index", spec, "-o", str(index), "--cache-dir", str(root / "index-cache")],
+            job_env(**s3.env(endpoint_url)),
+        )
+    )
+    return index
+
+
+def test_warm_then_train_makes_no_get(s3, tmp_path: Path) -> None:
+    """``shardcache index``, then ``shardcache warm --split dataset`` once per rank (with
+    torchrun's variables for each of the 2 ranks, rank scope), then the DDP job of 2
+    epochs with that index: each rank warmed only its own cache's shards, and from the
+    start of training to its end the server sees no GET."""
+    tars = shard_tars(UNEQUAL)
+    s3.put_objects(BUCKET, tars)
+    spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
+    index = make_index(s3, tmp_path, spec)
+    s3.clear_requests()
+
+    cache = tmp_path / "cache"
+    warm = ["warm", spec, "--split", "dataset", "--index", str(index), f"--seed={SEED}"]
+    launcher = {"WORLD_SIZE": str(RANKS), "LOCAL_WORLD_SIZE": str(RANKS)}
+    outs = shardcache_cli(
+        *(
+            (
+                warm,
+                job_env(
+                    **s3.env(),
+                    **launcher,
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    SHARDCACHE_DIR=str(cache),
+                ),
+            )
+            for rank in range(RANKS)
+        )
+    )
+    warm_gets = Counter(r.key for r in s3.requests("GET"))
+    # What each rank's cache reads in every epoch: each rank warmed only that.
+    expected: Counter[str] = Counter()
+    for rank in range(RANKS):
+        dataset = ResumableDataset(spec, seed=SEED, index=str(index), rank=rank, world_size=RANKS)
+        expected.update(url.rsplit("/", 1)[1] for url in dataset.cache_urls())
+        mine = len(dataset.cache_urls())
+        assert f"warm: {mine} of {mine} shards ok" in outs[rank], outs
+        assert outs[rank].rstrip().endswith(f"cache {cache / f'rank-{rank}'}"), outs
+    assert set(warm_gets) == set(tars), "a shard no rank warmed"
+    assert warm_gets == expected, (warm_gets, expected)
+    assert warm_gets.total() < len(tars) * RANKS, warm_gets
+    s3.clear_requests()
+
+    run_job(
+        tmp_path,
+        spec,
+        "--epochs=2",
+        "--batch-size=8",
+        f"--seed={SEED}",
+        f"--index={index}",
+        env={**s3.env(), "SHARDCACHE_DIR": str(cache)},
+    )
+    training = s3.requests()
+    logged = records(tmp_path)
+    for epoch in (0, 1):
+        check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder="pad")
+    assert [r for r in training if r.method == "GET"] == [], "training made GETs"
+    assert training == [], "training sent requests to S3"
+    print(
+        f"warm GETs: {warm_gets.total()} ({dict(warm_gets)}), "
+        f"training requests: {dict(Counter(r.method for r in training))}"
+    )

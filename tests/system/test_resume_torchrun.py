@@ -1,0 +1,304 @@
+"""Resume under torchrun: 2 ranks x 2 DataLoader workers over shards on the S3 server.
+
+One uninterrupted run gives the reference. A second run saves checkpoints at several
+batches (mid-shard, at a shard's end, in the second epoch), then every rank waits at a kill
+point until the test SIGKILLs the whole job: torchrun, its ranks and their DataLoader
+workers (torchrun gives each rank a session of its own, so the test kills every
+descendant, not a process group). Restarts from each checkpoint must yield, per rank,
+exactly the reference's remaining batches; restarts with 3 ranks, and with 1 worker per
+rank, must deliver every sample of the epoch at least once overall, in equal shares padded
+by repeats (tests/support/resume_job.py is
+the training job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from processes import job_env, torchrun
+from repo import SUPPORT
+from tars import shard_samples, tar_bytes
+
+BUCKET = "torchrun"
+SHARDS = 8
+PER_SHARD = 13
+SPEC = f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"
+ALL_KEYS = [key for s in range(SHARDS) for key, _ in shard_samples(s, PER_SHARD)]
+JOB = SUPPORT / "resume_job.py"
+CHECKPOINTS = (3, 8, 17, 23)  # batches of each rank; 18 per epoch (2 workers x 9)
+RUN_TIMEOUT = 120
+pytestmark = pytest.mark.timeout(600)
+
+
+class Job:
+    def __init__(self, s3, root: Path, spec: str = SPEC, *options: str) -> None:
+        self.env = job_env(**s3.env())
+        self.out = root / "out"
+        self.out.mkdir()
+        self.cache = root / "cache"
+        self.spec, self.options = spec, options
+
+    def command(self, run: str, ranks: int, workers: int, *extra: str) -> list[str]:
+        return torchrun(
+            ranks,
+            JOB,
+            f"--spec={self.spec}",
+            f"--cache={self.cache}",
+            f"--out={self.out}",
+            f"--log-as={run}",
+            f"--workers={workers}",
+            *self.options,
+            *extra,
+        )
+
+    def run(self, run: str, ranks: int = 2, workers: int = 2, *extra: str) -> None:
+        done = subprocess.run(
+            self.command(run, ranks, workers, *extra),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            check=False,
+        )
+        assert done.returncode == 0, _tracebacks(done.stderr)
+
+    def run_and_kill(self, run: str, *extra: str) -> None:
+        """Run until every rank waits at its kill point, then SIGKILL the whole job: the
+        torchrun agent, its ranks (each in a session of its own) and their workers."""
+        proc = subprocess.Popen(
+            self.command(run, 2, 2, *extra),
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + RUN_TIMEOUT
+        markers = [self.out / f"killable-rank{rank}" for rank in (0, 1)]
+        while not all(m.exists() for m in markers):
+            assert proc.poll() is None, proc.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the job never reached its kill point"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.05)  # a bounded poll for the markers, not a synchronisation
+        job = _descendants(proc.pid)
+        assert len(job) >= 2 + 2 * 2  # the ranks and their DataLoader workers
+        for pid in [proc.pid, *job]:
+            os.kill(pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+        proc.stderr.close()  # type: ignore[union-attr]
+        _wait_gone(job, time.monotonic() + 30)
+
+    def batches(self, run: str, rank: int) -> list[tuple[int, list[str]]]:
+        path = self.out / f"keys-{run}-rank{rank}.jsonl"
+        lines = path.read_text().splitlines()
+        return [(b["epoch"], b["keys"]) for b in map(json.loads, lines)]
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (torchrun starts each rank with a new session, so a
+    process group kill would miss them)."""
+    parents = _parents()
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, not yet reaped
+
+
+def _wait_gone(pids: list[int], deadline: float) -> None:
+    while alive := [pid for pid in pids if _alive(pid)]:
+        assert time.monotonic() < deadline, f"still running after SIGKILL: {alive}"
+        time.sleep(0.05)  # polling /proc with a deadline, not a synchronisation
+
+
+def _tracebacks(stderr: str) -> str:
+    """The ranks' tracebacks (torchrun's summary after them says little), then the stacks
+    a rank stopped by torchrun prints (resume_job.py registers faulthandler on SIGTERM)."""
+    start = stderr.find("Traceback")
+    found = stderr[start : start + 6000] if start >= 0 else stderr[-4000:]
+    stacks = re.search(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\)", stderr)
+    return found + ("\n" + stderr[stacks.start() : stacks.start() + 6000] if stacks else "")
+
+
+@pytest.fixture
+def job(s3, tmp_path: Path) -> Job:
+    s3.put_objects(
+        BUCKET,
+        {f"train-{i:06d}.tar": tar_bytes(shard_samples(i, PER_SHARD)) for i in range(SHARDS)},
+    )
+    return Job(s3, tmp_path)
+
+
+def test_sigkilled_job_resumes_exactly_and_elastically(job: Job) -> None:
+    job.run("full")
+    reference = {rank: job.batches("full", rank) for rank in (0, 1)}
+    assert [len(reference[r]) for r in (0, 1)] == [36, 36]  # 2 epochs x 18 batches
+    for epoch in (0, 1):
+        keys = [k for r in (0, 1) for e, ks in reference[r] if e == epoch for k in ks]
+        assert Counter(keys) == Counter(ALL_KEYS)
+
+    points = [str(step) for step in CHECKPOINTS]
+    job.run_and_kill("killed", "--checkpoint-at", *points, "--then-wait")
+    for rank in (0, 1):  # up to the kill point, the same batches as the reference
+        killed = job.batches("killed", rank)
+        assert killed == reference[rank][: max(CHECKPOINTS)]
+
+    for step in CHECKPOINTS:  # exact: the same ranks and workers
+        job.run(f"exact{step}", 2, 2, f"--resume={job.out / f'ckpt-{step}'}")
+        for rank in (0, 1):
+            resumed = job.batches(f"exact{step}", rank)
+            assert reference[rank][:step] + resumed == reference[rank], (step, rank)
+
+    for ranks, workers in ((3, 2), (2, 1)):  # elastic: every sample of the epoch, padded
+        step = 8
+        consumers = ranks * workers
+        run = f"elastic{ranks}x{workers}"
+        job.run(run, ranks, workers, f"--resume={job.out / f'ckpt-{step}'}")
+        delivered = [k for r in (0, 1) for _e, ks in reference[r][:step] for k in ks]
+        rest = [
+            k
+            for r in range(ranks)
+            for e, ks in job.batches(run, r)
+            if e == 0  # the checkpoint's epoch
+            for k in ks
+        ]
+        # Every sample left comes at least once; equal shares, padded by repeats.
+        left = len(ALL_KEYS) - len(delivered)
+        assert set(delivered + rest) == set(ALL_KEYS), run
+        assert len(rest) == consumers * math.ceil(left / consumers), run
+        # The next epoch, read by the new layout from its start, is whole too.
+        after = [k for r in range(ranks) for e, ks in job.batches(run, r) if e == 1 for k in ks]
+        assert set(after) == set(ALL_KEYS), run
+        assert len(after) == consumers * math.ceil(len(ALL_KEYS) / consumers), run
+
+
+MIX_BUCKET = "torchrun-mix"
+MIX_SOURCES = {
+    "web": (0.6, 8, 13),
+    "code": (0.3, 4, 9),
+    "books": (0.1, 2, 5),
+}  # weight, shards, samples
+MIX_EPOCH = 120  # web 72 of its 104 samples, code 36 of 36, books 12 of 10 (2 repeats)
+MIX_CHECKPOINTS = (4, 13, 27)  # batches of each rank; 20 per epoch (2 workers x 10)
+
+
+def _gets_by_source(s3) -> Counter[str]:
+    return Counter(r.key.split("-")[0] for r in s3.requests("GET") if r.bucket == MIX_BUCKET)
+
+
+def _check_reports(job: Job, run: str, ranks: int, epochs: range, gets: Counter[str]) -> None:
+    """Each epoch's job report (rank 0's, gathered from every rank and DataLoader worker)
+    counts each source's samples as the batches logged, and its misses as the server's
+    GETs of the source's shards during the run."""
+    misses: Counter[str] = Counter()
+    for epoch in epochs:
+        report = json.loads((job.out / f"report-{run}-epoch{epoch}.json").read_text())
+        logged = Counter(
+            key.split("/")[0]
+            for rank in range(ranks)
+            for e, keys in job.batches(run, rank)
+            if e == epoch
+            for key in keys
+        )
+        assert {n: c["samples"] for n, c in report["sources"].items()} == logged, (run, epoch)
+        misses.update({n: c["misses"] for n, c in report["sources"].items()})
+    assert +misses == +gets, run
+
+
+def test_a_sigkilled_mixture_resumes_exactly_and_elastically(s3, tmp_path: Path) -> None:
+    """A 3-source MixtureDataset under torchrun (2 ranks x 2 workers, a DDP model stepping
+    once a batch) over the S3 server: the proportions in every epoch, the server's GETs per
+    source against the loader report's, and the same SIGKILL, exact and elastic resumes as
+    the single-source job."""
+    objects, every, first = {}, {}, 0
+    for name, (_weight, shards, per_shard) in MIX_SOURCES.items():
+        every[name] = set()
+        for shard in range(first, first + shards):
+            objects[f"{name}-{shard:06d}.tar"] = tar_bytes(shard_samples(shard, per_shard))
+            every[name] |= {f"{name}/{key}" for key, _ in shard_samples(shard, per_shard)}
+        first += shards
+    s3.put_objects(MIX_BUCKET, objects)
+    spec = ",".join(
+        f"{name}={weight}=s3://{MIX_BUCKET}/{name}-{{{start:06d}..{start + shards - 1:06d}}}.tar"
+        for (name, (weight, shards, _)), start in zip(MIX_SOURCES.items(), (0, 8, 12), strict=True)
+    )
+    s3.clear_requests()
+    job = Job(s3, tmp_path, spec, f"--mixture-epoch-size={MIX_EPOCH}", "--model", "--report")
+    job.run("full")
+    reference = {rank: job.batches("full", rank) for rank in (0, 1)}
+    assert [len(reference[r]) for r in (0, 1)] == [40, 40]  # 2 epochs x 2 workers x 10
+    for epoch in (0, 1):
+        keys = Counter(k for r in (0, 1) for e, ks in reference[r] if e == epoch for k in ks)
+        by_source = {
+            n: Counter({k: c for k, c in keys.items() if k.startswith(f"{n}/")})
+            for n in MIX_SOURCES
+        }
+        assert {n: c.total() for n, c in by_source.items()} == {"web": 72, "code": 36, "books": 12}
+        assert max(by_source["web"].values()) == 1 and set(by_source["web"]) <= every["web"]
+        assert set(by_source["code"]) == every["code"] and set(by_source["books"]) == every["books"]
+        for r in (0, 1):  # each rank: its 2 consumers' equal shares, 18 : 9 : 3 each
+            mine = Counter(k.split("/")[0] for e, ks in reference[r] if e == epoch for k in ks)
+            assert mine == {"web": 36, "code": 18, "books": 6}
+    # The server's GETs per source: every rank's cache fetched each shard once (learning
+    # the sample offsets), and nothing more in two epochs.
+    gets = _gets_by_source(s3)
+    assert gets == {name: 2 * shards for name, (_w, shards, _n) in MIX_SOURCES.items()}
+    _check_reports(job, "full", 2, range(2), gets)
+
+    points = [str(step) for step in MIX_CHECKPOINTS]
+    job.run_and_kill("killed", "--checkpoint-at", *points, "--then-wait")
+    for rank in (0, 1):
+        assert job.batches("killed", rank) == reference[rank][: max(MIX_CHECKPOINTS)]
+    _check_reports(job, "killed", 2, range(1), _gets_by_source(s3) - gets)  # epoch 0 ended
+    for step in MIX_CHECKPOINTS:  # exact
+        job.run(f"exact{step}", 2, 2, f"--resume={job.out / f'ckpt-{step}'}")
+        for rank in (0, 1):
+            resumed = job.batches(f"exact{step}", rank)
+            assert reference[rank][:step] + resumed == reference[rank], (step, rank)
+        _check_reports(job, f"exact{step}", 2, range(step // 20, 2), _gets_by_source(s3) - gets)
+
+    step = 13  # elastic: 3 ranks x 2 workers, the rest of epoch 0 and then epoch 1
+    before = _gets_by_source(s3)
+    job.run("elastic", 3, 2, f"--resume={job.out / f'ckpt-{step}'}")
+    _check_reports(job, "elastic", 3, range(2), _gets_by_source(s3) - before)
+    assert sum((_gets_by_source(s3) - before).values()) > 0  # rank 2's cache was new
+    delivered = Counter(k for r in (0, 1) for _e, ks in reference[r][:step] for k in ks)
+    planned = Counter(k for r in (0, 1) for e, ks in reference[r] if e == 0 for k in ks)
+    rest = [k for r in range(3) for e, ks in job.batches("elastic", r) if e == 0 for k in ks]
+    assert set(rest) == set(planned - delivered)  # every sample left, none lost
+    after = Counter(
+        k for r in range(3) for e, ks in job.batches("elastic", r) if e == 1 for k in ks
+    )
+    assert {n: sum(c for k, c in after.items() if k.startswith(f"{n}/")) for n in MIX_SOURCES} == {
+        "web": 72,
+        "code": 36,
+        "books": 12,
+    }
