@@ -160,6 +160,7 @@ def wait_for(
     *,
     poll: float = 0.05,
     max_poll: float = 2.0,
+    progress_every: float = PROGRESS_EVERY,
 ) -> None:
     """Poll ``predicate`` until it returns true, or raise :class:`WaitTimeout`.
 
@@ -167,12 +168,12 @@ def wait_for(
     each check the parent of ``path`` (if given) is listed, which refreshes NFS lookup
     caches. An ``OSError`` ENOENT/ESTALE/EIO from the predicate means "not yet" (the last
     one is reported); other exceptions propagate. The predicate is checked once more at
-    the deadline. Logs progress at INFO every ``PROGRESS_EVERY`` seconds.
+    the deadline. Logs progress at INFO every ``progress_every`` seconds (30 by default).
     """
     target = None if path is None else Path(path).absolute()
     start = time.monotonic()
     deadline = start + timeout
-    next_log = start + PROGRESS_EVERY
+    next_log = start + progress_every
     delay = poll
     checks = 0
     last_error: OSError | None = None
@@ -208,7 +209,7 @@ def wait_for(
                 timeout,
                 last_error or "none",
             )
-            next_log = now + PROGRESS_EVERY
+            next_log = now + progress_every
         # Full jitter keeps ranks that started together from polling in lockstep.
         time.sleep(min(delay * random.uniform(0.5, 1.5), deadline - now))
         delay = min(delay * 2, max_poll)

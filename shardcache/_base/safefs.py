@@ -64,11 +64,15 @@ def _close_all(dirs: dict[str, tuple[int, int, int]]) -> None:
 
 
 class SafeFS:
-    """Operations on absolute paths inside ``root`` (see the module docstring)."""
+    """Operations on absolute paths inside ``root`` (see the module docstring); at most
+    ``dir_memo`` directory descriptors remembered. ``root_walks`` counts the walks that
+    started from the root (a hit through remembered directories makes none)."""
 
-    def __init__(self, root: Path, trust: Trust) -> None:
+    def __init__(self, root: Path, trust: Trust, *, dir_memo: int = DIR_MEMO) -> None:
         self.root = Path(root).absolute()
         self.trust = trust
+        self.dir_memo = dir_memo
+        self.root_walks = 0
         self._prefix = os.path.join(os.fspath(self.root), "")  # the root with a final "/"
         # path -> (descriptor, device, inode) of a directory the walk opened and checked.
         # Changed under the lock; read without it: a reader dups the descriptor and checks
@@ -174,6 +178,7 @@ class SafeFS:
         fd, done = (None, 0) if create else self._remembered_ancestor(parts)
         if fd is None:
             fd = self._open_root(create)
+            self.root_walks += 1
         current = "/".join([os.fspath(self.root), *parts[:done]])
         for depth in range(done, len(parts)):
             current = f"{current}/{parts[depth]}"
@@ -225,7 +230,7 @@ class SafeFS:
         except OSError:
             return
         with self._dirs_lock:
-            if text not in self._dirs and len(self._dirs) >= DIR_MEMO:
+            if text not in self._dirs and len(self._dirs) >= self.dir_memo:
                 os.close(self._dirs.pop(next(iter(self._dirs)))[0])  # the oldest
             previous = self._dirs.get(text)
             self._dirs[text] = (kept, st.st_dev, st.st_ino)

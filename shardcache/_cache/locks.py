@@ -8,9 +8,11 @@ Invariant: one policy per cache, judged once from the mount of its scope directo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._base.fsinfo import mount_for
+from .._base.fsinfo import Mount, mount_for
 from .._base.redact import get_logger
 from .._base.safefs import SafeFS
 from .._base.trust import Trust
@@ -27,11 +29,19 @@ logger = get_logger("shardcache._cache")  # the cache's records keep one logger 
 
 
 class CacheLocks:
-    """The shard locks of the scope laid out as ``layout``, configured by ``settings``."""
+    """The shard locks of the scope laid out as ``layout``, configured by ``settings``;
+    ``mount_for(path)`` tells which file system a path is on (``auto`` mode)."""
 
-    def __init__(self, layout: CacheLayout, settings: Settings) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        settings: Settings,
+        *,
+        mount_for: Callable[[Path], Mount] = mount_for,
+    ) -> None:
         self._layout = layout
         self._settings = settings
+        self._mount_for = mount_for
         self._policy: LockPolicy | None = None
         self._node_fs: SafeFS | None = None  # lease mode: the node-local lock directory
 
@@ -64,7 +74,7 @@ class CacheLocks:
         if self._policy is None:
             s = self._settings
             mode = s.lock_mode
-            mount = mount_for(s.scope_dir)
+            mount = self._mount_for(s.scope_dir)
             if mount.is_network:
                 logger.warning(
                     "shardcache directory %s is on a network file system (%s): a node-local "

@@ -11,19 +11,26 @@ A thin facade over the steps of a fetch, each a unit of its own:
 with the early-read offers in :mod:`~shardcache._cache.offers` and the counters in
 :mod:`~shardcache._cache.stats`. Correctness rests on the atomic publish, not on the lock
 (the invariant is stated in :mod:`~shardcache._store.publish`).
+
+The units work through a :class:`Wiring`: the remote store, the mount table, the disk's
+free space and the metadata writer, the real ones unless a test gave others.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .._base.errors import FetchError, ShardCacheError
+from .._base.fsinfo import Mount, mount_for
 from .._base.trust import Trust
 from .._config.settings import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from .._disk.layout import CacheLayout, ShardId
+from .._disk.metadata import write_meta
 from .._observe import metrics
 from .._prefetch.prefetcher import Fetch, Prefetcher
 from .._prefetch.workers import WorkerProgress
@@ -34,7 +41,7 @@ from .._store.freshness import Freshness
 from .._store.growing import Announce, GrowingFile
 from .._store.hits import Hits
 from .._store.pins import pin
-from .._store.publish import Publisher
+from .._store.publish import Publisher, WriteMeta
 from .._store.shard_ids import ShardIds
 from .._store.space import Space
 from .._transfer.remote import Progress, Remote, RemoteOptions
@@ -42,6 +49,19 @@ from .locks import CacheLocks
 from .miss import MissPath
 from .pinned import PinnedFetch, PinTable
 from .stats import CacheStats, StatsCounter
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What a cache's units work through besides its settings: the outside world (the
+    remote store, the mount table, the disk's free space) and the metadata writer. The
+    real ones by default; a test puts a fake in here (:meth:`ShardCache._wired`), as httpx
+    takes ``transport=``. Never configuration: settings come from :class:`Settings`."""
+
+    remote: Callable[[RemoteOptions], Remote] = Remote  # makes the remote from its options
+    mount_for: Callable[[Path], Mount] = mount_for  # the file system a path is on
+    disk_usage: Callable[[Path], Any] = shutil.disk_usage  # its free bytes (``.free``)
+    write_meta: WriteMeta = write_meta  # a published shard's metadata record
 
 
 class ShardCache:
@@ -72,12 +92,22 @@ class ShardCache:
         elif any(v is not None for v in explicit.values()):
             settings = settings.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.settings = settings
-        self._init_runtime()
+        self._init_runtime(Wiring())
 
-    def _init_runtime(self) -> None:
+    @classmethod
+    def _wired(cls, settings: Settings, wiring: Wiring) -> ShardCache:
+        """A cache of ``settings`` whose units work through ``wiring`` instead of the real
+        collaborators (the tests' seam)."""
+        cache = cls.__new__(cls)
+        cache.settings = settings
+        cache._init_runtime(wiring)
+        return cache
+
+    def _init_runtime(self, wiring: Wiring) -> None:
         s = self.settings
+        self._wiring = wiring
         self.layout = CacheLayout(s.scope_dir, Trust.for_group(s.shared_group))
-        self.remote = Remote(
+        self.remote = wiring.remote(
             RemoteOptions(
                 storage_options=s.storage_options,
                 retry=RetryPolicy(s.retries, s.retry_backoff, slowdown_time=s.slowdown_retry_time),
@@ -97,8 +127,10 @@ class ShardCache:
         self._ids = ShardIds(self.layout, self.remote.storage_options_for)
         self._hits = Hits(self.layout, Freshness(self.layout, self.remote, s.revalidate))
         self._stats = StatsCounter()
-        self._locks = CacheLocks(self.layout, s)
-        self._space = Space(self.layout, s)
+        self._locks = CacheLocks(self.layout, s, mount_for=wiring.mount_for)
+        self._space = Space(
+            self.layout, s, mount_for=wiring.mount_for, disk_usage=wiring.disk_usage
+        )
         self._miss = MissPath(
             s,
             self.layout,
@@ -106,7 +138,7 @@ class ShardCache:
             hits=self._hits,
             locks=self._locks,
             space=self._space,
-            publisher=Publisher(self.layout, self._space, s),
+            publisher=Publisher(self.layout, self._space, s, write_meta=wiring.write_meta),
             stats=self._stats,
         )
         self._pins = PinTable(self.layout)
@@ -117,13 +149,16 @@ class ShardCache:
         """A cache configured only by the environment."""
         return cls()
 
-    # Picklable (DataLoader workers): runtime state is rebuilt in the receiving process.
+    # Picklable (DataLoader workers): runtime state is rebuilt in the receiving process,
+    # through the same wiring (pickled only when it is not the real one).
     def __getstate__(self) -> dict[str, Any]:
-        return {"settings": self.settings}
+        if self._wiring == Wiring():
+            return {"settings": self.settings}
+        return {"settings": self.settings, "wiring": self._wiring}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.settings = state["settings"]
-        self._init_runtime()
+        self._init_runtime(state.get("wiring", Wiring()))
 
     def __repr__(self) -> str:
         return f"ShardCache({str(self.settings.scope_dir)!r})"

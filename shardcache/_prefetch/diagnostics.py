@@ -76,11 +76,21 @@ class RateMeter:
 
 
 class StarvationMonitor:
-    """Share of the consumer's time spent waiting for shards, over a recent window."""
+    """Share of the consumer's time spent waiting for shards, over a recent window; judged
+    only once the window holds at least ``min_shards`` shards over ``min_span`` seconds."""
 
-    def __init__(self, threads: int, depth: int) -> None:
+    def __init__(
+        self,
+        threads: int,
+        depth: int,
+        *,
+        min_shards: int = STARVATION_MIN_SHARDS,
+        min_span: float = STARVATION_MIN_SPAN,
+    ) -> None:
         self._threads = threads
         self._depth = depth
+        self._min_shards = min_shards
+        self._min_span = min_span
         # (start, end, waited, downloaded bytes at end) per consumed shard, oldest first;
         # cycles are contiguous: each starts where the previous one ended.
         self._cycles: deque[tuple[float, float, float, int]] = deque()
@@ -93,11 +103,11 @@ class StarvationMonitor:
         cycles.append((start, end, waited, downloaded))
         self._waited += waited
         while len(cycles) > _MAX_CYCLES or (
-            len(cycles) > STARVATION_MIN_SHARDS and cycles[0][1] < end - STARVATION_WINDOW_SECONDS
+            len(cycles) > self._min_shards and cycles[0][1] < end - STARVATION_WINDOW_SECONDS
         ):
             self._waited -= cycles.popleft()[2]
         span = end - cycles[0][0]
-        if len(cycles) < STARVATION_MIN_SHARDS or span < STARVATION_MIN_SPAN:
+        if len(cycles) < self._min_shards or span < self._min_span:
             return None
         share = self._waited / span
         if share <= STARVATION_SHARE:

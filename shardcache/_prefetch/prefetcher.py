@@ -65,11 +65,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
 
-from .._base.errors import FetchError, ShardCacheError, StallError
+from .._base.errors import ConfigError, FetchError, ShardCacheError, StallError
 from .._base.redact import get_logger
 from .._config.settings import prefetch_overrides
 from .._observe import metrics
-from .diagnostics import STARVATION_SHARE, StarvationMonitor, stall_error
+from .diagnostics import (
+    STARVATION_MIN_SHARDS,
+    STARVATION_MIN_SPAN,
+    STARVATION_SHARE,
+    StarvationMonitor,
+    stall_error,
+)
 from .workers import DONE, Early, Fetch, Release, Shared, Task, work
 
 logger = get_logger(__name__)
@@ -97,6 +103,23 @@ def check_prefetch_options(
     prefetch_overrides(threads=threads, depth=depth, stall_timeout=stall_timeout)
 
 
+def _check_starvation_evidence(min_shards: int, min_span: float) -> None:
+    """Raise :class:`ConfigError` unless a starvation verdict needs at least one shard and
+    a span of zero seconds or more."""
+    if isinstance(min_shards, bool) or not isinstance(min_shards, int) or min_shards < 1:
+        raise ConfigError(
+            f"starvation_min_shards={min_shards!r}: expected a whole number of shards, 1 or more.",
+            name="starvation_min_shards",
+            value=min_shards,
+        )
+    if isinstance(min_span, bool) or not isinstance(min_span, int | float) or min_span < 0:
+        raise ConfigError(
+            f"starvation_min_span={min_span!r}: expected a number of seconds, 0 or more.",
+            name="starvation_min_span",
+            value=min_span,
+        )
+
+
 class Prefetcher:
     """Iterate over ``urls`` as :class:`PrefetchedShard` ``(url, path)``, in input order,
     fetching up to ``depth`` shards ahead with ``threads`` worker threads.
@@ -108,8 +131,11 @@ class Prefetcher:
     ``progress`` (:class:`Fetch`). Errors re-raise in the consumer at the shard's position:
     a :class:`ShardCacheError` that names a ``url`` as is (its worker traceback intact),
     anything else as :class:`FetchError` naming the URL, chained ``from`` the original.
-    ``clock`` (monotonic seconds) is injectable for tests. See the module docstring for
-    the bound, cancellation, watchdog and starvation guarantees.
+    ``clock`` (monotonic seconds) is injectable for tests. The starvation warning is judged
+    only over at least ``starvation_min_shards`` shards consumed in at least
+    ``starvation_min_span`` seconds (5 and 10 s: start-up bursts are no verdict; lower
+    them for a short run of slow shards). See the module docstring for the bound,
+    cancellation, watchdog and starvation guarantees.
 
     Iterating with ``for`` closes the prefetcher when the loop ends, breaks or raises
     (``__iter__`` is a generator over ``next()``); so do ``with``, ``close()`` and garbage
@@ -126,8 +152,11 @@ class Prefetcher:
         stall_timeout: float,
         clock: Callable[[], float] = time.monotonic,
         release: Release | None = None,
+        starvation_min_shards: int = STARVATION_MIN_SHARDS,
+        starvation_min_span: float = STARVATION_MIN_SPAN,
     ) -> None:
         check_prefetch_options(threads=threads, depth=depth, stall_timeout=stall_timeout)
+        _check_starvation_evidence(starvation_min_shards, starvation_min_span)
         self._fetch = fetch
         self._urls = urls
         self.threads = threads
@@ -150,7 +179,10 @@ class Prefetcher:
         self._left_behind: set[threading.Thread] = set()  # stuck workers a shutdown gave up on
         self._last_return: float | None = None
         self._stall: StallError | None = None  # raised again by every later next_early()
-        self._starvation = StarvationMonitor(threads, depth)
+        self._starvation_evidence = (starvation_min_shards, starvation_min_span)
+        self._starvation = StarvationMonitor(
+            threads, depth, min_shards=starvation_min_shards, min_span=starvation_min_span
+        )
 
     # -- pickling (DataLoader workers) ------------------------------------------------
 
@@ -169,6 +201,7 @@ class Prefetcher:
             "stall_timeout": self.stall_timeout,
             "clock": self._clock,
             "release": self._release,
+            "starvation_evidence": self._starvation_evidence,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -180,6 +213,8 @@ class Prefetcher:
             stall_timeout=state["stall_timeout"],
             clock=state["clock"],
             release=state["release"],
+            starvation_min_shards=state["starvation_evidence"][0],
+            starvation_min_span=state["starvation_evidence"][1],
         )
 
     def __repr__(self) -> str:

@@ -33,12 +33,21 @@ RECORDED_LIMIT = 65_536  # local-source stamps remembered per cache (oldest drop
 
 
 class Freshness:
-    """Judges hits for one cache (its layout, remote and ``revalidate`` interval)."""
+    """Judges hits for one cache (its layout, remote and ``revalidate`` interval), the
+    stamps of at most ``recorded_limit`` local sources remembered."""
 
-    def __init__(self, layout: CacheLayout, remote: Remote, revalidate: float) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        remote: Remote,
+        revalidate: float,
+        *,
+        recorded_limit: int = RECORDED_LIMIT,
+    ) -> None:
         self.layout = layout
         self.remote = remote
         self.revalidate = revalidate
+        self.recorded_limit = recorded_limit
         # cached path -> (its inode, the source's (size, mtime_ns) recorded for that copy)
         self._recorded: dict[Path, tuple[int, tuple[int, int] | None]] = {}
         self._lock = threading.Lock()
@@ -73,7 +82,7 @@ class Freshness:
         if meta.get("data_ino") not in (None, st.st_ino):
             stamp = None  # the record of a new copy written just before it replaces this one
         with self._lock:
-            if final not in self._recorded and len(self._recorded) >= RECORDED_LIMIT:
+            if final not in self._recorded and len(self._recorded) >= self.recorded_limit:
                 del self._recorded[next(iter(self._recorded))]  # the oldest remembered
             self._recorded[final] = (st.st_ino, stamp)
         return stamp

@@ -112,10 +112,14 @@ class Index:
     eviction lock (:func:`shardcache._store.eviction.evict_lock`), and runs under a lock of its
     own as well: two threads of a process can both hold the eviction lock when its
     directory was removed and made again (each then flocks a different file), and one of
-    them closing the connection while the other uses it would crash sqlite."""
+    them closing the connection while the other uses it would crash sqlite.
 
-    def __init__(self, layout: CacheLayout) -> None:
+    Reconciled with the directory every ``reconcile_every`` operations (or as many as it
+    has entries, if more), and every :data:`RECONCILE_AGE` seconds."""
+
+    def __init__(self, layout: CacheLayout, *, reconcile_every: int = RECONCILE_EVERY) -> None:
         self.layout = layout
+        self.reconcile_every = reconcile_every
         self.path = layout.index_path
         self.counters = IndexCounters()
         self._conn: sqlite3.Connection | None = None
@@ -387,7 +391,8 @@ class Index:
             return True
         if time.time() - float(state.get("reconciled_at") or 0) > RECONCILE_AGE:
             return True
-        return int(state.get("ops") or 0) > max(RECONCILE_EVERY, int(state.get("entries") or 0))
+        ops, entries = int(state.get("ops") or 0), int(state.get("entries") or 0)
+        return ops > max(self.reconcile_every, entries)
 
     def _reconcile(self) -> None:
         self.counters.reconciles += 1

@@ -18,7 +18,7 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from .._transfer.download import ObjectInfo
 
 logger = get_logger("shardcache._cache")  # the cache's records keep one logger name
+
+WriteMeta = Callable[[CacheLayout, Path, dict[str, Any]], None]
+"""Writes a shard's metadata record (:func:`~shardcache._disk.metadata.write_meta`)."""
 
 VANISHED_RETRIES = 8  # a step is made again at most this often when its files vanish
 _VANISHED_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
@@ -58,12 +61,21 @@ class DiskFull(Exception):
 
 
 class Publisher:
-    """Publishes downloads into the scope laid out as ``layout``, within ``space``."""
+    """Publishes downloads into the scope laid out as ``layout``, within ``space``; each
+    shard's metadata record written by ``write_meta``."""
 
-    def __init__(self, layout: CacheLayout, space: Space, settings: Settings) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        space: Space,
+        settings: Settings,
+        *,
+        write_meta: WriteMeta = write_meta,
+    ) -> None:
         self._layout = layout
         self._space = space
         self._settings = settings
+        self._write_meta = write_meta
 
     @contextlib.contextmanager
     def begin(self, shard: ShardId, info: ObjectInfo) -> Iterator[Part]:
@@ -79,7 +91,13 @@ class Publisher:
             fd = self._create_reserved_part(part, final, info)
             sized_ahead = info.size is not None
             yield Part(
-                shard, part, fd, sized_ahead=sized_ahead, layout=self._layout, space=self._space
+                shard,
+                part,
+                fd,
+                sized_ahead=sized_ahead,
+                layout=self._layout,
+                space=self._space,
+                write_meta=self._write_meta,
             )
         except BaseException as exc:
             _unlink_quietly(self._layout.fs, part)
@@ -160,6 +178,7 @@ class Part:
         sized_ahead: bool,
         layout: CacheLayout,
         space: Space,
+        write_meta: WriteMeta,
     ) -> None:
         self._shard = shard
         self._sized_ahead = sized_ahead
@@ -167,6 +186,7 @@ class Part:
         self.fd = fd
         self._layout = layout
         self._space = space
+        self._write_meta = write_meta
 
     def file(self) -> BinaryIO:
         """The temp file to write the download into. The descriptor outlives the file
@@ -184,7 +204,7 @@ class Part:
     def commit(self, info: ObjectInfo) -> int:
         """Record ``info`` as the shard's metadata, then publish the verified download;
         the published file's size."""
-        write_meta(self._layout, self._shard.data_path, _record(self._shard, info, self.fd))
+        self._write_meta(self._layout, self._shard.data_path, _record(self._shard, info, self.fd))
         self._publish(self._shard.data_path)
         return os.fstat(self.fd).st_size
 

@@ -18,15 +18,23 @@ IDENTITY_MEMO = 65_536  # URLs whose identity a cache remembers (oldest dropped 
 
 class ShardIds:
     """The identities of the URLs a cache is asked for, in ``layout``;
-    ``storage_options_for(protocol)`` gives the options that name a protocol's store."""
+    ``storage_options_for(protocol)`` gives the options that name a protocol's store. The
+    ``memo`` most recent URLs are remembered; ``computed`` counts the identities computed
+    (asked for and not remembered)."""
 
     def __init__(
-        self, layout: CacheLayout, storage_options_for: Callable[[str], dict[str, Any]]
+        self,
+        layout: CacheLayout,
+        storage_options_for: Callable[[str], dict[str, Any]],
+        *,
+        memo: int = IDENTITY_MEMO,
     ) -> None:
         self._layout = layout
         self._storage_options_for = storage_options_for
+        self.memo = memo
+        self.computed = 0
         self._namespaces: dict[str, str] = {}  # protocol -> its store, resolved once
-        self._identities: dict[str, ShardId] = {}  # url -> its identity (IDENTITY_MEMO)
+        self._identities: dict[str, ShardId] = {}  # url -> its identity (the memo)
         self._lock = threading.Lock()
 
     def identify(self, url: str) -> ShardId:
@@ -41,10 +49,13 @@ class ShardIds:
             store = namespace(protocol, self._storage_options_for(protocol), s3_endpoint())
             self._namespaces[protocol] = store
         shard = self._layout.identify(url, protocol, store)
-        if protocol in LOCAL_PROTOCOLS and not url.startswith(("/", "file:///")):
-            return shard  # relative to the working directory (or ~): not a fixed identity
+        # Relative to the working directory (or ~): not a fixed identity, never remembered.
+        fixed = protocol not in LOCAL_PROTOCOLS or url.startswith(("/", "file:///"))
         with self._lock:
-            if len(self._identities) >= IDENTITY_MEMO:
+            self.computed += 1
+            if not fixed:
+                return shard
+            if len(self._identities) >= self.memo:
                 del self._identities[next(iter(self._identities))]  # the oldest remembered
             self._identities[url] = shard
         return shard

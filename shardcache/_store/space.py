@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._base.errors import CacheDirError, CacheFullError, ConfigError
-from .._base.fsinfo import mount_for
+from .._base.fsinfo import Mount, mount_for
 from .._base.redact import get_logger
 from .._disk.layout import CacheLayout
 from .eviction import CacheEntry, EvictReport, evict_lock, evict_locked, evict_lru, remove, scan
@@ -32,11 +32,22 @@ _T = TypeVar("_T")
 
 
 class Space:
-    """The space accounting of the scope laid out as ``layout``, bounded by ``settings``."""
+    """The space accounting of the scope laid out as ``layout``, bounded by ``settings``;
+    ``mount_for(path)`` tells which file system a path is on, ``disk_usage(path)`` how much
+    of it is free (as :func:`shutil.disk_usage`)."""
 
-    def __init__(self, layout: CacheLayout, settings: Settings) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        settings: Settings,
+        *,
+        mount_for: Callable[[Path], Mount] = mount_for,
+        disk_usage: Callable[[Path], Any] = shutil.disk_usage,
+    ) -> None:
         self._layout = layout
         self._settings = settings
+        self._mount_for = mount_for
+        self._disk_usage = disk_usage
         self._network_fs: bool | None = None
         self._index: Index | None = None
         self._index_failed = False  # the index failed once: this process lists instead
@@ -72,12 +83,12 @@ class Space:
                     "downloads in progress)",
                     report,
                 )
-        free = _free_bytes(final.parent)
+        free = self._free_bytes(final.parent)
         if on_disk or free >= size:
             return
         used = self._used_bytes()
         report = self._evict_locked(max(0, used - (size - free)), 0)
-        free = _free_bytes(final.parent)
+        free = self._free_bytes(final.parent)
         if free < size:
             raise self.full_error(
                 final,
@@ -92,7 +103,7 @@ class Space:
         self, final: Path, info: ObjectInfo, seen: str, report: EvictReport | None = None
     ) -> CacheFullError:
         """No room for ``info`` at ``final``: ``seen`` says why (``report``: what eviction did)."""
-        free = _free_bytes(final.parent)
+        free = self._free_bytes(final.parent)
         return CacheFullError(
             f"no room to cache {info.url} ({info.size} bytes needed) in {final.parent}: "
             f"{seen}. Free disk space, set SHARDCACHE_MAX_BYTES below the disk size, or point "
@@ -223,15 +234,14 @@ class Space:
 
     def _on_network_fs(self) -> bool:
         if self._network_fs is None:
-            self._network_fs = mount_for(self._settings.scope_dir).is_network
+            self._network_fs = self._mount_for(self._settings.scope_dir).is_network
         return self._network_fs
 
-
-def _free_bytes(path: Path) -> int:
-    """Free bytes on the file system of ``path``, or of its nearest existing ancestor."""
-    for candidate in (path, *path.parents):
-        try:
-            return shutil.disk_usage(candidate).free
-        except FileNotFoundError:
-            continue
-    return 0
+    def _free_bytes(self, path: Path) -> int:
+        """Free bytes on the file system of ``path``, or of its nearest existing ancestor."""
+        for candidate in (path, *path.parents):
+            try:
+                return self._disk_usage(candidate).free
+            except FileNotFoundError:
+                continue
+        return 0

@@ -9,10 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from shardcache import CacheFullError, RemoteNotFoundError, ShardCache, UrlError, expand_urls
+from shardcache import (
+    CacheFullError,
+    RemoteNotFoundError,
+    Settings,
+    ShardCache,
+    UrlError,
+    expand_urls,
+)
 from shardcache._base.fsinfo import mount_for, parse_mountinfo
+from shardcache._cache.shard_cache import Wiring
 from shardcache._cli.main import main
 from shardcache._ops.demo import DEMO_PORT, demo_port, run_demo
+from shardcache._transfer.remote import Remote
 
 MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
@@ -89,26 +98,22 @@ def test_a_missing_local_file_gets_advice_about_its_path(
 
 
 def test_auto_lock_mode_follows_the_file_system(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     network = parse_mountinfo(MOUNTINFO)[2]
-    monkeypatch.setattr("shardcache._cache.locks.mount_for", lambda path: network)
-    cache = ShardCache(tmp_path / "cache")
+    on_nfs = Wiring(mount_for=lambda path: network)
+    cache = ShardCache._wired(Settings.resolve(cache_dir=tmp_path / "cache"), on_nfs)
     assert cache._locks.policy().mode == "lease"
     assert "network file system" in caplog.text
-    forced = ShardCache(tmp_path / "cache", lock_mode="flock")
-    assert forced._locks.policy().mode == "flock"
+    forced = Settings.resolve(cache_dir=tmp_path / "cache", lock_mode="flock")
+    assert ShardCache._wired(forced, on_nfs)._locks.policy().mode == "flock"
 
 
-def test_not_enough_space_is_reported_before_downloading(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_not_enough_space_is_reported_before_downloading(tmp_path: Path) -> None:
     src, _ = _source(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(
-        "shardcache._store.space.shutil.disk_usage", lambda p: usage(10**6, 10**6, 10)
-    )
-    cache = ShardCache(tmp_path / "cache")
+    full = Wiring(disk_usage=lambda p: usage(10**6, 10**6, 10))
+    cache = ShardCache._wired(Settings.resolve(cache_dir=tmp_path / "cache"), full)
     with pytest.raises(CacheFullError) as info:
         cache.fetch(src)
     assert info.value.needed == 100_000 and info.value.free == 10
@@ -116,18 +121,17 @@ def test_not_enough_space_is_reported_before_downloading(
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "data" in p.parts]
 
 
-def test_disk_filling_up_mid_download_leaves_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_disk_filling_up_mid_download_leaves_nothing(tmp_path: Path) -> None:
     src, _ = _source(tmp_path)
-    cache = ShardCache(tmp_path / "cache")
 
-    def full(info, out, progress, opened=None):
-        out.write(b"partial")
-        out.flush()
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class FillingTheDisk(Remote):
+        def download(self, info, out, progress=None, opened=None):
+            out.write(b"partial")
+            out.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cache.remote, "download", full)
+    settings = Settings.resolve(cache_dir=tmp_path / "cache")
+    cache = ShardCache._wired(settings, Wiring(remote=FillingTheDisk))
     with pytest.raises(CacheFullError, match="disk filled up"):
         cache.fetch(src)
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "data" in p.parts]

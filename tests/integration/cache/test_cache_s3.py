@@ -23,10 +23,8 @@ from shardcache import (
     ShardCache,
     TransientFetchError,
 )
-from shardcache._disk import layout
-from shardcache._disk.layout import is_temp_name
-from shardcache._store import shard_ids
-from shardcache._transfer.remote import Remote
+from shardcache._disk.layout import CacheLayout, is_temp_name
+from shardcache._store.shard_ids import ShardIds
 
 BUCKET = "shards"
 CTX = mp.get_context("spawn")
@@ -91,46 +89,47 @@ def test_same_key_on_two_endpoints_never_collides(s3, tmp_path: Path) -> None:
     assert a.path_for("s3://b/k.tar") != b.path_for("s3://b/k.tar")
 
 
-def test_a_fetch_computes_the_shards_identity_once(
-    s3, shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One canonicalisation per URL however often it is fetched (miss, hit, open, prefetch),
-    within the remembered IDENTITY_MEMO most recent URLs, and the storage options resolved
-    once per cache however many shards it fetches."""
-    canonicalised: list[str] = []
-    resolved: list[str] = []
-    canonical_url = layout.canonical_url
-    resolve = Remote._resolve_options
-
-    def counting_canonical(url: str, protocol: str) -> str:
-        canonicalised.append(url)
-        return canonical_url(url, protocol)
-
-    def counting_resolve(self: Remote, protocol: str) -> dict:
-        resolved.append(protocol)
-        return resolve(self, protocol)
-
-    monkeypatch.setattr(layout, "canonical_url", counting_canonical)
-    monkeypatch.setattr(Remote, "_resolve_options", counting_resolve)
-    monkeypatch.setattr(shard_ids, "IDENTITY_MEMO", 3)
+def test_a_fetch_computes_the_shards_identity_once(s3, shards, tmp_path: Path) -> None:
+    """One identity computed per URL however often it is fetched (miss, hit, open,
+    prefetch) while it is remembered, and the storage options resolved once per cache
+    however many shards it fetches."""
     cache = _cache(tmp_path)
+    ids = cache._ids
     urls = list(shards)
     cache.fetch(urls[0])  # a miss: hit check, lock, re-check, metadata, publish
-    assert canonicalised == [urls[0]]
+    assert ids.computed == 1
     cache.fetch(urls[0])  # a hit
     with cache.open(urls[0]):
         pass
-    assert canonicalised == [urls[0]]
-    canonicalised.clear()
+    assert ids.computed == 1
     with cache.prefetch(urls[1:4], threads=2) as shards_ahead:
         assert [url for url, _path in shards_ahead] == urls[1:4]
-    assert sorted(canonicalised) == sorted(urls[1:4])
-    canonicalised.clear()
-    assert cache.contains(urls[3])  # remembered; urls[0] was the oldest of four: forgotten
-    assert cache.contains(urls[0])
-    assert canonicalised == [urls[0]]
-    assert resolved == ["s3"]
+    assert ids.computed == 4
+    assert cache.contains(urls[3]) and cache.contains(urls[0])
+    assert ids.computed == 4
+    options = cache.remote.storage_options_for("s3")
+    assert cache.remote.storage_options_for("s3") is options  # resolved once, then kept
     assert cache.stats().misses == 4
+
+
+def test_the_remembered_identities_are_bounded(tmp_path: Path) -> None:
+    """The ``memo`` most recent URLs are remembered, the oldest forgotten first (and computed
+    again when asked for); each protocol's store is resolved once."""
+    resolved: list[str] = []
+
+    def storage_options_for(protocol: str) -> dict:
+        resolved.append(protocol)
+        return {}
+
+    ids = ShardIds(CacheLayout(tmp_path / "scope"), storage_options_for, memo=3)
+    urls = [f"s3://{BUCKET}/train-{i:06d}.tar" for i in range(4)]
+    first = [ids.identify(url) for url in urls]
+    assert ids.computed == 4
+    assert [ids.identify(url) for url in urls[1:]] == first[1:]  # remembered
+    assert ids.computed == 4
+    assert ids.identify(urls[0]) == first[0]  # the oldest of four: forgotten, computed again
+    assert ids.computed == 5
+    assert resolved == ["s3"]
 
 
 def test_a_relative_local_path_is_identified_from_the_current_directory(

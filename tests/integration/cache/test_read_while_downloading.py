@@ -24,9 +24,10 @@ import webdataset as wds
 
 import shardcache
 from shardcache import IntegrityError, ShardCache, StallError
+from shardcache._cache.shard_cache import Wiring
 from shardcache._disk.layout import is_temp_name
+from shardcache._disk.metadata import write_meta
 from shardcache._ops.demo import make_shard
-from shardcache._store import publish
 from shardcache._store.growing import GrowingFile
 
 BUCKET = "early"
@@ -485,7 +486,7 @@ def test_a_stopped_download_nobody_claimed_cannot_be_claimed(tmp_path: Path) -> 
 @pytest.mark.parametrize("way", ["stage", "open"])
 @pytest.mark.parametrize("removal", ["once", "again-and-again"])
 def test_directories_removed_under_a_reader_mid_download(
-    s3, shard, fault_proxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: str, removal: str
+    s3, shard, fault_proxy, tmp_path: Path, way: str, removal: str
 ) -> None:
     """A tmp cleaner removes the cache's directories while a reader follows the in-flight
     file. Once: the verified bytes are published from the open descriptor (one GET).
@@ -496,16 +497,15 @@ def test_directories_removed_under_a_reader_mid_download(
     hold = fault_proxy.add_fault("hold", times=1, method="GET", truncate_bytes=len(body) // 2)
     cache = _cache(tmp_path, fault_proxy, max_bytes=10 << 20)
     if removal == "again-and-again":
-        real_write_meta = publish.write_meta
         calls = []
 
-        def write_meta(layout, final, record) -> None:
+        def failing_once(layout, final, record) -> None:
             calls.append(final)
             if len(calls) == 1:  # what write_meta raises after its third vanished try
                 raise FileNotFoundError(2, "No such file or directory", str(final))
-            real_write_meta(layout, final, record)
+            write_meta(layout, final, record)
 
-        monkeypatch.setattr(publish, "write_meta", write_meta)
+        cache = ShardCache._wired(cache.settings, Wiring(write_meta=failing_once))
     if way == "stage":
         samples = _samples(cache, [url])
         got = [next(samples)]

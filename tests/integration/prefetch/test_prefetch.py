@@ -358,6 +358,8 @@ def test_an_error_from_the_url_iterator_surfaces_after_earlier_shards(tmp_path: 
         {"threads": 0, "depth": 2, "stall_timeout": 1},
         {"threads": 2, "depth": 0, "stall_timeout": 1},
         {"threads": 2, "depth": 2, "stall_timeout": 0},
+        {"threads": 2, "depth": 2, "stall_timeout": 1, "starvation_min_shards": 0},
+        {"threads": 2, "depth": 2, "stall_timeout": 1, "starvation_min_span": -1.0},
     ],
 )
 def test_bad_arguments_are_config_errors(kwargs: dict) -> None:

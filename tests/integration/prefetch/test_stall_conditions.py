@@ -29,7 +29,6 @@ from repo import SUPPORT
 
 from shardcache import ShardCache, StallError, log_epoch_summary
 from shardcache._ops.demo import make_shard
-from shardcache._prefetch import diagnostics as prefetch_diagnostics
 from shardcache._prefetch.prefetcher import Prefetcher
 from shardcache.testing import FaultProxy
 
@@ -79,7 +78,7 @@ class RecordingFetch:
 
 
 def test_a_slow_but_moving_link_is_not_a_stall_and_warns_of_starvation_once(
-    s3, slow_proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+    s3, slow_proxy: FaultProxy, tmp_path: Path, caplog
 ) -> None:
     # Each shard takes ~3.5 s through the proxy, longer than the stall timeout; bytes
     # arrive every ~0.16 s, far inside it. The timeout leaves room for the prefetch
@@ -91,15 +90,16 @@ def test_a_slow_but_moving_link_is_not_a_stall_and_warns_of_starvation_once(
     # The starvation monitor's evidence thresholds (5 shards over 10 s, made for
     # production) are shrunk so three slow shards are enough to judge; the share that
     # counts as starving and the one-warning-per-minute limit stay as they are.
-    monkeypatch.setattr(prefetch_diagnostics, "STARVATION_MIN_SHARDS", 1)
-    monkeypatch.setattr(prefetch_diagnostics, "STARVATION_MIN_SPAN", 1.0)
+    evidence = {"starvation_min_shards": 1, "starvation_min_span": 1.0}
     cache = ShardCache(
         tmp_path / "cache", storage_options={"endpoint_url": slow_proxy.endpoint_url}, retries=0
     )
     assert cache.settings.chunk_size == 8 << 20, "the default chunk: far bigger than a shard"
     fetch = RecordingFetch(cache)
     with caplog.at_level(logging.WARNING, logger="shardcache._prefetch.prefetcher"):
-        shards = Prefetcher(fetch, urls, threads=1, depth=2, stall_timeout=stall_timeout)
+        shards = Prefetcher(
+            fetch, urls, threads=1, depth=2, stall_timeout=stall_timeout, **evidence
+        )
         got = [(url, path.read_bytes()) for url, path in shards]  # raises StallError if stalled
     assert got == [(f"s3://{BUCKET}/{key}", data) for key, data in objects.items()]
     for url in urls:

@@ -17,6 +17,7 @@ from shardcache import ConfigError, RemoteNotFoundError, ShardCache
 from shardcache._disk.metadata import read_meta, write_meta
 from shardcache._locking.shard_lock import ShardLock
 from shardcache._store import freshness
+from shardcache._store.shard_ids import ShardIds
 
 pytestmark = pytest.mark.timeout(120)
 BUCKET = "fresh"
@@ -64,9 +65,8 @@ def test_an_unchanged_local_shard_is_a_hit(tmp_path: Path) -> None:
 
 
 def test_the_remembered_stamps_are_bounded_and_a_forgotten_one_is_read_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(freshness, "RECORDED_LIMIT", 3)
     cache = _cache(tmp_path)
     sources = []
     for i in range(5):
@@ -74,12 +74,19 @@ def test_the_remembered_stamps_are_bounded_and_a_forgotten_one_is_read_again(
         source.write_bytes(bytes([i]) * 1000)
         sources.append(source)
         cache.fetch(str(source))
-    for source in sources:  # hits: every stamp is (re)remembered, the oldest dropped
-        assert cache.fetch(str(source)).read_bytes() == source.read_bytes()
-    assert len(cache._hits.freshness._recorded) == 3
+    fresh = freshness.Freshness(cache.layout, cache.remote, 0.0, recorded_limit=3)
+    ids = ShardIds(cache.layout, cache.remote.storage_options_for)
+
+    def current(source: Path) -> bool:
+        shard = ids.identify(str(source))
+        return fresh.is_current(shard, shard.data_path.lstat(), ask_store=True)
+
+    assert all(current(source) for source in sources)  # each (re)remembered, oldest dropped
+    assert len(fresh._recorded) == 3
     _rewrite(sources[0], b"new" * 100)  # forgotten long ago: its record is read again
+    assert not current(sources[0])
     assert cache.fetch(str(sources[0])).read_bytes() == b"new" * 100
-    assert (cache.stats().misses, cache.stats().hits) == (6, 5)
+    assert current(sources[0])
 
 
 def test_a_later_process_sees_the_rewrite(tmp_path: Path) -> None:

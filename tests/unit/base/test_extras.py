@@ -28,7 +28,6 @@ def _absent(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
 
     for module in modules:
         monkeypatch.setitem(sys.modules, module, None)
-    monkeypatch.setattr(shardcache, "_stand_ins", {})
 
 
 @pytest.mark.parametrize("name", ["ResumableDataset", "MixtureDataset", "Source"])

@@ -19,20 +19,6 @@ from shardcache._base.trust import Trust
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def walks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """One item per walk from the root (its ``create``), in order."""
-    seen: list[bool] = []
-    open_root = safefs.SafeFS._open_root
-
-    def counting(self: safefs.SafeFS, create: bool) -> int:
-        seen.append(create)
-        return open_root(self, create)
-
-    monkeypatch.setattr(safefs.SafeFS, "_open_root", counting)
-    return seen
-
-
 def _fds_under(root: Path) -> int:
     """This process's descriptors open on ``root`` or below (other tests' threads may open
     and close unrelated descriptors meanwhile)."""
@@ -53,13 +39,14 @@ def _cached(tmp_path: Path) -> tuple[ShardCache, str, Path]:
     return cache, str(source), cache.fetch(str(source))
 
 
-def test_hits_do_not_walk_from_the_root(tmp_path: Path, walks: list[bool]) -> None:
+def test_hits_do_not_walk_from_the_root(tmp_path: Path) -> None:
     cache, url, _path = _cached(tmp_path)
-    walks.clear()
+    walked = cache.layout.fs.root_walks
+    assert walked > 0  # the miss did
     for _ in range(10):
         with cache.open(url) as f:
             assert f.read() == Path(url).read_bytes()
-    assert walks == []
+    assert cache.layout.fs.root_walks == walked
     assert cache.stats().hits == 10
 
 
@@ -100,16 +87,15 @@ def test_a_directory_made_writable_by_others_is_refused_on_the_next_hit(
 
 
 def test_the_remembered_descriptors_are_bounded_and_closed_with_their_safefs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(safefs, "DIR_MEMO", 2)
     root = tmp_path / "cache"
-    fs = safefs.SafeFS(root, Trust.private())
+    fs = safefs.SafeFS(root, Trust.private(), dir_memo=2)
     for scope in ("rank-0", "rank-1", "node"):
         for sub in ("data", ".meta", ".locks"):
             fs.mkdirs(root / scope / sub / "ab")
             fs.lstat(root / scope / sub / "ab")
-    assert len(fs._dirs) == 2  # scope and scope/<sub> are remembered; at most DIR_MEMO
+    assert len(fs._dirs) == 2  # scope and scope/<sub> are remembered; at most dir_memo
     assert _fds_under(root) == 2
     del fs
     gc.collect()

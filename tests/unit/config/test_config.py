@@ -8,13 +8,13 @@ import pickle
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 from repo import ROOT
 
 from shardcache._base.errors import ConfigError
-from shardcache._config import settings
 from shardcache._config.display import format_setting
 from shardcache._config.parse import parse_duration, parse_size
 from shardcache._config.settings import PREFETCH_OPTIONS, Settings, prefetch_overrides
@@ -368,15 +368,14 @@ def test_cli_warns_of_an_unknown_variable(tmp_path: Path) -> None:
     )
 
 
-def test_warning_names_each_variable_once(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(settings, "_warned_env", set())
+def test_warning_names_each_variable_once(caplog) -> None:
+    # Names no other test (of this process) used: each is warned about here for the first time.
+    token = uuid.uuid4().hex[:8].upper()
+    thrads, foo = f"SHARDCACHE_THRADS{token}", f"SHARDCACHE_FOO{token}"
     with caplog.at_level(logging.WARNING, logger="shardcache._config.settings"):
         for _ in range(3):
-            Settings.resolve(env={"SHARDCACHE_THRADS": "8", "SHARDCACHE_FOO": "1"})
-    assert [r.getMessage().split()[0] for r in caplog.records] == [
-        "SHARDCACHE_FOO",
-        "SHARDCACHE_THRADS",
-    ]
+            Settings.resolve(env={thrads: "8", foo: "1"})
+    assert [r.getMessage().split()[0] for r in caplog.records] == [foo, thrads]
 
 
 def test_docs_document_every_variable() -> None:

@@ -327,13 +327,17 @@ def test_wait_for_timeout_missing_parent(tmp_path: Path) -> None:
     assert caught.value.parent_count is None
 
 
-def test_wait_for_logs_progress(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(sd, "PROGRESS_EVERY", 0.0)
+def test_wait_for_logs_progress(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="shardcache.distributed")
     with pytest.raises(WaitTimeout):
-        sd.wait_for(lambda: False, "logged thing", timeout=0.2, path=tmp_path / "n", poll=0.01)
+        sd.wait_for(
+            lambda: False,
+            "logged thing",
+            timeout=0.2,
+            path=tmp_path / "n",
+            poll=0.01,
+            progress_every=0.0,
+        )
     assert any("still waiting for logged thing" in r.getMessage() for r in caplog.records)
 
 

@@ -18,7 +18,8 @@ from processes import run_together
 
 from shardcache import ShardCache
 from shardcache._disk.layout import is_temp_name
-from shardcache._store.eviction import listings
+from shardcache._store.eviction import evict_lock, listings
+from shardcache._store.index import Index
 
 SIZE = 10_000
 
@@ -192,19 +193,20 @@ def test_shards_removed_behind_the_index_are_dropped_when_met(tmp_path: Path) ->
 
 
 def test_shards_added_behind_the_index_are_found_by_the_periodic_reconcile(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr("shardcache._store.index.RECONCILE_EVERY", 4)
-    cache, urls = _fill(tmp_path)
+    cache, _urls = _fill(tmp_path)
     unbounded = ShardCache(tmp_path / "c")  # does not keep the index
     extra = _sources(tmp_path, 3, name="extra")
     for url in extra:
         unbounded.fetch(url)
-    for url in urls[5:8]:
-        cache.fetch(url)
-    # Within 4 + 1 operations the index was reconciled, and the evictor then made room
-    # for what it had not known: the cache is within its bound again.
-    assert cache._space.index().counters.reconciles >= 1  # type: ignore[union-attr]
+    # The index of a process that reconciles every 4 operations (or as many as it has
+    # entries, 5): the filling counted more, so it is reconciled before its first eviction,
+    # which then makes room for what it had not known: the scope is within its bound again.
+    index = Index(cache.layout, reconcile_every=4)
+    with evict_lock(cache.layout):
+        index.evict(5 * SIZE)
+    assert index.counters.reconciles >= 1
     assert sum(size for size, _ in _on_disk(_scope(cache))[0].values()) <= 5 * SIZE
     _assert_exact(_scope(cache))
 
