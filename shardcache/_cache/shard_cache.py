@@ -236,10 +236,14 @@ class ShardCache:
         (a tmp cleaner); pinned (not evictable) until closed."""
         return self._pins.open(Path(path))
 
-    def fetch(self, url: str, progress: Progress | None = None) -> Path:
+    def fetch(self, url: str, progress: Progress | None = None, *, count_hit: bool = True) -> Path:
         """Return the path of a complete, verified local copy of ``url``, downloading it
-        at most once across all processes sharing this cache directory."""
-        return self._fetch(url, progress, None)
+        at most once across all processes sharing this cache directory.
+
+        ``count_hit=False`` for a read that delivers no data to training (indexing a
+        shard's samples, checking it): a copy already cached is then not counted as a
+        hit in :meth:`stats` and the loader metrics; a download still counts as a miss."""
+        return self._fetch(url, progress, None, count_hit=count_hit)
 
     def _fetch(
         self,

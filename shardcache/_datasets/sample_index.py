@@ -229,7 +229,7 @@ def cached_samples(cache: ShardCache, url: str) -> ShardSamples:
     layout = cache.layout
     # Reading the layout is no delivery to the loader: a cached copy counts as no hit (one
     # check, so a copy another process publishes meanwhile is not counted either).
-    path = cache._fetch(url, None, None, count_hit=False)
+    path = cache.fetch(url, count_hit=False)
     try:
         st = os.stat(path)
     except FileNotFoundError:  # evicted since: fetch it again

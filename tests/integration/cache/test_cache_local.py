@@ -20,6 +20,7 @@ from shardcache import (
 from shardcache._base.fsinfo import mount_for, parse_mountinfo
 from shardcache._cache.shard_cache import Wiring
 from shardcache._cli.main import main
+from shardcache._observe import metrics
 from shardcache._ops.demo import DEMO_PORT, demo_port, run_demo
 from shardcache._transfer.remote import Remote
 
@@ -59,6 +60,21 @@ def test_local_paths_and_file_urls_share_one_entry(tmp_path: Path) -> None:
     assert cache.fetch(src).read_bytes() == data
     assert cache.fetch(f"file://{src}") == cache.fetch(src)
     assert cache.stats().misses == 1
+
+
+def test_a_fetch_that_delivers_nothing_counts_no_hit(tmp_path: Path) -> None:
+    """count_hit=False (indexing a shard's samples): a cached copy is no hit, in the cache's
+    stats and the loader metrics alike; a download is still a miss."""
+    src, data = _source(tmp_path)
+    cache = ShardCache(tmp_path / "cache")
+    assert cache.fetch(src, count_hit=False).read_bytes() == data
+    assert cache.fetch(src, count_hit=False) == cache.path_for(src)
+    stats = cache.stats()
+    assert (stats.misses, stats.hits) == (1, 0)
+    epoch = metrics.end_epoch()
+    assert (epoch["misses"], epoch["hits"]) == (1, 0)
+    cache.fetch(src)
+    assert cache.stats().hits == 1
 
 
 @pytest.mark.parametrize("url", ["s3:/bucket/x.tar", "s3:bucket/x.tar", "gs:/bucket/x.tar"])
