@@ -30,10 +30,10 @@ from typing import Any
 import s3fs  # noqa: F401  (imported once by the fork server, with aiobotocore)
 from fsspec.asyn import sync
 
-from shardcache import ShardCache
+from shardcache import Settings, ShardCache
 from shardcache._base import safefs
+from shardcache._cache.shard_cache import Wiring
 from shardcache._locking import shard_lock as locks
-from shardcache._store import publish
 from shardcache._transfer import download
 from shardcache._transfer import stream_download as download_stream
 
@@ -132,14 +132,6 @@ def _instrument(instant: str, url: str, final: str, stop_at: int, *, local: bool
             real_verify(self, *args, **kw)
 
         download.Strategy.verify = verify  # type: ignore[method-assign]
-    elif instant == "meta":
-        real_write_meta = publish.write_meta
-
-        def write_meta(*args: Any, **kw: Any) -> None:
-            real_write_meta(*args, **kw)
-            _stop(instant)
-
-        publish.write_meta = write_meta
     elif instant in ("rename", "renamed"):
         real_replace = safefs.SafeFS.replace
 
@@ -154,13 +146,28 @@ def _instrument(instant: str, url: str, final: str, stop_at: int, *, local: bool
         safefs.SafeFS.replace = replace  # type: ignore[method-assign]
 
 
+def _wiring(instant: str) -> Wiring:
+    """The cache's collaborators: the real ones, the metadata writer stopping after it
+    wrote for ``meta``."""
+    if instant != "meta":
+        return Wiring()
+    real_write_meta = Wiring().write_meta
+
+    def write_meta(*args: Any, **kw: Any) -> None:
+        real_write_meta(*args, **kw)
+        _stop(instant)
+
+    return Wiring(write_meta=write_meta)
+
+
 def run(argv: list[str], env: dict[str, str], pipe: Connection) -> None:
     """The child's body (see the module docstring)."""
     cache_dir, url, lock_mode, path, instant, offset = argv
     os.environ.clear()
     os.environ.update(env)
     _pipe.append(pipe)
-    c = ShardCache(cache_dir, lock_mode=lock_mode, **PATHS[path])
+    settings = Settings.resolve(cache_dir=cache_dir, lock_mode=lock_mode, **PATHS[path])
+    c = ShardCache._wired(settings, _wiring(instant))
     _instrument(instant, url, os.fspath(c.path_for(url)), int(offset), local=path == "local")
     if path != "local":
         # Build the S3 client now (no request is made) so the fetch timed below, and the
