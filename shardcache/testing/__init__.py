@@ -6,13 +6,8 @@ a fault proxy, and a test's own process-wide state.
 nothing more.
 """
 
-from shardcache.testing.faultproxy import (
-    FaultProxy,
-    FaultRule,
-    FaultRules,
-    InjectedFault,
-    ProxyStats,
-)
+from shardcache.testing.fault_rules import FaultRule, FaultRules, InjectedFault, ProxyStats
+from shardcache.testing.faultproxy import FaultProxy
 from shardcache.testing.process_state import fresh_process_state
 from shardcache.testing.rclone import RcloneS3Server
 from shardcache.testing.s3server import Request, S3Server

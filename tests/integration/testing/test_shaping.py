@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from shardcache.testing import FaultProxy
-from shardcache.testing.faultproxy import TokenBucket
+from shardcache.testing.token_bucket import TokenBucket
 
 BUCKET = "shape"
 

@@ -58,3 +58,15 @@ def test_every_module_has_a_docstring_saying_what_it_owns() -> None:
         if not doc or len(doc.split()) < 4:
             missing.append(str(path.relative_to(ROOT)))
     assert missing == []
+
+
+MODULE_LINES = 520  # "about 500": a module past it is doing more than one job
+
+
+def test_no_module_is_much_over_500_lines() -> None:
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MODULE_LINES
+    }
+    assert not long, f"modules over {MODULE_LINES} lines (split them by job): {long}"
