@@ -31,15 +31,18 @@ and a rank that torchrun stops prints its threads' stacks. ``--report`` ends eac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +155,22 @@ def make_dataset(args: argparse.Namespace) -> Any:
     )
 
 
+def stacks_on_sigusr2(_worker_id: int) -> None:
+    """A DataLoader worker prints every thread's stack on SIGUSR2 (see dump_worker_stacks)."""
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+
+
+def dump_worker_stacks() -> None:
+    """Ask every DataLoader worker of this rank for its threads' stacks (on stderr): the
+    DataLoader's timeout says a worker is stuck, not where."""
+    workers = multiprocessing.active_children()
+    for worker in workers:
+        with contextlib.suppress(OSError):
+            os.kill(worker.pid, signal.SIGUSR2)
+    for worker in workers:
+        worker.join(1.0)  # a bounded pause for the dumps (the workers do not exit)
+
+
 def make_loader(args: argparse.Namespace, dataset: Any) -> StatefulDataLoader:
     return StatefulDataLoader(
         dataset,
@@ -159,8 +178,9 @@ def make_loader(args: argparse.Namespace, dataset: Any) -> StatefulDataLoader:
         num_workers=args.workers,
         collate_fn=keys_of,
         # A stuck worker fails its rank with the DataLoader's error, before a collective
-        # times out on the other ranks without saying why.
+        # times out on the other ranks without saying why; its stacks tell where it is.
         timeout=args.timeout / 2 if args.workers else 0,
+        worker_init_fn=stacks_on_sigusr2 if args.workers else None,
     )
 
 
@@ -208,6 +228,16 @@ def resume(
     return int(meta["epoch"])
 
 
+def _watched(loader: StatefulDataLoader) -> Iterator[Any]:
+    """``loader``'s batches; on the DataLoader's timeout, the workers' stacks first."""
+    try:
+        yield from loader
+    except RuntimeError as exc:
+        if "timed out" in str(exc):
+            dump_worker_stacks()
+        raise
+
+
 def main() -> int:
     args = parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -229,7 +259,7 @@ def main() -> int:
     step, waited = 0, False
     for epoch in range(epoch, args.epochs):  # noqa: B020 (resumes the loop variable)
         dataset.set_epoch(epoch)
-        for keys in loader:
+        for keys in _watched(loader):
             step += 1
             if step_model is not None:
                 step_model(len(keys))
