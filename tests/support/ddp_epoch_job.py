@@ -35,7 +35,6 @@ import datetime
 import http.client
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
-from processes import end_process_group
+from processes import end_process_group, exit_at_once
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
@@ -164,4 +163,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_at_once(main())

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from processes import end_process_group
+from processes import end_process_group, exit_at_once
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
@@ -300,4 +300,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_at_once(main())
