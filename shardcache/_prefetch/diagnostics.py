@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Protocol
 
-from .._base.errors import ShardCacheError, StallError
+from .._base.errors import ConfigError, ShardCacheError, StallError
 from .._base.units import format_bytes, format_rate
 from ..distributed import rank_info
 
@@ -75,6 +75,23 @@ class RateMeter:
         return (self.total - base_total) / elapsed if elapsed > 0 else 0.0
 
 
+def _check_evidence(min_shards: int, min_span: float) -> None:
+    """Raise :class:`ConfigError` unless a starvation verdict needs at least one shard and
+    a span of zero seconds or more."""
+    if isinstance(min_shards, bool) or not isinstance(min_shards, int) or min_shards < 1:
+        raise ConfigError(
+            f"starvation_min_shards={min_shards!r}: expected a whole number of shards, 1 or more.",
+            name="starvation_min_shards",
+            value=min_shards,
+        )
+    if isinstance(min_span, bool) or not isinstance(min_span, int | float) or min_span < 0:
+        raise ConfigError(
+            f"starvation_min_span={min_span!r}: expected a number of seconds, 0 or more.",
+            name="starvation_min_span",
+            value=min_span,
+        )
+
+
 class StarvationMonitor:
     """Share of the consumer's time spent waiting for shards, over a recent window; judged
     only once the window holds at least ``min_shards`` shards over ``min_span`` seconds."""
@@ -87,6 +104,7 @@ class StarvationMonitor:
         min_shards: int = STARVATION_MIN_SHARDS,
         min_span: float = STARVATION_MIN_SPAN,
     ) -> None:
+        _check_evidence(min_shards, min_span)
         self._threads = threads
         self._depth = depth
         self._min_shards = min_shards
@@ -96,6 +114,11 @@ class StarvationMonitor:
         self._cycles: deque[tuple[float, float, float, int]] = deque()
         self._waited = 0.0  # sum of the window's waits
         self._last_warning: float | None = None
+
+    @property
+    def evidence(self) -> tuple[int, float]:
+        """(``min_shards``, ``min_span``): what a verdict needs."""
+        return self._min_shards, self._min_span
 
     def record(self, start: float, end: float, waited: float, downloaded: int) -> str | None:
         """Add one shard's cycle; returns a warning to log, or None."""

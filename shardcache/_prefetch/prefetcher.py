@@ -65,7 +65,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
 
-from .._base.errors import ConfigError, FetchError, ShardCacheError, StallError
+from .._base.errors import FetchError, ShardCacheError, StallError
 from .._base.redact import get_logger
 from .._config.settings import prefetch_overrides
 from .._observe import metrics
@@ -101,23 +101,6 @@ def check_prefetch_options(
     """Raise :class:`ConfigError` for a prefetch option that cannot be used (None: not given),
     by the rules of the setting it overrides (SHARDCACHE_THREADS, _PREFETCH_DEPTH, ...)."""
     prefetch_overrides(threads=threads, depth=depth, stall_timeout=stall_timeout)
-
-
-def _check_starvation_evidence(min_shards: int, min_span: float) -> None:
-    """Raise :class:`ConfigError` unless a starvation verdict needs at least one shard and
-    a span of zero seconds or more."""
-    if isinstance(min_shards, bool) or not isinstance(min_shards, int) or min_shards < 1:
-        raise ConfigError(
-            f"starvation_min_shards={min_shards!r}: expected a whole number of shards, 1 or more.",
-            name="starvation_min_shards",
-            value=min_shards,
-        )
-    if isinstance(min_span, bool) or not isinstance(min_span, int | float) or min_span < 0:
-        raise ConfigError(
-            f"starvation_min_span={min_span!r}: expected a number of seconds, 0 or more.",
-            name="starvation_min_span",
-            value=min_span,
-        )
 
 
 class Prefetcher:
@@ -156,7 +139,6 @@ class Prefetcher:
         starvation_min_span: float = STARVATION_MIN_SPAN,
     ) -> None:
         check_prefetch_options(threads=threads, depth=depth, stall_timeout=stall_timeout)
-        _check_starvation_evidence(starvation_min_shards, starvation_min_span)
         self._fetch = fetch
         self._urls = urls
         self.threads = threads
@@ -179,7 +161,6 @@ class Prefetcher:
         self._left_behind: set[threading.Thread] = set()  # stuck workers a shutdown gave up on
         self._last_return: float | None = None
         self._stall: StallError | None = None  # raised again by every later next_early()
-        self._starvation_evidence = (starvation_min_shards, starvation_min_span)
         self._starvation = StarvationMonitor(
             threads, depth, min_shards=starvation_min_shards, min_span=starvation_min_span
         )
@@ -201,7 +182,7 @@ class Prefetcher:
             "stall_timeout": self.stall_timeout,
             "clock": self._clock,
             "release": self._release,
-            "starvation_evidence": self._starvation_evidence,
+            "starvation_evidence": self._starvation.evidence,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
