@@ -37,6 +37,7 @@ import faulthandler
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,9 +156,34 @@ def make_dataset(args: argparse.Namespace) -> Any:
     )
 
 
-def stacks_on_sigusr2(_worker_id: int) -> None:
-    """A DataLoader worker prints every thread's stack on SIGUSR2 (see dump_worker_stacks)."""
+def stacks_on_sigusr2() -> None:
+    """This process, and every DataLoader worker forked from it from then on (the handler is
+    inherited, so a worker stuck before its ``worker_init_fn`` answers too), prints every
+    thread's Python stack on SIGUSR2 (see dump_worker_stacks)."""
     faulthandler.register(signal.SIGUSR2, all_threads=True)
+
+
+def _native_stacks(pid: int) -> str:
+    """Where each thread of ``pid`` waits in the kernel, and its C stacks when gdb is here."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        with contextlib.suppress(OSError):
+            comm = (task / "comm").read_text().strip()
+            wchan = (task / "wchan").read_text().strip()
+            syscall = (task / "syscall").read_text().strip()
+            lines.append(f"task {task.name} {comm}: wchan={wchan} syscall={syscall}")
+    gdb = shutil.which("gdb")
+    if gdb is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            done = subprocess.run(
+                [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 30"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            lines.append(done.stdout[-12000:])
+    return "\n".join(lines)
 
 
 def dump_worker_stacks() -> None:
@@ -165,10 +191,13 @@ def dump_worker_stacks() -> None:
     DataLoader's timeout says a worker is stuck, not where."""
     workers = multiprocessing.active_children()
     for worker in workers:
+        print(f"=== worker {worker.pid}: native stacks ===", file=sys.stderr, flush=True)
+        print(_native_stacks(worker.pid), file=sys.stderr, flush=True)
+    for worker in workers:
+        print(f"=== worker {worker.pid}: Python stacks ===", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
             os.kill(worker.pid, signal.SIGUSR2)
-    for worker in workers:
-        worker.join(1.0)  # a bounded pause for the dumps (the workers do not exit)
+        worker.join(1.0)  # a bounded pause for the dump (the worker does not exit)
 
 
 def make_loader(args: argparse.Namespace, dataset: Any) -> StatefulDataLoader:
@@ -180,7 +209,6 @@ def make_loader(args: argparse.Namespace, dataset: Any) -> StatefulDataLoader:
         # A stuck worker fails its rank with the DataLoader's error, before a collective
         # times out on the other ranks without saying why; its stacks tell where it is.
         timeout=args.timeout / 2 if args.workers else 0,
-        worker_init_fn=stacks_on_sigusr2 if args.workers else None,
     )
 
 
@@ -249,6 +277,7 @@ def main() -> int:
     signalled = install_signal_handlers(args)
 
     dataset = make_dataset(args)
+    stacks_on_sigusr2()
     loader = make_loader(args, dataset)
     epoch = resume(args, loader, dataset, world_size, rank)
     resumed = epoch is not None

@@ -141,11 +141,14 @@ def _wait_gone(pids: list[int], deadline: float) -> None:
 
 def _tracebacks(stderr: str) -> str:
     """The ranks' tracebacks (torchrun's summary after them says little), then the stacks
-    a rank stopped by torchrun prints (resume_job.py registers faulthandler on SIGTERM)."""
+    a rank stopped by torchrun prints (resume_job.py registers faulthandler on SIGTERM), then
+    a stuck DataLoader worker's stacks (resume_job.py's dump_worker_stacks)."""
     start = stderr.find("Traceback")
     found = stderr[start : start + 6000] if start >= 0 else stderr[-4000:]
     stacks = re.search(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\)", stderr)
-    return found + ("\n" + stderr[stacks.start() : stacks.start() + 6000] if stacks else "")
+    found += "\n" + stderr[stacks.start() : stacks.start() + 6000] if stacks else ""
+    workers = stderr.find("=== worker ")  # resume_job.py's dump of a stuck worker
+    return found + ("\n" + stderr[workers : workers + 16000] if workers >= 0 else "")
 
 
 @pytest.fixture
