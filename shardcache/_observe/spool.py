@@ -1,10 +1,11 @@
 """The spool through which DataLoader workers hand their epoch totals to their main process.
 
 One small JSON file per worker and epoch in ``<tmp>/shardcache-<euid>/metrics-spool/<main
-pid>/``, written under a temporary name and renamed, so the main process reads only
-complete files. The temporary directory is shared with other users: every operation goes
-through :class:`SafeFS` with private trust, so a directory or link planted there by someone
-else is refused (the totals are then lost, with a warning) instead of redirecting a write or
+pid>/`` (the pid of the process that started the worker, whatever the start method),
+written under a temporary name and renamed, so the main process reads only complete files.
+The temporary directory is shared with other users: every operation goes through
+:class:`SafeFS` with private trust, so a directory or link planted there by someone else is
+refused (the totals are then lost, with a warning) instead of redirecting a write or
 feeding the report someone else's counts.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import tempfile
 import time
@@ -34,10 +36,18 @@ def spool_root() -> Path:
     return Path(tempfile.gettempdir()) / f"shardcache-{os.geteuid()}" / "metrics-spool"
 
 
+def _main_pid() -> int:
+    """The pid of the process that started this DataLoader worker (the rank's main process).
+    Not always the OS parent: a worker of ``multiprocessing_context="forkserver"`` is the
+    forkserver's child; multiprocessing records the process that asked for it."""
+    parent = multiprocessing.parent_process()
+    return os.getppid() if parent is None or parent.pid is None else parent.pid
+
+
 def spool(total: dict[str, Any]) -> None:
     """Hand this worker's epoch ``total`` to its parent (the rank's main process)."""
     fs = SafeFS(spool_root(), Trust.private())
-    directory = fs.root / str(os.getppid())  # a DataLoader worker's parent (torch assumes it)
+    directory = fs.root / str(_main_pid())
     name = f"{os.getpid()}-e{total['epoch']}-{time.monotonic_ns()}.json"
     tmp = directory / f".{name}.tmp"
     try:

@@ -383,9 +383,14 @@ def test_rank_zero_logs_the_jobs_line_over_a_gloo_group(tmp_path: Path) -> None:
 # -- facts beyond requests: settings in code, lock waits, integrity -------------------------
 
 
-def test_metrics_asked_for_in_code_reach_forked_workers(s3, dataset, tmp_path: Path) -> None:
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_metrics_asked_for_in_code_reach_workers_of_every_start_method(
+    s3, dataset, tmp_path: Path, start_method: str
+) -> None:
     """``ShardCache(metrics=DIR)`` without the environment variable: the training process
-    and its forked DataLoader workers write their files there."""
+    and its DataLoader workers write their files there, and the workers hand their totals
+    to the training process's report, however they were started (a forkserver's worker is
+    not the training process's child)."""
     cache = ShardCache(
         tmp_path / "cache",
         storage_options={"endpoint_url": s3.endpoint_url},
@@ -397,10 +402,19 @@ def test_metrics_asked_for_in_code_reach_forked_workers(s3, dataset, tmp_path: P
         shardcache.tarfile_to_samples(cache=cache),
     )
     loader = DataLoader(
-        pipeline, batch_size=None, num_workers=2, multiprocessing_context=mp.get_context("fork")
+        pipeline,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=mp.get_context(start_method),
+        timeout=60,
     )
     assert len(list(loader)) == SHARDS * PER_SHARD
-    shardcache.log_epoch_summary(0)
+    report = shardcache.log_epoch_summary(0)
+    assert (report["samples"], report["misses"], report["processes"]) == (
+        SHARDS * PER_SHARD,
+        SHARDS,
+        3,
+    )
     records = _records(tmp_path / "metrics")
     assert {r["worker"] for r in records} == {0, 1, None}
     assert sum(r["samples"] for r in records) == SHARDS * PER_SHARD
