@@ -156,10 +156,11 @@ def make_dataset(args: argparse.Namespace) -> Any:
     )
 
 
-def stacks_on_sigusr2() -> None:
-    """This process, and every DataLoader worker forked from it from then on (the handler is
-    inherited, so a worker stuck before its ``worker_init_fn`` answers too), prints every
-    thread's Python stack on SIGUSR2 (see dump_worker_stacks)."""
+def stacks_on_sigusr2(_worker_id: int | None = None) -> None:
+    """This process prints every thread's Python stack on SIGUSR2 (see dump_worker_stacks).
+    Called in the rank before its DataLoader forks (the handler is inherited: a worker stuck
+    before its ``worker_init_fn`` answers too), and as the ``worker_init_fn`` (a worker
+    started by a forkserver inherits nothing from the rank)."""
     faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
@@ -209,6 +210,8 @@ def make_loader(args: argparse.Namespace, dataset: Any) -> StatefulDataLoader:
         # A stuck worker fails its rank with the DataLoader's error, before a collective
         # times out on the other ranks without saying why; its stacks tell where it is.
         timeout=args.timeout / 2 if args.workers else 0,
+        worker_init_fn=stacks_on_sigusr2 if args.workers else None,
+        multiprocessing_context=args.start_method if args.workers else None,
     )
 
 
@@ -226,6 +229,12 @@ def parse_args() -> argparse.Namespace:
     # --log-as under torchrun: its own parser takes "--run..." for its "--run-path".
     parser.add_argument("--log-as", "--run", dest="run", required=True)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--start-method",
+        choices=["fork", "forkserver", "spawn"],
+        default="fork",
+        help="how the DataLoader starts its workers (fork: torch's default on Linux)",
+    )
     parser.add_argument("--batch-size", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=7)
