@@ -15,7 +15,7 @@ refused rather than misread.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -148,10 +148,36 @@ def _read_exactly(stream: BinaryIO, count: int, where: str) -> bytes:
     return data
 
 
-def members(stream: BinaryIO, offset: int, where: str) -> Iterator[Member]:
+def is_header(block: bytes) -> bool:
+    """Whether ``block`` is a whole, checksummed tar header (not an end-of-archive block):
+    what an uncompressed tar starts with."""
+    if len(block) != BLOCK or block.count(0) == BLOCK:
+        return False
+    try:
+        _checked(block, "")
+    except ShardFormatError:
+        return False
+    return True
+
+
+def _skip(stream: BinaryIO, count: int) -> None:
+    """Read past ``count`` bytes (a stream that cannot seek, standard input, is read too)."""
+    while count > 0:
+        count -= len(stream.read(min(count, 1 << 20))) or count
+
+
+def members(
+    stream: BinaryIO,
+    offset: int,
+    where: str,
+    *,
+    rename: Callable[[str], str] | None = None,
+    select: Callable[[str], bool] | None = None,
+) -> Iterator[Member]:
     """The regular, non-``__meta__`` members from ``offset`` (``stream`` is positioned
     there) to the end of the archive; their data is read, everything else is skipped by
-    its header."""
+    its header. ``rename`` and ``select`` act as webdataset's ``rename_files`` and
+    ``select_files``: a member's name is renamed, then a member not selected is skipped."""
     position = offset
     start = offset  # first header block of the member being assembled
     long_name: str | None = None
@@ -182,13 +208,16 @@ def members(stream: BinaryIO, offset: int, where: str) -> Iterator[Member]:
             continue  # an extension header: the member follows
         name = pax.get("path") or long_name or _name(header)
         wanted = kind in _REGULAR and not _META_RE.match(name)
+        if wanted and rename is not None:
+            name = rename(name)
+        if wanted and select is not None:
+            wanted = select(name)
         if wanted:
             data = _read_exactly(stream, size, here)
-            if padded != size:
-                stream.seek(padded - size, 1)
+            _skip(stream, padded - size)
             yield Member(start, name, data)
-        elif padded:
-            stream.seek(padded, 1)
+        else:
+            _skip(stream, padded)
         position += padded
         start = position
         long_name = None
@@ -196,12 +225,33 @@ def members(stream: BinaryIO, offset: int, where: str) -> Iterator[Member]:
 
 
 def samples(
-    stream: BinaryIO, offset: int, where: str, *, only_one: bool = False
+    stream: BinaryIO,
+    offset: int,
+    where: str,
+    *,
+    only_one: bool = False,
+    rename: Callable[[str], str] | None = None,
+    select: Callable[[str], bool] | None = None,
+    deliver_before_damage: bool = False,
 ) -> Iterator[Sample]:
     """Samples from ``offset`` to the end of the archive (or just the first one), grouped
-    as webdataset groups them. ``stream`` must be positioned at ``offset``."""
+    as webdataset groups them. ``stream`` must be positioned at ``offset``; ``rename`` and
+    ``select`` as in :func:`members`. With ``deliver_before_damage``, the sample being
+    assembled when a damaged header or a truncated member is met is yielded before the
+    :class:`ShardFormatError` is raised (webdataset delivers it: :mod:`tarfile` ends the
+    archive there)."""
     current: Sample | None = None
-    for member in members(stream, offset, where):
+    found = members(stream, offset, where, rename=rename, select=select)
+    while True:
+        try:
+            member = next(found, None)
+        except ShardFormatError:
+            if deliver_before_damage and current is not None:
+                current.end = -1
+                yield current
+            raise
+        if member is None:
+            break
         split = sample_key(member.name)
         if split is None:
             continue

@@ -17,14 +17,15 @@ Errors follow webdataset's ``handler(exn)`` convention, called once per failed s
 (after the cache's own retries): True skips the shard, False ends the stream, raising
 propagates. A :class:`~shardcache.StallError` is not a fault of one shard but of
 the whole data path, so it always propagates (one raised while reading a shard that is
-still downloading reaches the handler through webdataset's tar expansion first, and is
-raised again when the next shard is requested).
+still downloading reaches the handler through the tar expansion first, and is raised
+again when the next shard is requested). The tar expansion gives webdataset's samples,
+parsed by shardcache's own tar reader (:mod:`.tar_expansion`: a quarter of the CPU).
 
 Read while downloading (SHARDCACHE_READ_WHILE_DOWNLOADING=on, the default): a shard this
 process downloads is handed to the tar expansion once its first bytes landed, and read as
 they arrive (:mod:`shardcache._store.growing`); it is still published only complete and verified.
 If its verification then fails, reading it raises :class:`~shardcache.IntegrityError`,
-which webdataset passes to the handler: the samples already yielded from that shard came
+which the tar expansion passes to the handler: the samples already yielded from that shard came
 from bytes that failed verification. Such a shard's ``local_path`` names where it will be
 published (it may not exist yet): read ``stream``. After the tar expansion is done with a
 shard read this way, the stage waits for its verdict before the next shard, so a failure
@@ -52,6 +53,7 @@ from .._observe import metrics
 from .._prefetch.prefetcher import Prefetcher
 from .._store.growing import GrowingFile
 from ..distributed import rank_info
+from .tar_expansion import expand
 
 logger = get_logger(__name__)
 
@@ -65,7 +67,7 @@ class CacheStage:
 
     Shards are fetched through the cache by a :class:`Prefetcher` ahead of the consumer;
     every other key of the incoming dict is passed through. Each stream is closed when the
-    next shard is requested (webdataset's tar expansion has then finished reading it).
+    next shard is requested (the tar expansion has then finished reading it).
     The URL ``"-"`` is standard input, as in webdataset: read once, in order, uncached.
     """
 
@@ -198,13 +200,8 @@ class TarfileToSamples(CacheStage):
 
     def __call__(self, src: Iterable[Sample]) -> Iterator[Sample]:
         opened = self._opened_shards(src)
-        files = wds.tariterators.tar_file_expander(
-            opened,
-            handler=self.handler,
-            select_files=self.select_files,
-            rename_files=self.rename_files,
-        )
-        return _epoch(wds.tariterators.group_by_keys(files, handler=self.handler), opened)
+        samples = expand(opened, self.handler, self.select_files, self.rename_files)
+        return _epoch(samples, opened)
 
 
 def _open(
@@ -230,7 +227,7 @@ def _epoch(
     samples within a shard's time.
 
     ``opened`` (the opened shards ``items`` come from) is closed when this ends in any
-    way: an error raised by a stage in between (webdataset's tar expansion of a damaged
+    way: an error raised by a stage in between (the tar expansion of a damaged
     shard) leaves it suspended, held by the error's traceback, and its prefetch threads
     would run until the traceback was collected."""
     uncounted = 0
