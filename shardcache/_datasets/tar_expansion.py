@@ -12,6 +12,11 @@ to its ``args``, and a handler that returns False ends the stream.
 A shard whose first block is not an uncompressed tar header (a compressed tar, an empty
 file, not a tar at all) is expanded by webdataset itself, with its errors as before.
 
+A shard's last sample is delivered once its stream was read to the end: a shard read while
+it downloads ends only once verified (:mod:`shardcache._store.growing`), so the last sample
+follows the verdict, and a failed verification keeps it back (its error goes to the
+handler).
+
 Two differences, both on damaged shards, both so that nothing is lost unseen:
 
 - A damaged header after the first member: :mod:`tarfile` ends the archive there without
@@ -46,7 +51,7 @@ class _Replayed:
         head = self._head
         if not head:
             return self._stream.read(size)
-        if 0 <= size < len(head):
+        if 0 <= size <= len(head):
             self._head = head[size:]
             return head[:size]
         self._head = b""
@@ -75,37 +80,65 @@ def expand(
         return keep
 
     for shard in shards:
-        stream, url = shard["stream"], shard["url"]
-        local_path = shard.get("local_path")
+        stream = shard["stream"]
         try:
             head = stream.read(BLOCK)
         except Exception as exn:
-            exn.args = (*exn.args, stream, url)
-            if not handle(exn):
-                return
-            continue
-        if not is_header(head):
-            replayed = {**shard, "stream": _Replayed(head, stream)}
-            files = wds.tariterators.tar_file_expander(
-                [replayed], handler=handle, select_files=select_files, rename_files=rename_files
-            )
-            yield from wds.tariterators.group_by_keys(files, handler=handle)
+            _report(exn, shard, handle)
         else:
-            try:
-                for sample in samples(
-                    _Replayed(head, stream),
-                    0,
-                    url,
-                    rename=rename_files,
-                    select=select_files,
-                    deliver_before_damage=True,
-                ):
-                    yield _as_webdataset_sample(sample, url, local_path)
-            except Exception as exn:
-                exn.args = (*exn.args, stream, url)
-                handle(exn)
+            if is_header(head):
+                yield from _parsed(
+                    _Replayed(head, stream), shard, handle, select_files, rename_files
+                )
+            else:
+                replayed = {**shard, "stream": _Replayed(head, stream)}
+                files = wds.tariterators.tar_file_expander(
+                    [replayed], handler=handle, select_files=select_files, rename_files=rename_files
+                )
+                yield from wds.tariterators.group_by_keys(files, handler=handle)
         if stopped:
             return
+
+
+def _parsed(
+    stream: _Replayed,
+    shard: dict[str, Any],
+    handle: Handler,
+    select_files: Callable[[str], bool] | None,
+    rename_files: Callable[[str], str] | None,
+) -> Iterator[dict[str, Any]]:
+    """One shard's samples, parsed here. The last is held back until the stream was read to
+    its end: a shard read while it downloads ends only once verified, so its last sample
+    follows the verdict, and a failed verification drops it (the error goes to the
+    handler). A damaged shard delivers the samples before the damage, then its error."""
+    url, local_path = shard["url"], shard.get("local_path")
+    pending: Sample | None = None
+    try:
+        for sample in samples(
+            stream, 0, url, rename=rename_files, select=select_files, deliver_before_damage=True
+        ):
+            if pending is not None:
+                yield _as_webdataset_sample(pending, url, local_path)
+            pending = sample
+    except Exception as exn:
+        if pending is not None:
+            yield _as_webdataset_sample(pending, url, local_path)
+        _report(exn, shard, handle)
+        return
+    try:
+        while stream.read(1 << 20):
+            pass  # the end-of-archive record, then the end of file (the verdict)
+    except Exception as exn:
+        _report(exn, shard, handle)
+        return
+    if pending is not None:
+        yield _as_webdataset_sample(pending, url, local_path)
+
+
+def _report(exn: Exception, shard: dict[str, Any], handle: Handler) -> None:
+    """``exn`` to the handler, its ``args`` extended as webdataset extends them."""
+    exn.args = (*exn.args, shard["stream"], shard["url"])
+    handle(exn)
 
 
 def _as_webdataset_sample(sample: Sample, url: str, local_path: str | None) -> dict[str, Any]:

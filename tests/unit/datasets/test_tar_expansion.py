@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tars import tar_bytes
 from test_tar_members import archives
 
-from shardcache import ShardFormatError
+from shardcache import IntegrityError, ShardFormatError
 from shardcache._datasets.tar_expansion import expand
 from shardcache._datasets.tar_members import samples
 
@@ -136,3 +136,31 @@ def test_a_handler_that_returns_false_ends_the_stream(first: str) -> None:
         ["s0", "s1"] if first == "damaged" else []
     )
     assert len(seen) == 1
+
+
+class _FailsAtEnd(io.RawIOBase):
+    """A shard read while it downloads whose verification failed: its bytes, then the
+    verdict's error instead of the end of file."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        chunk = self._data.read(len(buffer))
+        if not chunk and len(buffer):
+            raise IntegrityError("verification failed", url="s3://b/x.tar")
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+
+def test_a_shards_last_sample_waits_for_its_end_of_file_and_a_failure_drops_it() -> None:
+    data = tar_bytes([("a", {"bin": b"1"}), ("b", {"bin": b"2"}), ("c", {"bin": b"3"})])
+    seen: list[BaseException] = []
+    shard = {"url": "s3://b/x.tar", "stream": _FailsAtEnd(data)}
+    got = [s["__key__"] for s in expand([shard], _recording(seen, keep=True))]
+    assert got == ["a", "b"]  # "c" came last: its end of file never came
+    assert [type(e) for e in seen] == [IntegrityError]
+    assert seen[0].args[-1] == "s3://b/x.tar"
