@@ -107,22 +107,24 @@ def _parsed(
     select_files: Callable[[str], bool] | None,
     rename_files: Callable[[str], str] | None,
 ) -> Iterator[dict[str, Any]]:
-    """One shard's samples, parsed here. The last is held back until the stream was read to
-    its end: a shard read while it downloads ends only once verified, so its last sample
-    follows the verdict, and a failed verification drops it (the error goes to the
-    handler). A damaged shard delivers the samples before the damage, then its error."""
+    """One shard's samples, parsed here, each as soon as the next one starts (as webdataset
+    yields them). The last is held back until the stream was read to its end: a shard read
+    while it downloads ends only once verified, so its last sample follows the verdict, and
+    a failed verification keeps it back (the error goes to the handler). A damaged shard
+    delivers the samples before the damage, then its error."""
     url, local_path = shard["url"], shard.get("local_path")
-    pending: Sample | None = None
+    last: Sample | None = None  # the archive's end (or its damage) came after it
     try:
         for sample in samples(
             stream, 0, url, rename=rename_files, select=select_files, deliver_before_damage=True
         ):
-            if pending is not None:
-                yield _as_webdataset_sample(pending, url, local_path)
-            pending = sample
+            if sample.end < 0:
+                last = sample
+            else:
+                yield _as_webdataset_sample(sample, url, local_path)
     except Exception as exn:
-        if pending is not None:
-            yield _as_webdataset_sample(pending, url, local_path)
+        if last is not None:
+            yield _as_webdataset_sample(last, url, local_path)
         _report(exn, shard, handle)
         return
     try:
@@ -131,8 +133,8 @@ def _parsed(
     except Exception as exn:
         _report(exn, shard, handle)
         return
-    if pending is not None:
-        yield _as_webdataset_sample(pending, url, local_path)
+    if last is not None:
+        yield _as_webdataset_sample(last, url, local_path)
 
 
 def _report(exn: Exception, shard: dict[str, Any], handle: Handler) -> None:
