@@ -163,7 +163,10 @@ def is_header(block: bytes) -> bool:
 def _skip(stream: BinaryIO, count: int) -> None:
     """Read past ``count`` bytes (a stream that cannot seek, standard input, is read too)."""
     while count > 0:
-        count -= len(stream.read(min(count, 1 << 20))) or count
+        got = len(stream.read(min(count, 1 << 20)))
+        if not got:
+            return  # the end of the stream: a missing padding is not an error
+        count -= got
 
 
 def members(

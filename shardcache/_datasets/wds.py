@@ -19,7 +19,7 @@ propagates. A :class:`~shardcache.StallError` is not a fault of one shard but of
 the whole data path, so it always propagates (one raised while reading a shard that is
 still downloading reaches the handler through the tar expansion first, and is raised
 again when the next shard is requested). The tar expansion gives webdataset's samples,
-parsed by shardcache's own tar reader (:mod:`.tar_expansion`: a quarter of the CPU).
+parsed by shardcache's own tar reader (:mod:`.tar_expansion`: a third of the CPU a sample).
 
 Read while downloading (SHARDCACHE_READ_WHILE_DOWNLOADING=on, the default): a shard this
 process downloads is handed to the tar expansion once its first bytes landed, and read as
