@@ -7,6 +7,11 @@ Invariants:
 
 - A worker takes the oldest queued shard first (FIFO) and publishes its outcome, path or
   error, under ``Shared.cond``; every ``Task`` field after ``url`` is guarded by it.
+- The first shard leads: the other workers start once its request was answered (its phase
+  moved past ``requesting``), it ended, or ``LEAD_TIME`` passed. Its request does not
+  queue behind the others' on the client's event loop, nor share the server and the link
+  with them while the consumer waits for its first bytes; the others start one round
+  trip later, once.
 - Workers reference only :class:`Shared`, never the ``Prefetcher``, so dropping the last
   reference to the prefetcher runs its ``__del__``, which cancels them.
 - Once cancelled, a fetch's next progress call raises a private ``BaseException`` (retry
@@ -26,6 +31,8 @@ from .._transfer.remote import Progress
 from .diagnostics import RateMeter
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
+LEAD_TIME = 1.0  # seconds the other workers wait at most for the first shard's answer
+_UNANSWERED = frozenset({"queued", "started", "requesting"})  # phases before an answer
 
 
 class Fetch(Protocol):
@@ -130,6 +137,16 @@ class Shared:
         self.workers: dict[str, Task | None] = {}  # thread name -> its shard (None: idle)
         self.meter = RateMeter()  # all workers' bytes
         self.threads: list[threading.Thread] = []
+        self.lead: Task | None = None  # the first shard taken (see the module docstring)
+        self.lead_until = 0.0  # when the others start even if the lead has no answer yet
+
+    def lead_wait(self) -> float:
+        """Seconds another worker still waits for the leading shard (0: start). Under
+        ``cond``."""
+        lead = self.lead
+        if lead is None or lead.state == DONE or lead.phase not in _UNANSWERED:
+            return 0.0
+        return max(0.0, self.lead_until - self.clock())
 
 
 class _Reporter:
@@ -154,7 +171,10 @@ class _Reporter:
                 delta = bytes_done - task.bytes_done
                 task.meter.add(delta, now)
                 shared.meter.add(delta, now)
+            answered = task is shared.lead and task.phase in _UNANSWERED
             task.phase, task.bytes_done, task.bytes_total = phase, bytes_done, bytes_total
+            if answered and phase not in _UNANSWERED:
+                shared.cond.notify_all()  # the workers waiting for the lead start
 
     def offer(self, early: Early) -> None:
         """The fetch can be read before it ends (:meth:`Prefetcher.next_early`)."""
@@ -170,12 +190,17 @@ def work(shared: Shared, name: str) -> None:
     cond = shared.cond
     while True:
         with cond:
-            while not shared.queue and not shared.cancelled.is_set():
-                cond.wait()
+            while not shared.cancelled.is_set():
+                wait = shared.lead_wait() if shared.queue else None
+                if wait is not None and wait <= 0:
+                    break
+                cond.wait(wait)
             if shared.cancelled.is_set():
                 return
             task = shared.queue.popleft()
             now = shared.clock()
+            if shared.lead is None:
+                shared.lead, shared.lead_until = task, now + LEAD_TIME
             task.state, task.phase = RUNNING, "started"
             task.started = task.last_change = now
             task.thread_name, task.thread_ident = name, threading.get_ident()

@@ -250,6 +250,93 @@ def test_depth_is_reached(tmp_path: Path) -> None:
         assert [s.url for s in consumer.result()] == urls
 
 
+class LeadFetch:
+    """A fetch double for the first shard's lead: every fetch reports ``requesting`` and
+    holds until ``answer(url)``, then reports ``downloading`` (or, with ``hit``, ends
+    without a phase change) and finishes. Records each fetch's start in order."""
+
+    def __init__(self, root: Path, *, hit: bool = False) -> None:
+        self.root = root
+        self.hit = hit
+        self.cond = threading.Condition()
+        self.started: list[str] = []
+        self.answered: set[str] = set()
+        self.started_before_answer: dict[str, list[str]] = {}
+
+    def answer(self, url: str) -> None:
+        with self.cond:
+            self.answered.add(url)
+            self.cond.notify_all()
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
+        with self.cond:
+            return self.cond.wait_for(predicate, timeout=timeout)
+
+    def __call__(self, url: str, progress) -> Path:
+        with self.cond:
+            self.started.append(url)
+            self.cond.notify_all()
+        progress(phase="requesting", bytes_done=0, bytes_total=None)
+        deadline = time.monotonic() + WAIT
+        with self.cond:
+            while url not in self.answered:
+                assert time.monotonic() < deadline, f"{url} was never answered"
+                self.cond.wait(0.01)
+            self.started_before_answer[url] = list(self.started)
+        if self.hit:
+            return _write_shard(self.root, url, lambda **_: None)
+        progress(phase="downloading", bytes_done=0, bytes_total=len(url))
+        return _write_shard(self.root, url, progress)
+
+
+def test_the_first_shard_is_requested_alone_until_its_answer(tmp_path: Path) -> None:
+    urls = _urls(6)
+    fake = LeadFetch(tmp_path)
+    consumer = Consumer(Prefetcher(fake, urls, threads=4, depth=4, stall_timeout=60))
+    consumer.start()
+    assert fake.wait_until(lambda: fake.started == urls[:1])
+    # Nothing else may start while the lead waits for its answer (a wait that ends in
+    # time would be a failure; this one can only pass for the wrong reason, never flake).
+    assert not fake.wait_until(lambda: len(fake.started) > 1, timeout=0.3)
+    fake.answer(urls[0])
+    assert fake.wait_until(lambda: len(fake.started) == 4), "the others start on its answer"
+    assert fake.started_before_answer[urls[0]] == urls[:1]
+    for url in urls[1:]:
+        fake.answer(url)
+    assert [s.url for s in consumer.result()] == urls
+
+
+def test_a_first_shard_that_ends_without_an_answer_releases_the_others(tmp_path: Path) -> None:
+    urls = _urls(3)
+    fake = LeadFetch(tmp_path, hit=True)  # ends in "requesting", as a hit found late would
+    consumer = Consumer(Prefetcher(fake, urls, threads=3, depth=3, stall_timeout=60))
+    consumer.start()
+    assert fake.wait_until(lambda: fake.started == urls[:1])
+    fake.answer(urls[0])
+    assert fake.wait_until(lambda: len(fake.started) == 3)
+    for url in urls[1:]:
+        fake.answer(url)
+    assert [s.url for s in consumer.result()] == urls
+
+
+def test_the_others_start_after_the_lead_time_without_an_answer(tmp_path: Path) -> None:
+    from shardcache._prefetch.workers import LEAD_TIME
+
+    urls = _urls(3)
+    clock = FakeClock()
+    fake = LeadFetch(tmp_path)
+    consumer = Consumer(Prefetcher(fake, urls, threads=3, depth=3, stall_timeout=60, clock=clock))
+    consumer.start()
+    assert fake.wait_until(lambda: fake.started == urls[:1])
+    assert not fake.wait_until(lambda: len(fake.started) > 1, timeout=0.3)
+    clock.advance(LEAD_TIME)  # seen by the waiting workers at their next timed wake-up
+    assert fake.wait_until(lambda: len(fake.started) == 3)
+    assert urls[0] not in fake.answered, "the lead still had no answer"
+    for url in urls:
+        fake.answer(url)
+    assert [s.url for s in consumer.result()] == urls
+
+
 def test_construction_is_lazy_and_pickles_before_iteration(tmp_path: Path) -> None:
     urls = _urls(5)
     threads_before = set(threading.enumerate())
