@@ -80,7 +80,7 @@ from bench.infra import CTX, MiB, _machine_busy, _proc_cpu, median
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"count": 4, "size": 256 * 1024, "inflight": 2, "reps": 1, "timeout": 60.0},
-    "full": {"count": 15, "size": 64 * MiB, "inflight": 8, "reps": 3, "timeout": 90.0},
+    "full": {"count": 15, "size": 64 * MiB, "inflight": 8, "reps": 5, "timeout": 90.0},
 }
 BUCKET = "b15"
 WARM = "warm-up.bin"

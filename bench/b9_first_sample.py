@@ -76,7 +76,7 @@ def b9_first_sample(b: Bench) -> dict[str, Any]:
             "webdataset streaming": lambda: _webdataset(streamed, None),
             "webdataset cache_dir=": lambda: _webdataset(urls, str(b.fresh_dir("b9w"))),
         }
-        for rep in range(b.cfg["reps"]):
+        for rep in range(b.cfg["b9_reps"]):
             order = list(readers) if rep % 2 == 0 else list(reversed(readers))  # alternate
             for name in order:
                 clear_fs_caches()
