@@ -49,12 +49,16 @@ class CacheLocks:
         """The lock of ``shard``; while it waits, ``progress`` hears of the holder's."""
 
         def holder_progress(record: dict[str, Any] | None) -> None:
-            if progress is not None and record is not None:
-                progress(
-                    phase=f"waiting for pid {record.get('pid')} on {record.get('host')}",
-                    bytes_done=int(record.get("bytes_done") or 0),
-                    bytes_total=record.get("bytes_total"),
-                )
+            if progress is None:
+                return
+            if record is None:  # the holder has not written its record yet
+                progress(phase="waiting for the lock", bytes_done=0, bytes_total=None)
+                return
+            progress(
+                phase=f"waiting for pid {record.get('pid')} on {record.get('host')}",
+                bytes_done=int(record.get("bytes_done") or 0),
+                bytes_total=record.get("bytes_total"),
+            )
 
         policy = self.policy()
         node_fs = self.node_fs() if policy.mode == "lease" else None

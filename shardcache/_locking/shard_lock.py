@@ -105,8 +105,9 @@ class ShardLock:
         # Every file operation goes through the cache's directory descriptors; a lock used
         # on its own is rooted at its directory.
         self.fs = SafeFS(self.path.parent, Trust.private()) if fs is None else fs
-        # Called with the holder's record each time it changes while we wait, so observers
-        # (the prefetch watchdog) see another process's progress as progress.
+        # Called with the holder's record each time it changes while we wait (and at the
+        # first wait, with None if the holder has no record yet), so observers (the
+        # prefetch watchdog, the prefetcher's first shard) see another process's progress.
         self.on_wait = on_wait
         self.url = url
         self.policy = policy
@@ -240,7 +241,9 @@ class ShardLock:
                 return False
             now = time.monotonic()
             raw = self._read_holder_raw()
-            if watch.observe(raw, now) and on_wait is not None:
+            # The first failed attempt is reported even before the holder's record exists
+            # (None): a waiter's progress then says at once that it waits for a lock.
+            if (watch.observe(raw, now) or attempts == 1) and on_wait is not None:
                 on_wait(watch.record)
             self._judge(watch, now, start, attempts)
             if now >= next_log:

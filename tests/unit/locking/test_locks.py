@@ -268,6 +268,25 @@ def test_waiter_sees_the_holders_progress(tmp_path: Path) -> None:
     assert len(set(seen)) >= 3 and seen == sorted(seen)
 
 
+def test_a_waiter_reports_at_its_first_wait_before_the_holder_has_a_record(
+    tmp_path: Path,
+) -> None:
+    import fcntl
+
+    lock_path = tmp_path / "held.lock"
+    holder = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # held, and no record written: a holder just starting
+    seen: list[dict | None] = []
+    try:
+        lock = ShardLock(
+            lock_path, url="s3://b/held", policy=_policy("flock", timeout=3.0), on_wait=seen.append
+        )
+        assert lock.acquire(done=lambda: bool(seen)) is False
+    finally:
+        os.close(holder)
+    assert seen == [None]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_symlinked_lock_file_is_refused_without_touching_its_target(
     tmp_path: Path, mode: str
