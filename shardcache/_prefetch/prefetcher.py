@@ -18,6 +18,8 @@ Invariants:
   an infinite iterator (webdataset's ``ResampledShards``) is fine. Threads start on the
   first ``next()``, in the process that iterates: a fresh prefetcher pickles (DataLoader
   spawn/fork), a started one refuses to.
+- Cold start: the first shard leads; the other workers start once its request was
+  answered, it ended, or ``LEAD_TIME`` passed (:mod:`shardcache._prefetch.workers`).
 - Cancellation: ``close()``, leaving a ``for`` loop over it (``break``, exception, end), the
   ``with`` block, or garbage collection cancel queued shards and make every in-flight
   download raise a private ``BaseException`` from its next progress callback. That unwinds
