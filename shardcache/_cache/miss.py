@@ -23,6 +23,7 @@ from .._store.growing import Announce, GrowingFile
 from .._store.hits import Hits
 from .._store.publish import VANISHED_RETRIES, DiskFull, Publisher, Vanished
 from .._store.space import Space
+from .._transfer.download import REQUESTING
 from .._transfer.remote import ObjectInfo, OpenedObject, Progress, Remote
 from .locks import CacheLocks
 from .offers import Offers, tell_failed
@@ -121,7 +122,7 @@ class MissPath:
                 if progress is not None:
                     progress(phase=phase, bytes_done=bytes_done, bytes_total=bytes_total)
 
-            report(phase="requesting", bytes_done=0, bytes_total=None)
+            report(phase=REQUESTING, bytes_done=0, bytes_total=None)
             t0 = time.monotonic()
             with self._remote.open(url) as opened:
                 info = self._download_handling_disk_full(opened, shard, report, offers)

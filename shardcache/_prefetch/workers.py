@@ -27,12 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from .._transfer.download import REQUESTING
 from .._transfer.remote import Progress
 from .diagnostics import RateMeter
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 LEAD_TIME = 1.0  # seconds the other workers wait at most for the first shard's answer
-_UNANSWERED = frozenset({"queued", "started", "requesting"})  # phases before an answer
+_UNANSWERED = frozenset({"queued", "started", REQUESTING})  # phases before an answer
 
 
 class Fetch(Protocol):
@@ -40,7 +41,9 @@ class Fetch(Protocol):
 
     It must call ``progress`` as bytes arrive; once the prefetcher is closed that call
     raises (see the module docstring), and ``progress.cancelled`` is set, for fetchers
-    that block without reporting.
+    that block without reporting. While its request waits for an answer it reports the
+    phase ``REQUESTING`` (or nothing); any other phase tells the workers held back by the
+    first shard (see the module docstring) to start.
     """
 
     def __call__(self, url: str, progress: WorkerProgress) -> Path: ...

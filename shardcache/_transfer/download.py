@@ -37,6 +37,11 @@ class Progress(Protocol):
     def __call__(self, *, phase: str, bytes_done: int, bytes_total: int | None) -> None: ...
 
 
+REQUESTING = "requesting"
+"""The phase a fetch reports while its request waits for an answer (the prefetcher's first
+shard holds the read-ahead back until the phase moves on)."""
+
+
 def no_progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
     return None
 
