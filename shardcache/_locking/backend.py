@@ -4,8 +4,16 @@ shard's lock file. ``_locking.flock`` and ``_locking.lease`` implement it;
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Protocol
+
+
+class ReleaseSignal(Protocol):
+    """Wakes a waiter when the holder lets go (:class:`~shardcache._locking.flock.ReleaseWatch`)."""
+
+    released: threading.Event
+    error: OSError | None
 
 
 class LockBackend(Protocol):
@@ -17,6 +25,11 @@ class LockBackend(Protocol):
 
     def try_acquire(self) -> bool:
         """One attempt, never blocking: True if the lock is now ours."""
+        ...
+
+    def watch_release(self) -> ReleaseSignal | None:
+        """Something whose ``released`` event is set once the current holder lets go (and
+        ``error`` says if watching failed), or None if this mode can only poll."""
         ...
 
     def open_record(self) -> None:
@@ -36,4 +49,4 @@ class LockBackend(Protocol):
         ...
 
 
-__all__ = ["LockBackend"]
+__all__ = ["LockBackend", "ReleaseSignal"]

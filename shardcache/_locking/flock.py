@@ -6,6 +6,11 @@ soft lock): these invariants are ours to keep. The kernel frees the lock of a de
 once, so nothing is ever broken here; the holder's progress goes to ``<hash>.owner`` for
 waiters to judge. Lock files are never deleted: unlinking a locked file lets the next
 contender lock a new inode while the old holder still holds the old one (two holders).
+
+A waiter is woken the moment the holder lets go (:class:`ReleaseWatch`: a thread blocked in
+``flock`` on its own descriptor, which lets go as soon as it gets the lock) rather than at
+its next poll: when several processes of a node read the same shards, each waiting for the
+one that downloads, a poll's delay was paid once per shard by every waiter.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import errno
 import fcntl
 import os
 import stat
+import threading
 from pathlib import Path
 
 from .._base.safefs import SafeFS
@@ -70,6 +76,31 @@ def try_flock(fs: SafeFS, path: Path) -> int | None:
     return fd
 
 
+class ReleaseWatch:
+    """Set :attr:`released` the moment the ``flock`` on a lock file is free: a daemon thread
+    blocks in ``flock`` on its own descriptor and closes it (letting go) once it has the lock.
+
+    It only wakes a waiter, which then tries the lock as usual: another contender may win
+    it first. A watch whose waiter gave up (a stuck holder) ends when that holder does.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.released = threading.Event()
+        self.error: OSError | None = None  # flock failed: the waiter must poll instead
+        threading.Thread(
+            target=self._run, args=(fd,), name="shardcache-lock-release", daemon=True
+        ).start()
+
+    def _run(self, fd: int) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            self.error = exc
+        finally:
+            os.close(fd)  # lets the lock go at once if we got it
+            self.released.set()
+
+
 class FlockBackend:
     """A shard lock held as an exclusive ``flock`` on the lock file (see the module)."""
 
@@ -85,6 +116,9 @@ class FlockBackend:
     def try_acquire(self) -> bool:
         self._lock_fd = try_flock(self.fs, self.path)
         return self._lock_fd is not None
+
+    def watch_release(self) -> ReleaseWatch:
+        return ReleaseWatch(open_shared(self.fs, self.path, os.O_RDONLY))
 
     def open_record(self) -> None:
         # The owner record is shared by all holders in turn: opened, never truncated on open.

@@ -104,6 +104,9 @@ class LeaseBackend:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.unlink(claim)
 
+    def watch_release(self) -> None:
+        return None  # a lease's removal on another node is seen only by looking: poll
+
     def open_record(self) -> None:
         pass  # the lease is its own record, open since it was taken
 

@@ -57,7 +57,7 @@ from .._base.trust import Trust
 from .._disk.layout import lease_path, owner_path
 from .._observe import metrics
 from .._retry.policy import RetryPolicy
-from .backend import LockBackend
+from .backend import LockBackend, ReleaseSignal
 from .errors import CREATE_TRANSIENT_ERRNOS, lock_file_error, lock_timeout
 from .flock import FlockBackend
 from .lease import LeaseBackend, Renewer
@@ -228,6 +228,7 @@ class ShardLock:
         """Wait for this lock alone; ``start`` is when the whole acquisition began."""
         delay, max_delay = self.policy.backoff
         watch = RecordWatch()
+        pause = _Pause(self._backend, self.path)
         attempts = 0
         next_log = start + STILL_WAITING_EVERY
         while True:
@@ -255,7 +256,7 @@ class ShardLock:
                 )
                 next_log = now + STILL_WAITING_EVERY
             remaining = start + self.policy.timeout - now
-            time.sleep(max(0.0, min(remaining, delay * random.uniform(0.5, 1.5))))
+            pause(max(0.0, min(remaining, delay * random.uniform(0.5, 1.5))))
             delay = min(max_delay, delay * 2)
 
     def _note_wait(self, attempts: int, watch: RecordWatch) -> None:
@@ -452,6 +453,40 @@ class ShardLock:
         finally:
             if self.node_lock is not None:
                 self.node_lock.release()
+
+
+class _Pause:
+    """A waiter's sleep between attempts, cut short the moment the holder lets go where the
+    lock mode can tell (flock: :class:`~shardcache._locking.flock.ReleaseWatch`); a plain
+    sleep where it cannot (lease) or watching failed."""
+
+    def __init__(self, backend: LockBackend, path: Path) -> None:
+        self._backend = backend
+        self._path = path
+        self._signal: ReleaseSignal | None = None
+        self._polling = False
+
+    def __call__(self, seconds: float) -> None:
+        if not self._polling and (self._signal is None or self._signal.released.is_set()):
+            self._watch()
+        if self._signal is None:
+            time.sleep(seconds)
+        else:
+            self._signal.released.wait(seconds)
+
+    def _watch(self) -> None:
+        """A new watch for the current holder (the last one saw its predecessor go)."""
+        error = self._signal.error if self._signal is not None else None
+        self._signal = None
+        if error is None:
+            try:
+                self._signal = self._backend.watch_release()
+            except OSError as exc:
+                error = exc
+        if self._signal is None:
+            self._polling = True
+            if error is not None:
+                logger.debug("cannot watch %s for its release (%s): polling", self._path, error)
 
 
 def _paced(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -285,6 +287,94 @@ def test_a_waiter_reports_at_its_first_wait_before_the_holder_has_a_record(
     finally:
         os.close(holder)
     assert seen == [None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RarePolls(LockPolicy):
+    """A waiter that would look again only 15-45 s after a failed attempt."""
+
+    @property
+    def backoff(self) -> tuple[float, float]:
+        return 30.0, 30.0
+
+
+def _hold_until_released(lock_path: str, ready: mp.Event, release: mp.Event) -> None:
+    lock = ShardLock(Path(lock_path), url="s3://b/held", policy=_policy("flock"))
+    assert lock.acquire()
+    ready.set()
+    assert release.wait(60)
+    lock.release()
+
+
+def _wait_in_thread(lock: ShardLock) -> tuple[threading.Thread, list[bool]]:
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(lock.acquire()), daemon=True)
+    waiter.start()
+    return waiter, result
+
+
+def test_a_flock_waiter_wakes_when_the_holder_lets_go_not_at_its_next_poll(
+    tmp_path: Path,
+) -> None:
+    lock_path = tmp_path / "x.lock"
+    ready, release = CTX.Event(), CTX.Event()
+    holder = CTX.Process(target=_hold_until_released, args=(str(lock_path), ready, release))
+    holder.start()
+    waiting = threading.Event()
+    lock = ShardLock(
+        lock_path,
+        url="s3://b/held",
+        policy=_RarePolls(mode="flock", timeout=120.0, stuck_after=120.0),
+        on_wait=lambda _record: waiting.set(),
+    )
+    try:
+        assert ready.wait(30), "holder did not acquire the lock"
+        waiter, result = _wait_in_thread(lock)
+        assert waiting.wait(30), "the waiter never found the lock held"
+        release.set()
+        # Its next poll is at least 15 s away: only the holder's release can wake it sooner.
+        waiter.join(10)
+        assert result == [True]
+    finally:
+        release.set()
+        holder.join(30)
+        lock.release()
+    assert holder.exitcode == 0
+
+
+def test_a_waiter_that_cannot_watch_the_lock_polls_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from shardcache._locking.flock import FlockBackend
+
+    def no_watch(self: FlockBackend) -> None:
+        raise OSError(errno.ENOLCK, "no locks available", str(self.path))
+
+    monkeypatch.setattr(FlockBackend, "watch_release", no_watch)
+    lock_path = tmp_path / "x.lock"
+    ready, release = CTX.Event(), CTX.Event()
+    holder = CTX.Process(target=_hold_until_released, args=(str(lock_path), ready, release))
+    holder.start()
+    waiting = threading.Event()
+    lock = ShardLock(
+        lock_path,
+        url="s3://b/held",
+        policy=_policy("flock"),
+        on_wait=lambda _record: waiting.set(),
+    )
+    try:
+        assert ready.wait(30), "holder did not acquire the lock"
+        with caplog.at_level("DEBUG", logger="shardcache"):
+            waiter, result = _wait_in_thread(lock)
+            assert waiting.wait(30), "the waiter never found the lock held"
+            release.set()
+            waiter.join(30)
+        assert result == [True]
+    finally:
+        release.set()
+        holder.join(30)
+        lock.release()
+    assert f"cannot watch {lock_path} for its release" in caplog.text
 
 
 @pytest.mark.parametrize("mode", MODES)
