@@ -275,27 +275,35 @@ def s3_body(
 
 
 def read_body(fs: Any, body: Any, piece: int) -> Iterator[bytes]:
-    """The pieces of a GET response's ``body``, each at most ``piece`` bytes; closes it.
+    """The pieces of a GET response's ``body``, each at most ``piece`` bytes and at most
+    ``_MAX_PIECE``; closes it.
 
-    Each piece is gathered on the event loop's thread until it holds at least
-    ``_MIN_PIECE`` bytes, the body ends, or ``_MAX_GATHER`` seconds passed (progress
+    Each piece is gathered on the event loop's thread until it holds ``_MAX_PIECE`` bytes
+    (the first ones less: below), the body ends, or ``_MAX_GATHER`` seconds passed (progress
     reports stay frequent on a slow link): over a slow link a read returns only what
     arrived since the last one, a few KiB, and handing every such scrap to this thread
     (a wake-up of each thread, a write, a checksum update, a progress report) cost more
-    CPU than the bytes themselves."""
+    CPU than the bytes themselves.
+
+    No read asks for more than ``_MAX_PIECE`` either. A read of all aiohttp has buffered
+    (several MiB when the server is fast) joined it into a new buffer of a new size each
+    time, too big for the allocator to reuse: fresh pages mapped, faulted in 4 KiB at a
+    time and unmapped for every piece, the unmapping interrupting every thread of the
+    process. Pieces of at most 1 MiB reuse the same memory."""
+    most = min(piece, _MAX_PIECE)
     # The first _SMALL_BYTES are handed over in pieces of _FIRST_PIECE, then each piece
-    # twice as big up to _MIN_PIECE: a reader following the download sees its first
+    # twice as big up to _MAX_PIECE: a reader following the download sees its first
     # bytes about one round trip after the request, and a first sample of about 100 kB
     # once 128 KiB arrived (13 ms at 10 MB/s), not once 1 MiB did (100 ms), for a few
     # more hand-overs per object.
-    least = min(piece, _FIRST_PIECE)
+    least = min(most, _FIRST_PIECE)
     handed = 0
     try:
-        while data := sync(fs.loop, _read_piece, body, piece, least):
+        while data := sync(fs.loop, _read_piece, body, most, least):
             yield data
             handed += len(data)
             if handed >= _SMALL_BYTES:
-                least = min(piece, _MIN_PIECE, 2 * least)
+                least = min(most, 2 * least)
     finally:
         body.close()
 
@@ -320,7 +328,7 @@ def _checksum_mode_header(request: Any, **kwargs: Any) -> None:
         request.headers["x-amz-checksum-mode"] = "ENABLED"
 
 
-_MIN_PIECE = 1 << 20  # bytes gathered per hand-over from the event loop (see s3_body)
+_MAX_PIECE = 1 << 20  # bytes gathered per hand-over from the event loop (see read_body)
 _FIRST_PIECE = 64 << 10  # the first hand-overs of a body...
 _SMALL_BYTES = 256 << 10  # ...until this much was handed over
 _MAX_GATHER = 0.1  # seconds: a slower piece is handed over with what it has

@@ -1,6 +1,7 @@
 """How a GET body is handed from the event loop to the download thread (``read_body``):
 small pieces first, so a reader following the download sees its first samples early,
-then pieces of up to 1 MiB, so a fast body costs few hand-overs."""
+then pieces of up to 1 MiB, so a fast body costs few hand-overs, and never more, so the
+buffers are reused."""
 
 from __future__ import annotations
 
@@ -46,3 +47,22 @@ def test_no_piece_exceeds_the_piece_size_asked_for() -> None:
     body = TrickleBody(1024 * KiB, step=16 * KiB)
     sizes = [len(piece) // KiB for piece in read_body(LoopOnly(), body, 48 * KiB)]
     assert sizes == [48] * 21 + [16]
+
+
+class FastBody(TrickleBody):
+    """A body that has everything buffered: each read returns all it asks for."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size, step=size)
+        self.asked: list[int] = []
+
+    async def read(self, n: int) -> bytes:
+        self.asked.append(n)
+        return await super().read(n)
+
+
+def test_a_fast_body_is_read_and_handed_over_a_mebibyte_at_most_at_a_time() -> None:
+    body = FastBody(20 * 1024 * KiB)
+    sizes = [len(piece) // KiB for piece in read_body(LoopOnly(), body, 8 * 1024 * KiB)]
+    assert sizes == [1024] * 20
+    assert max(body.asked) == 1024 * KiB
