@@ -568,7 +568,11 @@ def _b8_measure(
         order = list(readers) if rep % 2 == 0 else list(reversed(readers))  # alternate
         for name in order:
             clear_fs_caches()
-            runs.setdefault(name, []).append(_client_cpu_s(readers[name]()))
+            run = readers[name]()
+            # The reader before's files written back first: the kernel's write-back of them
+            # would otherwise load the machine while this reader is measured.
+            os.sync()
+            runs.setdefault(name, []).append(_client_cpu_s(run))
     return {
         name: {
             "cpu_s_per_gb": round(median([cpu for cpu, _ in rs]) / gb, 2),

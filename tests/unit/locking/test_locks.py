@@ -306,40 +306,39 @@ def _hold_until_released(lock_path: str, ready: mp.Event, release: mp.Event) -> 
     lock.release()
 
 
-def _wait_in_thread(lock: ShardLock) -> tuple[threading.Thread, list[bool]]:
-    result: list[bool] = []
-    waiter = threading.Thread(target=lambda: result.append(lock.acquire()), daemon=True)
-    waiter.start()
-    return waiter, result
-
-
-def test_a_flock_waiter_wakes_when_the_holder_lets_go_not_at_its_next_poll(
-    tmp_path: Path,
-) -> None:
-    lock_path = tmp_path / "x.lock"
+def _released_while_waiting(lock_path: Path, policy: LockPolicy, join: float) -> list[bool]:
+    """Another process holds ``lock_path``; a thread here waits for it with ``policy``, and
+    once it has found the lock held the holder lets go. What the wait returned within
+    ``join`` seconds of that (empty: still waiting)."""
     ready, release = CTX.Event(), CTX.Event()
     holder = CTX.Process(target=_hold_until_released, args=(str(lock_path), ready, release))
     holder.start()
     waiting = threading.Event()
     lock = ShardLock(
-        lock_path,
-        url="s3://b/held",
-        policy=_RarePolls(mode="flock", timeout=120.0, stuck_after=120.0),
-        on_wait=lambda _record: waiting.set(),
+        lock_path, url="s3://b/held", policy=policy, on_wait=lambda _record: waiting.set()
     )
+    result: list[bool] = []
     try:
         assert ready.wait(30), "holder did not acquire the lock"
-        waiter, result = _wait_in_thread(lock)
+        waiter = threading.Thread(target=lambda: result.append(lock.acquire()), daemon=True)
+        waiter.start()
         assert waiting.wait(30), "the waiter never found the lock held"
         release.set()
-        # Its next poll is at least 15 s away: only the holder's release can wake it sooner.
-        waiter.join(10)
-        assert result == [True]
+        waiter.join(join)
+        return list(result)
     finally:
         release.set()
         holder.join(30)
+        assert holder.exitcode == 0
         lock.release()
-    assert holder.exitcode == 0
+
+
+def test_a_flock_waiter_wakes_when_the_holder_lets_go_not_at_its_next_poll(
+    tmp_path: Path,
+) -> None:
+    # Its next poll is at least 15 s away: only the holder's release can wake it sooner.
+    policy = _RarePolls(mode="flock", timeout=120.0, stuck_after=120.0)
+    assert _released_while_waiting(tmp_path / "x.lock", policy, join=10) == [True]
 
 
 def test_a_waiter_that_cannot_watch_the_lock_polls_for_it(
@@ -352,28 +351,8 @@ def test_a_waiter_that_cannot_watch_the_lock_polls_for_it(
 
     monkeypatch.setattr(FlockBackend, "watch_release", no_watch)
     lock_path = tmp_path / "x.lock"
-    ready, release = CTX.Event(), CTX.Event()
-    holder = CTX.Process(target=_hold_until_released, args=(str(lock_path), ready, release))
-    holder.start()
-    waiting = threading.Event()
-    lock = ShardLock(
-        lock_path,
-        url="s3://b/held",
-        policy=_policy("flock"),
-        on_wait=lambda _record: waiting.set(),
-    )
-    try:
-        assert ready.wait(30), "holder did not acquire the lock"
-        with caplog.at_level("DEBUG", logger="shardcache"):
-            waiter, result = _wait_in_thread(lock)
-            assert waiting.wait(30), "the waiter never found the lock held"
-            release.set()
-            waiter.join(30)
-        assert result == [True]
-    finally:
-        release.set()
-        holder.join(30)
-        lock.release()
+    with caplog.at_level("DEBUG", logger="shardcache"):
+        assert _released_while_waiting(lock_path, _policy("flock"), join=30) == [True]
     assert f"cannot watch {lock_path} for its release" in caplog.text
 
 
