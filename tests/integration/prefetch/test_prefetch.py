@@ -299,7 +299,8 @@ def test_the_first_shard_is_requested_alone_until_its_answer(tmp_path: Path) -> 
     # time would be a failure; this one can only pass for the wrong reason, never flake).
     assert not fake.wait_until(lambda: len(fake.started) > 1, timeout=0.3)
     fake.answer(urls[0])
-    assert fake.wait_until(lambda: len(fake.started) == 4), "the others start on its answer"
+    # At least: the lead's own worker, done with it, may start a fifth shard at once.
+    assert fake.wait_until(lambda: len(fake.started) >= 4), "the others start on its answer"
     assert fake.started_before_answer[urls[0]] == urls[:1]
     for url in urls[1:]:
         fake.answer(url)
