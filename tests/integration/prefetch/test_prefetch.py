@@ -244,7 +244,8 @@ def test_depth_is_reached(tmp_path: Path) -> None:
         consumer = Consumer(shards, fake.consumed)
         consumer.start()
         fake.wait_until(lambda: len(fake.started) == 4)
-        assert fake.max_active == 4 and fake.started == urls[:4]
+        # The first four, in whatever order their workers reached the fetch.
+        assert fake.max_active == 4 and sorted(fake.started) == urls[:4]
         for url in urls:
             fake.open(url)
         assert [s.url for s in consumer.result()] == urls
