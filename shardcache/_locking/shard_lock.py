@@ -57,10 +57,11 @@ from .._base.trust import Trust
 from .._disk.layout import lease_path, owner_path
 from .._observe import metrics
 from .._retry.policy import RetryPolicy
-from .backend import LockBackend, ReleaseSignal
+from .backend import LockBackend
 from .errors import CREATE_TRANSIENT_ERRNOS, lock_file_error, lock_timeout
 from .flock import FlockBackend
 from .lease import LeaseBackend, Renewer
+from .pause import Pause, paced
 from .policy import LockPolicy
 from .records import (
     RecordWatch,
@@ -186,7 +187,7 @@ class ShardLock:
             return self._wait(done, start, self.on_wait)
         # Waiting on the node lock costs the shared file system only done()'s look at the
         # published shard, taken at the lease's pace rather than the local lock's.
-        if not node._wait(_paced(done, *self.policy.backoff), start, node.on_wait):
+        if not node._wait(paced(done, *self.policy.backoff), start, node.on_wait):
             return False
         try:
             if done is not None and done():  # published while we waited locally
@@ -228,7 +229,7 @@ class ShardLock:
         """Wait for this lock alone; ``start`` is when the whole acquisition began."""
         delay, max_delay = self.policy.backoff
         watch = RecordWatch()
-        pause = _Pause(self._backend, self.path)
+        pause = Pause(self._backend, self.path)
         attempts = 0
         next_log = start + STILL_WAITING_EVERY
         while True:
@@ -453,57 +454,3 @@ class ShardLock:
         finally:
             if self.node_lock is not None:
                 self.node_lock.release()
-
-
-class _Pause:
-    """A waiter's sleep between attempts, cut short the moment the holder lets go where the
-    lock mode can tell (flock: :class:`~shardcache._locking.flock.ReleaseWatch`); a plain
-    sleep where it cannot (lease) or watching failed."""
-
-    def __init__(self, backend: LockBackend, path: Path) -> None:
-        self._backend = backend
-        self._path = path
-        self._signal: ReleaseSignal | None = None
-        self._polling = False
-
-    def __call__(self, seconds: float) -> None:
-        if not self._polling and (self._signal is None or self._signal.released.is_set()):
-            self._watch()
-        if self._signal is None:
-            time.sleep(seconds)
-        else:
-            self._signal.released.wait(seconds)
-
-    def _watch(self) -> None:
-        """A new watch for the current holder (the last one saw its predecessor go)."""
-        error = self._signal.error if self._signal is not None else None
-        self._signal = None
-        if error is None:
-            try:
-                self._signal = self._backend.watch_release()
-            except OSError as exc:
-                error = exc
-        if self._signal is None:
-            self._polling = True
-            if error is not None:
-                logger.debug("cannot watch %s for its release (%s): polling", self._path, error)
-
-
-def _paced(
-    check: Callable[[], bool] | None, first: float, most: float
-) -> Callable[[], bool] | None:
-    """``check`` called at most once per interval, the interval doubling from ``first`` to
-    ``most`` (in between, the last answer, which is False: a True ends the wait)."""
-    if check is None:
-        return None
-    interval, due = first, time.monotonic()
-
-    def paced() -> bool:
-        nonlocal interval, due
-        now = time.monotonic()
-        if now < due:
-            return False
-        due, interval = now + interval, min(most, interval * 2)
-        return check()
-
-    return paced
