@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import threading
 from typing import Any, BinaryIO
 
 import fsspec
@@ -41,6 +40,7 @@ from .download import (
 from .parallel_download import ParallelDownload
 from .pipe_commands import check_allowed
 from .pipe_download import PipeDownload
+from .s3_client import s3_client_options, share_service_models
 from .stream_download import StreamDownload
 
 logger = get_logger(__name__)
@@ -81,20 +81,7 @@ class Remote:
         else:
             chosen = dict(opts)
         if protocol in {"s3", "s3a"}:
-            config = dict(chosen.get("config_kwargs") or {})
-            config.setdefault("connect_timeout", self.options.io_timeout)
-            config.setdefault("read_timeout", self.options.io_timeout)
-            # Our RetryPolicy owns retries: botocore's and s3fs's own would multiply them.
-            config.setdefault("retries", {"total_max_attempts": 1})
-            # One client serves every thread of the process (see filesystem): enough
-            # connections for every download thread's parts at once.
-            config.setdefault("max_pool_connections", self.options.max_connections)
-            # We verify downloads ourselves (SHARDCACHE_VERIFY; the whole-object GET asks for
-            # the object's checksum: _download.ask_for_checksums). botocore's own check of a
-            # GET's x-amz-checksum-* would compute it a second time, and a server that sends
-            # the whole object's checksum with a ranged GET would fail every part.
-            config.setdefault("response_checksum_validation", "when_required")
-            chosen["config_kwargs"] = config
+            chosen = s3_client_options(chosen, self.options)
         return chosen
 
     def filesystem(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -126,7 +113,7 @@ class Remote:
             raise
         if protocol in {"s3", "s3a"}:
             fs.retries = 1
-            _share_service_models(fs)
+            share_service_models(fs)
         return fs
 
     # -- metadata --------------------------------------------------------------------
@@ -306,27 +293,3 @@ def _fresh(options: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``options`` whose dicts are new (the file system's client may add keys to
     them); other values (a session, credentials) are passed as they are."""
     return {k: _fresh(v) if isinstance(v, dict) else v for k, v in options.items()}
-
-
-_loader_lock = threading.Lock()
-_shared: dict[str, Any] = {}  # "loader": botocore's data loader, for every S3 client here
-
-
-def _share_service_models(fs: Any) -> None:
-    """Give a new S3 file system (one that would make its own aiobotocore session) a session
-    whose data loader is shared by the whole process: every session otherwise parses
-    botocore's S3 service model and endpoint rules again, 0.15-0.4 s of CPU per client on
-    a 2-core machine, paid by every cache and every DataLoader worker. The loader only
-    reads botocore's bundled JSON (``AWS_DATA_PATH`` is read when it is first made);
-    credentials, profile and configuration stay per session."""
-    if getattr(fs, "session", True) is not None or getattr(fs, "_s3", True) is not None:
-        return  # the caller gave its own session, or this s3fs is not the one we know
-    from aiobotocore.session import AioSession
-
-    session = AioSession(**getattr(fs, "kwargs", {}))
-    with _loader_lock:
-        if "loader" not in _shared:
-            _shared["loader"] = session.get_component("data_loader")
-        else:
-            session.register_component("data_loader", _shared["loader"])
-    fs.session = session

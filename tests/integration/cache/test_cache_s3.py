@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import ssl
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -361,3 +362,31 @@ def test_every_thread_uses_one_s3_client_and_caches_share_service_models(
     assert other_fs is not fs
     loader = fs.session.get_component("data_loader")
     assert other_fs.session.get_component("data_loader") is loader  # ...parses no model again
+
+
+def test_a_client_of_a_plain_http_endpoint_loads_no_certificates(
+    s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over ``http://`` the certificate bundle is never read (it is aiobotocore's first-request
+    cost); a user who asks for verification gets it loaded, and both fetch the same bytes."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    loads: list[object] = []
+    load = ssl.SSLContext.load_verify_locations
+
+    def counted(self: ssl.SSLContext, *args: object, **kwargs: object) -> None:
+        loads.append(args or kwargs)
+        load(self, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
+    data = _blob(50_000, 3)
+    s3.put_objects(BUCKET, {"plain.tar": data})
+    url = f"s3://{BUCKET}/plain.tar"
+    plain = _cache(tmp_path / "plain", storage_options=s3.storage_options())
+    assert plain.fetch(url).read_bytes() == data
+    assert loads == []
+    options = s3.storage_options()
+    options["client_kwargs"]["verify"] = True
+    verified = _cache(tmp_path / "verified", storage_options=options)
+    assert verified.fetch(url).read_bytes() == data
+    assert loads, "verify=True: the certificates are loaded as botocore would"
