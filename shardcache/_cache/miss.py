@@ -197,10 +197,15 @@ class MissPath:
             growing = None
             if offers is not None and info.size is not None:
                 growing = GrowingFile(part.fd, shard.data_path, info.url, offers)
+
+            def reported(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+                part.progressed(bytes_done)
+                report(phase=phase, bytes_done=bytes_done, bytes_total=bytes_total)
+
             try:
                 # A failure to write ``out`` comes back as the OSError itself, never retried.
                 with growing.writer() if growing else part.file() as out:
-                    info = self._remote.download(info, out, report, opened)
+                    info = self._remote.download(info, out, reported, opened)
                     out.truncate()  # a smaller object than reserved for (it changed): no tail
                     out.flush()
                 part.written(info)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from .._base.errors import CacheDirError, ShardCacheError
 from .._base.redact import get_logger, redact_url
 from .._base.safefs import SafeFS
+from .._base.writeback import WriteBehind
 from .._disk.layout import CacheLayout, ShardId
 from .._disk.metadata import write_meta
 from .eviction import evict_lock
@@ -187,11 +188,18 @@ class Part:
         self._layout = layout
         self._space = space
         self._write_meta = write_meta
+        self._write_behind = WriteBehind(fd)
 
     def file(self) -> BinaryIO:
         """The temp file to write the download into. The descriptor outlives the file
         object: publishing may need the bytes again."""
         return os.fdopen(self.fd, "wb", closefd=False)
+
+    def progressed(self, bytes_done: int) -> None:
+        """``bytes_done`` bytes of the download are in the file (reported from one thread):
+        their write-back to disk is started every few MiB, so that :meth:`written`'s fsync
+        waits for the last few only."""
+        self._write_behind.wrote(bytes_done)
 
     def written(self, info: ObjectInfo) -> None:
         """The download of ``info`` ended: its bytes made durable and, for a size not
