@@ -17,7 +17,8 @@ again for every HEAD and every ranged GET, on the cores the readers use).
 
 Requests per 64 MiB object: shardcache 4 GETs (the whole-object GET gives the size and
 checksum and its body the first 16 MiB part; 3 ranged GETs; one stream: 1 GET), s3fs ``get``
-3 GETs, boto3 ``download_file`` 1 HEAD + 8 ranged GETs, s3torchconnector 8 ranged GETs, curl
+3 GETs, boto3 ``download_file`` 1 HEAD + 8 ranged GETs (validating only when required:
+8 ranged GETs, the first alone), s3torchconnector 8 ranged GETs, curl
 1 GET (counted through a proxy before shardcache's HEAD was dropped; shardcache's own counts
 are checked in ``tests/integration/testing/test_fast_server.py``).
 
@@ -34,11 +35,14 @@ Readers, each run in a fresh process (spawned: its imports, client and threads i
   ``get`` on one s3fs instance crawled here, see ENVIRONMENT.md).
 - boto3 ``download_file`` on a pool of T threads, one shared client, default TransferConfig
   (objects above 8 MiB in 8 MiB parts, 10 threads each) and client config.
-- For both: ``response_checksum_validation="when_required"``. rclone returns the whole
-  object's checksum with a ranged GET too, where S3 returns none, and botocore's default
-  (``when_supported``) then checked each part against it and failed; on S3 their ranged
-  parts go unchecked, as here, and s3fs's whole-object GETs would be checked (CRC64NVME
-  with awscrt, about 0.15 s/GB more).
+- Checksums: rclone returns the whole object's checksum with a ranged GET too, where S3
+  returns none, and botocore's default (``when_supported``) then checks each part against
+  it and fails. s3fs validates only when required (``peers.NO_RANGE_CHECKSUMS``: on S3 its
+  ranged parts go unchecked, as here, and its whole-object GETs would be checked, CRC64NVME
+  with awscrt, about 0.15 s/GB more). boto3 keeps its default, with its ranged GETs left
+  unchecked as on S3 (``peers.checksums_as_on_s3``); a second boto3 row validates only
+  when required, with which s3transfer reads an object's first part alone before asking for
+  the others (its path without a HEAD). The best peer is the faster of the two.
 - s3torchconnector 1.5.0 ``S3Client.get_object`` on a pool of T threads, each body copied to
   its file (its CRT client takes its credentials from AWS_*, set to the fast server's).
 - curl, one process per object, T at a time, ``--aws-sigv4`` (the floor: a C client writing
@@ -88,6 +92,7 @@ SC = "shardcache"
 PEERS = ("s3fs", "boto3", "s3torchconnector")  # the best of these is "the best peer"
 NOT_INSTALLED = "not installed"
 MD5_ONLY = "B15_MD5_ONLY"  # a row's marker: read the copies stored without a checksum
+WHEN_REQUIRED = "B15_WHEN_REQUIRED"  # a boto3 row's marker: validate only when required
 
 
 def _rows(t: int, size: int) -> dict[str, tuple[str, dict[str, str]]]:
@@ -106,6 +111,10 @@ def _rows(t: int, size: int) -> dict[str, tuple[str, dict[str, str]]]:
         ),
         f"s3fs get(list, list), batch_size={t}": ("s3fs", {}),
         f"boto3 download_file, {t} threads": ("boto3", {}),
+        f"boto3 download_file, {t} threads, response_checksum_validation=when_required": (
+            "boto3",
+            {WHEN_REQUIRED: "1"},
+        ),
         f"s3torchconnector S3Client.get_object, {t} threads": ("s3torchconnector", {}),
         f"curl --aws-sigv4, {t} at a time (floor)": ("curl", {}),
     }
@@ -138,7 +147,7 @@ def _reader(
 
         return get_all
     if kind == "boto3":
-        client = _boto3_client(so)
+        client = _boto3_client(so, when_required=bool(os.environ.pop(WHEN_REQUIRED, None)))
         client.get_object(Bucket=BUCKET, Key=WARM)["Body"].read()
         return lambda: _pool(t, lambda k, f: client.download_file(BUCKET, k, str(f)), keys, files)
     if kind == "s3torchconnector":
@@ -164,20 +173,22 @@ def _reader(
     raise ValueError(kind)
 
 
-def _boto3_client(so: dict[str, Any]) -> Any:
+def _boto3_client(so: dict[str, Any], *, when_required: bool) -> Any:
+    """boto3's client at its default checksum validation (its ranged GETs unchecked, as on
+    S3), or validating only when required (``when_required``)."""
     import boto3
     from botocore.config import Config
 
-    return boto3.client(
+    checks = {"response_checksum_validation": peers.NO_RANGE_CHECKSUMS} if when_required else {}
+    client = boto3.client(
         "s3",
         endpoint_url=so["endpoint_url"],
         aws_access_key_id=so["key"],
         aws_secret_access_key=so["secret"],
         region_name=so["client_kwargs"]["region_name"],
-        config=Config(
-            s3={"addressing_style": "path"}, response_checksum_validation=peers.NO_RANGE_CHECKSUMS
-        ),
+        config=Config(s3={"addressing_style": "path"}, **checks),
     )
+    return client if when_required else peers.checksums_as_on_s3(client)
 
 
 def _pool(

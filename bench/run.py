@@ -25,6 +25,7 @@ from typing import Any
 
 from bench import peers
 from bench.b2_cold import b2_cold
+from bench.b6_large import b6_large
 from bench.b9_first_sample import b9_first_sample
 from bench.b10_resume import b10_resume
 from bench.b11_bookkeeping import b11_bookkeeping
@@ -47,7 +48,6 @@ from bench.infra import (
     CTX,
     MB,
     CpuMeter,
-    Link,
     MiB,
     env_vars,
     install_wds_s3_opener,
@@ -293,97 +293,6 @@ def b5_memory(b: Bench) -> dict[str, Any]:
     }
 
 
-def _ranged_ceiling(b: Bench, key: str, size: int, part: int, threads: int) -> dict[str, Any]:
-    """The server's own ceiling for this access pattern: plain boto3 ranged GETs of the same
-    parts, ``threads`` in flight, unshaped, bodies read into memory (no file, no checks)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    client = b.s3.boto3_client(max_pool_connections=threads)
-    ranges = [(a, min(a + part, size) - 1) for a in range(0, size, part)]
-
-    def get(r: tuple[int, int]) -> int:
-        body = client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={r[0]}-{r[1]}")["Body"]
-        return len(body.read())
-
-    runs = []
-    for _ in range(b.cfg["reps"]):
-        with ThreadPoolExecutor(threads) as pool:
-            runs.append(timed(lambda: sum(pool.map(get, ranges)), {"server": b.server_pid}))
-        if runs[-1]["out"] != size:
-            raise RuntimeError(f"ranged GETs returned {runs[-1]['out']} bytes, expected {size}")
-    return summarise(runs, size)
-
-
-def b6_large(b: Bench) -> dict[str, Any]:
-    import fsspec
-    from boto3.s3.transfer import TransferConfig
-
-    from bench.b2_cold import link_capacity
-
-    obj, part, thr = b.cfg["b6"]
-    parts = 8
-    put(b.s3, {"b6-big.bin": os.urandom(obj)})
-    url = f"s3://{BUCKET}/b6-big.bin"
-    link: Link = b.cfg["link"]
-    runs: dict[str, list[dict[str, Any]]] = {}
-    gets: dict[str, int] = {}
-    ceiling = _ranged_ceiling(b, "b6-big.bin", obj, part, parts)
-    with b.link() as (so, pids):
-
-        def sc() -> Any:
-            cache = new_cache(b.fresh_dir("b6"), so, part_size=part, parallel_threshold=thr)
-            return cache.fetch(url)
-
-        def s3fs_get() -> Any:
-            fs = fsspec.filesystem("s3", skip_instance_cache=True, **so)
-            return fs.get(url, str(b.fresh_dir("b6p") / "x.bin"))
-
-        # boto3's documented knobs for a parallel download: TransferConfig's
-        # multipart_chunksize and max_concurrency, set to shardcache's part size and count.
-        config = TransferConfig(
-            multipart_threshold=thr, multipart_chunksize=part, max_concurrency=parts
-        )
-        client = b.s3.boto3_client(so["endpoint_url"], max_pool_connections=parts)
-
-        def boto3_download() -> Any:
-            dest = str(b.fresh_dir("b6p") / "x.bin")
-            return client.download_file(BUCKET, "b6-big.bin", dest, Config=config)
-
-        readers = {
-            "shardcache": sc,
-            "s3fs get (one stream)": s3fs_get,
-            f"boto3 download_file ({parts} parts in flight)": boto3_download,
-        }
-        for rep in range(b.cfg["reps"]):
-            order = list(readers) if rep % 2 == 0 else list(reversed(readers))  # alternate
-            for name in order:
-                clear_fs_caches()
-                b.s3.clear_requests()
-                runs.setdefault(name, []).append(timed(readers[name], pids))
-                gets[name] = b.gets("b6-")
-    res = {n: summarise(r, obj) | {"gets": gets[n]} for n, r in runs.items()}
-    s = res.pop("shardcache")
-    capacity = link_capacity(link, parts) / MB
-    limit = min(capacity, ceiling["mb_s"])
-    frac = s["mb_s"] / limit
-    return {
-        "what": f"one {obj / MiB:g} MiB object, {part / MiB:g} MiB parts x {parts} in flight, "
-        f"link: {link.describe()}. moto copies the whole object for every ranged GET "
-        f"({parts} x {obj / MiB:g} MiB per fetch), so the object is sized for its ranged "
-        "ceiling (measured in this run: plain boto3 ranged GETs of the same parts, "
-        "unshaped) to stay above the link",
-        "shardcache": s,
-        "peers": res,
-        "server_ranged_ceiling": ceiling,
-        "limit_mb_s": round(limit, 2),
-        "limit_is": "link" if capacity <= ceiling["mb_s"] else "server",
-        "ratio": round(s["mb_s"] / res["s3fs get (one stream)"]["mb_s"], 2),
-        "link_fraction": round(frac, 3),
-        "target": ">= 90% of min(link capacity, server ranged ceiling)",
-        "verdict": verdict(frac >= 0.9),
-    }
-
-
 def b7_hiding(b: Bench) -> dict[str, Any]:
     """A consumer doing fixed per-sample work: how long it waits for data, apart from its work."""
     from bench import peers
@@ -588,8 +497,9 @@ def b8_cpu(b: Bench) -> dict[str, Any]:
     moto and from the fast server (rclone serve s3, whose client-side cost is the same work
     against a server that is not Python; the verdict takes both). On the fast server the
     objects are uploaded with a CRC64NVME checksum, as S3 stores every new object (moto's
-    have the CRC32 botocore's upload sends); boto3 and s3fs validate response checksums
-    only when required there (``peers.NO_RANGE_CHECKSUMS``).
+    have the CRC32 botocore's upload sends); s3fs validates response checksums only when
+    required there (``peers.NO_RANGE_CHECKSUMS``), boto3 at its default with its ranged GETs
+    unchecked as on S3 (``peers.checksums_as_on_s3``).
 
     Each reader is prepared before the clock starts: its client made and one small warm-up
     object read through it, so no row counts a client's creation (shardcache shares
@@ -624,7 +534,7 @@ def b8_cpu(b: Bench) -> dict[str, Any]:
             return [*sigv4, f"{fast.endpoint_url}/{BUCKET}/{key}"]
 
         def boto3_client() -> Any:
-            return fast.boto3_client(**config)
+            return peers.checksums_as_on_s3(fast.boto3_client())
 
         readers = _b8_readers(b, so, boto3_client, keys, warm, curl_args)
         fast_results = _b8_measure(readers, b.cfg["reps"], gb)
@@ -666,7 +576,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B3": ("processes on one node, node scope, cold", b3_node),
     "B4": ("per-call overhead", b4_overhead),
     "B5": ("memory of a large fetch", b5_memory),
-    "B6": ("large single object over the shaped link", b6_large),
+    "B6": ("large single object over the shaped link, fast server and moto", b6_large),
     "B7": ("latency hiding at a fixed consumer rate", b7_hiding),
     "B8": ("client CPU per GB of a cold fetch", b8_cpu),
     "B9": ("time to first sample, cold", b9_first_sample),
@@ -757,6 +667,8 @@ def render(report: dict[str, Any]) -> str:
             extra.append(
                 f"server ranged ceiling (unshaped) {res['server_ranged_ceiling']['mb_s']} MB/s"
             )
+        for server, fractions in res.get("link_fractions", {}).items():
+            extra.append(f"{server}: " + ", ".join(f"{n} {f}" for n, f in fractions.items()))
         ratio_text = "<br>".join([*([f"{ratio}"] if ratio is not None else []), *extra]) or "-"
         lines.append(
             f"| {sid} | {title}: {res['what']} | {_fmt(res['shardcache'], cores)} | {peers} | "

@@ -87,6 +87,12 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     _check_equal_concurrency(report["results"]["B2"])
     b6 = report["results"]["B6"]  # judged against min(link, the server's ranged ceiling)
     assert b6["server_ranged_ceiling"]["mb_s"] > 0 and b6["limit_mb_s"] > 0
+    assert b6["moto_ranged_ceiling"]["mb_s"] > 0, b6  # the fast server's and moto's
+    assert len(b6["link_fractions"]) == 3, b6  # fast server (two objects), moto
+    for fractions in b6["link_fractions"].values():
+        peers = {n.removesuffix(" (fast server)") for n in b6["peers"] if "(fast server)" in n}
+        assert set(fractions) == {"shardcache", *peers}, b6
+    assert b6["peers"]["shardcache (moto)"]["gets"] >= 2, b6  # parts: whole GET + ranged
     b7 = report["results"]["B7"]  # waiting for data apart from the per-sample work
     for res in [b7["shardcache"], *b7["peers"].values()]:
         assert res["work_s"] > 0 and res["wait_s"] >= 0, b7
