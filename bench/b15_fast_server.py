@@ -45,6 +45,9 @@ Readers, each run in a fresh process (spawned: its imports, client and threads i
   the others (its path without a HEAD). The best peer is the faster of the two.
 - s3torchconnector 1.5.0 ``S3Client.get_object`` on a pool of T threads, each body copied to
   its file (its CRT client takes its credentials from AWS_*, set to the fast server's).
+- awscrt's ``S3Client`` (the CRT transport behind boto3's crt mode and s3torchconnector),
+  T objects at a time, each written by the CRT straight to its file: what a native transport
+  would give shardcache (issue 29 asks whether one pays). A reference row, not a peer.
 - curl, one process per object, T at a time, ``--aws-sigv4`` (the floor: a C client writing
   the file, no verification).
 
@@ -116,6 +119,7 @@ def _rows(t: int, size: int) -> dict[str, tuple[str, dict[str, str]]]:
             {WHEN_REQUIRED: "1"},
         ),
         f"s3torchconnector S3Client.get_object, {t} threads": ("s3torchconnector", {}),
+        f"awscrt S3Client, {t} at a time, writing straight to the file": ("awscrt", {}),
         f"curl --aws-sigv4, {t} at a time (floor)": ("curl", {}),
     }
 
@@ -159,6 +163,8 @@ def _reader(
                 shutil.copyfileobj(client.get_object(BUCKET, key), out, 8 << 20)
 
         return lambda: _pool(t, get, keys, files)
+    if kind == "awscrt":
+        return _awscrt_reader(so, keys, files, t)
     if kind == "curl":
         sigv4 = ["--aws-sigv4", f"aws:amz:{so['client_kwargs']['region_name']}:s3"]
         sigv4 += ["--user", f"{so['key']}:{so['secret']}"]
@@ -171,6 +177,42 @@ def _reader(
         curl(WARM, dest / "warm")
         return lambda: _pool(t, curl, keys, files)
     raise ValueError(kind)
+
+
+def _awscrt_reader(
+    so: dict[str, Any], keys: list[str], files: list[Path], t: int
+) -> Callable[[], list[Path]]:
+    """The AWS CRT's own S3 client (the transport of boto3's crt mode and s3torchconnector),
+    each object written by it straight to its file (``recv_filepath``), response checksums
+    validated where it checks them; ``t`` objects at a time."""
+    from urllib.parse import urlparse
+
+    from awscrt.auth import AwsCredentialsProvider
+    from awscrt.http import HttpHeaders, HttpRequest
+    from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
+    from awscrt.s3 import S3ChecksumConfig, S3Client, S3RequestTlsMode, S3RequestType
+
+    loops = EventLoopGroup()
+    client = S3Client(
+        bootstrap=ClientBootstrap(loops, DefaultHostResolver(loops)),
+        region=so["client_kwargs"]["region_name"],
+        credential_provider=AwsCredentialsProvider.new_static(so["key"], so["secret"]),
+        tls_mode=S3RequestTlsMode.DISABLED,  # the endpoint is plain http on loopback
+    )
+    host = urlparse(so["endpoint_url"]).netloc
+
+    def get(key: str, path: Path) -> None:
+        request = HttpRequest("GET", f"/{BUCKET}/{key}", HttpHeaders([("Host", host)]))
+        done = client.make_request(
+            type=S3RequestType.GET_OBJECT,
+            request=request,
+            recv_filepath=str(path),
+            checksum_config=S3ChecksumConfig(validate_response=True),
+        ).finished_future
+        done.result(timeout=120)
+
+    get(WARM, files[0].parent / "warm")
+    return lambda: _pool(t, get, keys, files)
 
 
 def _boto3_client(so: dict[str, Any], *, when_required: bool) -> Any:
