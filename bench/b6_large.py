@@ -11,7 +11,7 @@ through the same shaped link from two servers:
 - **moto**, as before: it copies the whole object for every ranged GET and answers them one
   after another, about 70 ms each here, so the eighth part's first byte comes about 0.5 s
   after the first, and no client fills the link from it (boto3 included). Its rows are kept
-  to show that; its GET counts are checked (8 per fetch for shardcache and boto3).
+  to show that; its rows report the GETs each reader sent (moto counts them).
 
 Peers: s3fs ``get`` (one stream, validating response checksums only when required:
 ``peers.NO_RANGE_CHECKSUMS``) and boto3 ``download_file`` with TransferConfig's documented
