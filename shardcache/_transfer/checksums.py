@@ -30,21 +30,30 @@ S3_ALGORITHMS = ("crc64nvme", "crc32c", "crc32", "sha1", "sha256")
 
 @dataclass(frozen=True)
 class Checksum:
-    """A checksum of an object's whole content, as the store reports it.
+    """A checksum of an object's content, as the store reports it.
 
     ``value`` is in the store's own encoding: base64 of the big-endian digest for S3's
-    additional checksums, lowercase hex for ``md5`` (an ETag)."""
+    additional checksums (and GCS's CRC32C), lowercase hex for ``md5``. ``parts`` is None
+    for a checksum of the object's bytes; for a multipart upload's checksum (an ETag
+    ``<md5>-N``, a ``COMPOSITE`` S3 checksum ``<value>-N``) it is N, and ``value`` is the
+    checksum of the N parts' digests joined, without the ``-N``."""
 
     algorithm: str  # one of S3_ALGORITHMS, or "md5"
     value: str
+    source: str  # where the value came from, for messages ("the ETag", "x-amz-checksum-crc32")
+    parts: int | None = None
 
     @property
-    def source(self) -> str:
-        """Where the value came from, for messages and the metadata record."""
-        return "the ETag" if self.algorithm == "md5" else f"x-amz-checksum-{self.algorithm}"
+    def method(self) -> str:
+        """How a copy checked against it was verified, as records and counts name it:
+        the algorithm, ``-parts`` added for a multipart upload's checksum."""
+        return self.algorithm if self.parts is None else f"{self.algorithm}-parts"
 
-    def as_record(self) -> dict[str, str]:
-        return {"algorithm": self.algorithm, "value": self.value}
+    def as_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"algorithm": self.algorithm, "value": self.value}
+        if self.parts is not None:
+            record["parts"] = self.parts
+        return record
 
 
 class Hasher:
@@ -114,7 +123,7 @@ def from_s3_head(head: Mapping[str, Any], *, multipart_etag: bool) -> Checksum |
     for algorithm in S3_ALGORITHMS:
         value = head.get(f"Checksum{algorithm.upper()}")
         if isinstance(value, str) and value and "-" not in value:
-            return Checksum(algorithm, value)
+            return Checksum(algorithm, value, f"x-amz-checksum-{algorithm}")
     return None
 
 
@@ -125,7 +134,7 @@ def expected(info: Any, verify: str) -> Checksum | None:
         return None
     if info.checksum is not None:
         return info.checksum
-    return Checksum("md5", info.md5) if info.md5 else None
+    return Checksum("md5", info.md5, "the ETag") if info.md5 else None
 
 
 __all__ = [
