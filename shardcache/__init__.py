@@ -38,6 +38,7 @@ from ._base.errors import (
     ShardFormatError,
     StallError,
     TransientFetchError,
+    UnverifiableError,
     UrlError,
     WaitTimeout,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "StallError",
     "TensorBoardSink",
     "TransientFetchError",
+    "UnverifiableError",
     "UrlError",
     "WaitTimeout",
     "WebDataset",

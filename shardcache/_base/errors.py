@@ -10,7 +10,8 @@
     │   ├── PermanentFetchError           not retried: bad bucket, untrusted certificate, ...
     │   │   ├── RemoteNotFoundError(FileNotFoundError)       no such key / bucket / file
     │   │   ├── RemotePermissionError(PermissionError)       access denied, HTTP 401/403
-    │   │   └── RemoteIsADirectoryError(IsADirectoryError)   a directory given as a shard
+    │   │   ├── RemoteIsADirectoryError(IsADirectoryError)   a directory given as a shard
+    │   │   └── UnverifiableError             SHARDCACHE_VERIFY=strict: only a size to check
     │   └── PipeCommandError              a pipe: command failed on every attempt
     ├── CacheError                        the local side
     │   ├── CacheDirError(OSError)        cache dir missing, not a dir, not writable
@@ -106,6 +107,11 @@ class RemotePermissionError(PermanentFetchError, PermissionError):
 
 class RemoteIsADirectoryError(PermanentFetchError, IsADirectoryError):
     """The source URL names a directory, not a shard file."""
+
+
+class UnverifiableError(PermanentFetchError):
+    """``SHARDCACHE_VERIFY=strict`` and the store describes the object by its size only
+    (no checksum, no MD5 ETag, no parts layout): it is not downloaded."""
 
 
 class PipeCommandError(FetchError):
@@ -206,6 +212,7 @@ __all__ = [
     "ShardFormatError",
     "StallError",
     "TransientFetchError",
+    "UnverifiableError",
     "UrlError",
     "WaitTimeout",
 ]

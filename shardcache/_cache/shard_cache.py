@@ -114,6 +114,7 @@ class ShardCache:
                 io_timeout=s.io_timeout,
                 chunk_size=s.chunk_size,
                 verify=s.verify,
+                etag_md5=s.etag_md5,
                 parallel_threshold=s.parallel_threshold,
                 part_size=s.part_size,
                 max_parts_in_flight=s.parallel_parts,

@@ -55,6 +55,7 @@ class Settings:
     job_request_rate: float | None = SPECS["job_request_rate"].default
     preallocate: str = SPECS["preallocate"].default
     verify: str = SPECS["verify"].default
+    etag_md5: str = SPECS["etag_md5"].default
     read_while_downloading: str = SPECS["read_while_downloading"].default
     threads: int = SPECS["threads"].default
     prefetch_depth: int = SPECS["prefetch_depth"].default

@@ -179,10 +179,21 @@ SPECS: dict[str, SettingSpec] = {
     ),
     "verify": SettingSpec(
         "SHARDCACHE_VERIFY",
-        one_of("etag", "size"),
+        one_of("etag", "size", "strict"),
         "etag",
-        "etag: size + the object's S3 checksum (CRC64NVME, CRC32C, CRC32, SHA), else MD5 of a "
-        "single-part ETag; size: size only",
+        "etag: size + the cheapest checksum the store describes: its full-object checksum "
+        "(S3: CRC64NVME, CRC32C, CRC32, SHA1, SHA256), the ETag's MD5, a multipart upload's "
+        "composite checksum or MD5 of its parts' MD5s; size only where the store describes "
+        "nothing more; strict: as etag, but a remote shard the store describes by its size "
+        "only is refused (UnverifiableError); size: size only",
+    ),
+    "etag_md5": SettingSpec(
+        "SHARDCACHE_ETAG_MD5",
+        one_of("auto", "off"),
+        "auto",
+        "auto: an S3 ETag of the form of an MD5 (or of a multipart upload's MD5 of MD5s) is "
+        "checked as one, except where S3 says it is not (KMS or DSSE-KMS, SSE-C, directory "
+        "buckets); off: never (an S3-compatible store whose ETags are not MD5s)",
     ),
     "read_while_downloading": SettingSpec(
         "SHARDCACHE_READ_WHILE_DOWNLOADING",

@@ -1,8 +1,9 @@
 """``verify``: check every cached shard's content against its source and remove bad ones.
 
 The source is, per shard, a manifest entry's ``size``/``md5``/``sha256`` when one is given,
-else the remote object (size; the MD5 of a single-part object and its full-object S3
-checksum, whichever it has; the ETag recorded at download).
+else the remote object (size and the checksum a download would be checked against now:
+its full-object checksum, the ETag's MD5 where the store promises one, a multipart
+upload's checksum over the parts recorded at download; else the ETag recorded then).
 A shard is removed only through ``ShardCache.remove`` (never while a reader holds it), and
 nothing is ever run: a ``pipe:`` command's copy is checked against a manifest or the size
 recorded when the command ran, never by running the command again.
@@ -25,7 +26,9 @@ from .._cache.shard_cache import ShardCache
 from .._datasets.urls import read_manifest
 from .._disk.metadata import read_meta
 from .._store.eviction import CacheEntry, scan
-from .._transfer.checksums import Hasher
+from .._transfer.checksums import Checksum, Hasher
+from .._transfer.download import ObjectInfo
+from .._transfer.multipart import PartLayout, PartsHasher
 from .fetch_progress import LOG_EVERY, FetchProgress
 from .maintenance import require_scope_dir
 from .maintenance_reports import unreadable_json, unreadable_lines
@@ -213,12 +216,12 @@ def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | 
         source = "the remote object"
         info = cache.remote.info(entry.url)
         want_size = info.size
-        # An audit, not the hot path: the ETag's MD5 where there is one (128 bits), and
-        # the store's full-object checksum too (the only one of a KMS or multipart object).
-        want = {"md5": info.md5} if info.md5 else {}
-        if info.checksum is not None:
-            want[info.checksum.algorithm] = info.checksum.value
-        hashers = {name: Hasher(name) for name in want}
+        # What a download of it would be checked against now (the store's cheapest
+        # checksum: never the ETag where the store does not promise it is an MD5).
+        checksum = info.expected_checksum("etag")
+        hasher = _hasher(cache, entry.path, info, checksum) if checksum is not None else None
+        want = {checksum.method: checksum.value} if checksum and hasher else {}
+        hashers = {checksum.method: hasher} if checksum and hasher else {}
         if not want and entry.etag and info.etag and entry.etag != info.etag:
             return (
                 f"the remote object changed since it was cached (ETag {info.etag}, "
@@ -232,6 +235,20 @@ def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | 
             if got[name] != value:
                 return f"{name} {got[name]}, {source} has {value}"
     return None
+
+
+def _hasher(
+    cache: ShardCache, path: Path, info: ObjectInfo, checksum: Checksum
+) -> Hasher | PartsHasher | None:
+    """A running ``checksum`` of the cached copy: for a multipart upload's, over the parts
+    recorded when it was cached (else every part's size asked of the store: a wrong guess
+    would remove a good copy); None when the store describes no parts."""
+    if checksum.parts is None:
+        return Hasher(checksum.algorithm)
+    layout = PartLayout.from_record(read_meta(cache.layout, path).get("parts"))
+    if layout is None or len(layout.sizes) != checksum.parts or layout.total != info.size:
+        layout = cache.remote.part_layout(info, checksum.parts, exact=True)
+    return PartsHasher(checksum.algorithm, layout) if layout is not None else None
 
 
 def _check_recorded_size(cache: ShardCache, entry: Any) -> str | None:

@@ -265,9 +265,11 @@ def _record(shard: ShardId, info: ObjectInfo, fd: int) -> dict[str, Any]:
         "etag": info.etag,
         "md5": info.md5,
         # The store's own checksum, and what this copy was checked against
-        # beyond its size ("crc64nvme", ..., "md5"; "size" for nothing more).
+        # beyond its size ("crc64nvme", ..., "md5"; "md5-parts", "crc32-parts", ... for a
+        # multipart upload's, with the parts' sizes; "size" for nothing more).
         "checksum": info.checksum.as_record() if info.checksum else None,
-        "verified": info.verified.algorithm if info.verified else "size",
+        "verified": info.verified.method if info.verified else "size",
+        "parts": info.parts_layout.as_record() if info.parts_layout else None,
         "version_id": info.version_id,
         "mtime_ns": info.mtime_ns,
         "data_ino": os.fstat(fd).st_ino,  # the copy this record describes

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -82,12 +83,16 @@ class Hasher:
         bytes, without reading them again (CRCs only: :func:`combinable`)."""
         self._state = _COMBINE[self.algorithm](self._state, other._state, length)
 
-    def value(self) -> str:
+    def digest(self) -> bytes:
+        """The raw checksum (big-endian for CRCs): what a multipart upload's checksum joins."""
         if self._crc is not None:
-            return base64.b64encode(self._state.to_bytes(self._width, "big")).decode()
+            return self._state.to_bytes(self._width, "big")
+        return self._hash.digest()
+
+    def value(self) -> str:
         if self.algorithm == "md5":
-            return self._hash.hexdigest()
-        return base64.b64encode(self._hash.digest()).decode()
+            return self.digest().hex()
+        return base64.b64encode(self.digest()).decode()
 
 
 _CRCS: dict[str, tuple[Callable[[Any, int], int], int]] = {
@@ -112,29 +117,63 @@ def combinable(algorithm: str) -> bool:
 
 
 def from_s3_head(head: Mapping[str, Any], *, multipart_etag: bool) -> Checksum | None:
-    """The full-object checksum in a ``HeadObject`` response (with ``ChecksumMode``), or
-    None. A composite checksum (``ChecksumType: COMPOSITE``, a ``-N`` suffix) is ignored;
-    so is one of unknown type on a multipart upload (``multipart_etag``), where only an
-    explicit ``FULL_OBJECT`` says it covers the bytes themselves (a single PUT's checksum
-    always does)."""
+    """The additional checksum in a ``HeadObject`` or whole-object ``GetObject`` response
+    (with ``ChecksumMode``), or None. A full-object one checks the bytes; a composite one
+    (``ChecksumType: COMPOSITE``, or a ``-N`` suffix) has ``parts`` set. On a multipart
+    upload (``multipart_etag``) a checksum of unknown type without ``-N`` is ignored: only
+    an explicit ``FULL_OBJECT`` says it covers the bytes themselves (a single PUT's
+    checksum always does)."""
     kind = head.get("ChecksumType")
-    if kind not in (None, "FULL_OBJECT") or (multipart_etag and kind != "FULL_OBJECT"):
-        return None
     for algorithm in S3_ALGORITHMS:
-        value = head.get(f"Checksum{algorithm.upper()}")
-        if isinstance(value, str) and value and "-" not in value:
-            return Checksum(algorithm, value, f"x-amz-checksum-{algorithm}")
+        raw = head.get(f"Checksum{algorithm.upper()}")
+        if not isinstance(raw, str) or not raw:
+            continue
+        value, parts = _split_parts(raw)
+        source = f"x-amz-checksum-{algorithm}"
+        if parts is not None and kind in (None, "COMPOSITE"):
+            return Checksum(algorithm, value, source, parts=parts)
+        if parts is None and (kind == "FULL_OBJECT" or (kind is None and not multipart_etag)):
+            return Checksum(algorithm, value, source)
+        return None
     return None
+
+
+def _split_parts(value: str) -> tuple[str, int | None]:
+    """``("abc", 5)`` for ``"abc-5"`` (a multipart upload's checksum), ``("abc", None)``
+    for ``"abc"``."""
+    head, sep, tail = value.rpartition("-")
+    if sep and head and tail.isdigit() and int(tail) > 0:
+        return head, int(tail)
+    return value, None
 
 
 def expected(info: Any, verify: str) -> Checksum | None:
     """What a download of ``info`` (an :class:`~shardcache._transfer.download.ObjectInfo`) is
-    verified against beyond its size under ``verify`` (``etag`` or ``size``)."""
-    if verify != "etag":
+    verified against beyond its size under ``verify`` (``size``: nothing). The cheapest the
+    store describes: a full-object checksum, the ETag's MD5 of a single-part upload, a
+    composite checksum of a multipart one, the ETag's MD5 of the parts' MD5s."""
+    if verify == "size":
         return None
-    if info.checksum is not None:
-        return info.checksum
-    return Checksum("md5", info.md5, "the ETag") if info.md5 else None
+    described = [c for c in (info.checksum, info.etag_checksum) if c is not None]
+    # A checksum of the bytes before one of the parts (no layout to learn), a store's
+    # CRC or SHA before an MD5 (cheaper to compute).
+    described.sort(key=lambda c: (c.parts is not None, c.algorithm == "md5"))
+    return described[0] if described else None
+
+
+def etag_checksum(etag: str | None) -> Checksum | None:
+    """The MD5 an S3 ETag is, when it has the form of one: 32 hex digits (a single-part
+    upload) or 32 hex digits and ``-N`` (the MD5 of the N parts' MD5s). Whether the store
+    promises the ETag is an MD5 at all is the caller's to judge (encryption, bucket kind)."""
+    if not etag:
+        return None
+    value, parts = _split_parts(etag)
+    if not _MD5_HEX.match(value):
+        return None
+    return Checksum("md5", value, "the ETag", parts=parts)
+
+
+_MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
 
 
 __all__ = [
@@ -142,6 +181,7 @@ __all__ = [
     "Checksum",
     "Hasher",
     "combinable",
+    "etag_checksum",
     "expected",
     "from_s3_head",
 ]

@@ -22,11 +22,13 @@ from typing import Any, BinaryIO, Protocol
 
 from fsspec.asyn import sync
 
-from .._base.errors import IntegrityError
+from .._base.errors import IntegrityError, UnverifiableError
 from .._base.redact import get_logger, redact_options
+from .._base.url_kinds import LOCAL_PROTOCOLS, url_protocol
 from .._retry.policy import RetryPolicy
 from .._retry.throttle import Throttle, throttled_call
-from .checksums import Checksum, expected
+from .checksums import Checksum, Hasher, expected
+from .multipart import PartLayout, PartsHasher, rehash
 
 logger = get_logger(__name__)
 
@@ -54,15 +56,41 @@ class ObjectInfo:
     size: int | None  # None: known only once downloaded (a pipe: command's output)
     etag: str | None = None
     version_id: str | None = None
-    md5: str | None = None  # hex MD5 of the content when the ETag is one (single-part, no KMS)
+    # The MD5 the ETag is, where the store promises it (single-part: the content's; a
+    # multipart upload's: of its parts' MD5s, ``parts`` set).
+    etag_checksum: Checksum | None = None
     mtime_ns: int | None = None  # a local source's modification time (its version)
-    checksum: Checksum | None = None  # the store's full-object checksum (S3: x-amz-checksum-*)
+    checksum: Checksum | None = None  # the store's own checksum (S3: x-amz-checksum-*)
     verified: Checksum | None = None  # set on the info a download returns: what it checked
+    parts_layout: PartLayout | None = None  # with ``verified``: the parts it was checked in
+
+    @property
+    def md5(self) -> str | None:
+        """The hex MD5 of the content, when the ETag is one (a single-part upload)."""
+        c = self.etag_checksum
+        return c.value if c is not None and c.parts is None else None
 
     def expected_checksum(self, verify: str) -> Checksum | None:
         """What a download is checked against beyond the size (see
         :func:`shardcache._transfer.checksums.expected`)."""
         return expected(self, verify)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What one download is checked against: a checksum (None: the size only) and, for a
+    multipart upload's checksum, the parts' layout it is computed over."""
+
+    checksum: Checksum | None = None
+    layout: PartLayout | None = None
+
+    def hasher(self) -> Hasher | PartsHasher | None:
+        """A running checksum of the object's bytes fed in order."""
+        if self.checksum is None:
+            return None
+        if self.layout is None:
+            return Hasher(self.checksum.algorithm)
+        return PartsHasher(self.checksum.algorithm, self.layout)
 
 
 @dataclass(frozen=True, repr=False)
@@ -74,7 +102,8 @@ class RemoteOptions:
     retry: RetryPolicy
     io_timeout: float
     chunk_size: int
-    verify: str
+    verify: str  # "etag", "size" or "strict"
+    etag_md5: str  # "auto": an S3 ETag is an MD5 where S3 promises it; "off": never
     parallel_threshold: int  # S3 objects at least this big use parallel ranged GETs
     part_size: int
     max_parts_in_flight: int  # concurrent ranged GETs per download; 1 disables them
@@ -127,6 +156,8 @@ class Source(Protocol):
     def filesystem(self, url: str) -> tuple[Any, str]: ...
 
     def info(self, url: str) -> ObjectInfo: ...
+
+    def part_layout(self, info: ObjectInfo, parts: int, *, exact: bool) -> PartLayout | None: ...
 
 
 class LocalWriteError(Exception):
@@ -191,11 +222,53 @@ class Strategy(abc.ABC):
         Raises a :class:`~shardcache.FetchError` subclass or :class:`IntegrityError`, or
         :class:`LocalWriteError` for a failed write of ``out``."""
 
-    def verify(self, info: ObjectInfo, size: int, digest: str | None, attempt: int) -> ObjectInfo:
+    def expectation(self, info: ObjectInfo) -> Expected:
+        """What a download of ``info`` is checked against: the store's cheapest checksum
+        (:func:`~shardcache._transfer.checksums.expected`) with, for a multipart upload's,
+        the parts' layout asked of the store. A store that describes no layout leaves the
+        size only (logged)."""
+        want = info.expected_checksum(self.options.verify)
+        if want is not None and want.parts is not None:
+            layout = self.source.part_layout(info, want.parts, exact=False)
+            if layout is not None:
+                return Expected(want, layout)
+            logger.warning(
+                "%s: the store does not describe the %d parts of its upload, so its %s "
+                "cannot be checked; verified by size only",
+                info.url,
+                want.parts,
+                want.source,
+            )
+            want = None
+        if want is None and self.options.verify == "strict" and not _local(info.url):
+            raise UnverifiableError(
+                f"{info.url}: the store describes this object by its size only (no checksum, "
+                "no MD5 ETag, no layout of its parts), and SHARDCACHE_VERIFY=strict refuses "
+                "to publish what it cannot check; nothing was downloaded. Upload it with a "
+                "checksum (e.g. aws s3 cp --checksum-algorithm CRC64NVME), or set "
+                "SHARDCACHE_VERIFY=etag to accept a size check for such objects.",
+                url=info.url,
+                attempts=1,
+                cause="size only",
+            )
+        return Expected(want)
+
+    def verify(
+        self,
+        info: ObjectInfo,
+        size: int,
+        digest: str | None,
+        attempt: int,
+        *,
+        expected: Expected,
+        out: BinaryIO | None = None,
+    ) -> ObjectInfo:
         """Raise :class:`IntegrityError` unless ``size`` and ``digest`` (the downloaded
-        bytes' checksum of the algorithm ``info.expected_checksum`` names; None when it
-        names none) match the object's. Returns ``info`` with ``verified`` set to the
-        checksum that was checked (None: the size only)."""
+        bytes' checksum under ``expected``; None when it names none) match the object's.
+        A multipart checksum computed over an assumed regular layout that does not match
+        is computed again from ``out`` over the layout asked part by part, when that one
+        differs. Returns ``info`` with ``verified`` (None: the size only) and
+        ``parts_layout`` set."""
         if size != info.size:
             raise IntegrityError(
                 f"{info.url}: downloaded {size} bytes, expected {info.size} on attempt "
@@ -206,26 +279,43 @@ class Strategy(abc.ABC):
                 expected=info.size,
                 seen=size,
             )
-        want = info.expected_checksum(self.options.verify)
+        want, layout = expected.checksum, expected.layout
+        if want is not None and digest != want.value and layout is not None and layout.assumed:
+            exact = self.source.part_layout(info, len(layout.sizes), exact=True)
+            if exact is not None and exact.sizes != layout.sizes and out is not None:
+                logger.info("%s: its upload's parts are not of one size; hashing again", info.url)
+                with local_io():
+                    digest, layout = rehash(out, want.algorithm, exact), exact
         if want is not None and digest != want.value:
-            instead = ", checked instead of the slower MD5 of the ETag" if info.md5 else ""
-            hint = (
-                "set SHARDCACHE_VERIFY=size if this store's ETags are not MD5s"
-                if want.algorithm == "md5"
-                else "check that the store computes this checksum over the object's bytes"
-            )
-            raise IntegrityError(
-                f"{info.url}: {want.algorithm.upper()} of the downloaded bytes is {digest}, "
-                f"expected {want.value} ({want.source}{instead}) on attempt {attempt}. The "
-                "bytes were corrupted in transit or the object changed; nothing was "
-                f"published. Check the network path (proxies) and the object; {hint}.",
-                url=info.url,
-                attempts=attempt,
-                expected=want.value,
-                seen=digest,
-                algorithm=want.algorithm,
-            )
-        return replace(info, verified=want)
+            raise _mismatch(info, want, digest, attempt)
+        return replace(info, verified=want, parts_layout=layout if want is not None else None)
+
+
+def _local(url: str) -> bool:
+    """Whether ``url`` is a file on this machine: its copy crosses no network."""
+    return url_protocol(url) in LOCAL_PROTOCOLS
+
+
+def _mismatch(info: ObjectInfo, want: Checksum, digest: str | None, attempt: int) -> IntegrityError:
+    if want.parts is None:
+        what = f"{want.algorithm.upper()} of the downloaded bytes"
+    else:
+        what = f"{want.algorithm.upper()} of the {want.parts} parts' {want.algorithm.upper()}s"
+    hint = (
+        "set SHARDCACHE_ETAG_MD5=off if this store's ETags are not MD5s"
+        if want.algorithm == "md5"
+        else "check that the store computes this checksum over the object's bytes"
+    )
+    return IntegrityError(
+        f"{info.url}: {what} is {digest}, expected {want.value} ({want.source}) on attempt "
+        f"{attempt}. The bytes were corrupted in transit or the object changed; nothing "
+        f"was published. Check the network path (proxies) and the object; {hint}.",
+        url=info.url,
+        attempts=attempt,
+        expected=want.value,
+        seen=digest,
+        algorithm=want.method,
+    )
 
 
 def s3_get(

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from .checksums import Hasher
 from .download import local_io
+from .multipart import PartsHasher
 
 _BLOCK = 8 << 20  # bytes read back from the file at a time (one reused buffer)
 _POLL = 0.5  # seconds between looks at ``stop`` while nothing new was written
@@ -55,11 +56,15 @@ class PartsWritten:
 
 
 class HashFollower:
-    """A thread hashing the first ``size`` bytes of ``fd`` in order as ``written`` allows."""
+    """A thread feeding the first ``size`` bytes of ``fd`` to ``hasher`` in order as
+    ``written`` allows (a :class:`~shardcache._transfer.checksums.Hasher`, or a multipart
+    upload's :class:`~shardcache._transfer.multipart.PartsHasher`)."""
 
-    def __init__(self, fd: int, size: int, algorithm: str, written: PartsWritten) -> None:
+    def __init__(
+        self, fd: int, size: int, hasher: Hasher | PartsHasher, written: PartsWritten
+    ) -> None:
         self._fd, self._size, self._written = fd, size, written
-        self._hasher = Hasher(algorithm)
+        self._hasher = hasher
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shardcache-hash", daemon=True)

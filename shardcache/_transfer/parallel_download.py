@@ -35,6 +35,7 @@ from .._retry.policy import (
 )
 from .checksums import Hasher, combinable
 from .download import (
+    Expected,
     LocalWriteError,
     ObjectInfo,
     OpenedObject,
@@ -46,6 +47,7 @@ from .download import (
     verification_failed,
 )
 from .hash_follower import HashFollower, PartsWritten
+from .multipart import PartsHasher, composite_value
 
 logger = get_logger(__name__)
 
@@ -92,10 +94,9 @@ class ParallelDownload(Strategy):
             if n > 1 and not self.suits(info, out):
                 return None  # fresh metadata says the object is no longer large
             head, first = first, None
-            want = info.expected_checksum(self.options.verify)
-            algorithm = want.algorithm if want is not None else None
-            digest = self._fetch_parts(info, out, progress, n, head=head, algorithm=algorithm)
-            verified = self.verify(info, info.size, digest, n)
+            expected = self.expectation(info)
+            digest = self._fetch_parts(info, out, progress, n, head=head, expected=expected)
+            verified = self.verify(info, info.size, digest, n, expected=expected, out=out)
             out.seek(info.size)
             return verified
 
@@ -117,22 +118,19 @@ class ParallelDownload(Strategy):
         attempt: int,
         *,
         head: Iterator[bytes] | None,
-        algorithm: str | None,
+        expected: Expected,
     ) -> str | None:
         """Every part at its offset; ``head``, the body of a whole-object GET already
         answered, gives the first part (then is closed) instead of a ranged GET of its own.
-        Returns the checksum of the object's bytes under ``algorithm`` (None: none asked):
-        each part's CRC as its bytes pass, combined; MD5 or SHA by a follower thread."""
+        Returns the checksum of the object's bytes under ``expected`` (None: none asked)."""
         size = info.size or 0
         with local_io():
             out.flush()
             fd = out.fileno()
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # parts land at their offsets in any order
-        part = self.options.part_size
-        ranges = [(start, min(start + part, size)) for start in range(0, size, part)]
-        per_part = algorithm is not None and combinable(algorithm)
-        hashers = [Hasher(algorithm) if per_part and algorithm else None for _ in ranges]
+        plan = _Plan(expected, size, self.options.part_size)
+        ranges, hashers = plan.ranges, plan.hashers
         done = PartsWritten(ranges)
         cancel = threading.Event()
         landed = False
@@ -143,8 +141,8 @@ class ParallelDownload(Strategy):
         )
         follower = None
         try:
-            if algorithm is not None and not per_part:  # started here: always stopped below
-                follower = HashFollower(fd, size, algorithm, done)
+            if plan.follow is not None:  # started here: always stopped below
+                follower = HashFollower(fd, size, plan.follow, done)
             futures = [
                 pool.submit(
                     self._fetch_part,
@@ -192,10 +190,7 @@ class ParallelDownload(Strategy):
             if follower is not None:
                 follower.abandon()  # never left waiting for bytes that will not come
             raise
-        if per_part:
-            lengths = [end - start for start, end in ranges]
-            return _combined([(h, n) for h, n in zip(hashers, lengths, strict=True) if h])
-        return None
+        return plan.digest()
 
     def _fetch_part(
         self,
@@ -282,12 +277,46 @@ class ParallelDownload(Strategy):
         return s3_body(fs, path, info, piece, self.options.throttle, start=start, end=end)
 
 
-def _combined(parts: list[tuple[Hasher, int]]) -> str:
-    """The checksum of the whole object from its parts' (hasher, length), in order."""
-    total, _ = parts[0]
-    for hasher, length in parts[1:]:
-        total.extend(hasher, length)
-    return total.value()
+class _Plan:
+    """The ranges of one download and how its checksum is computed:
+
+    * a CRC of the bytes: each range's CRC as its bytes pass, combined;
+    * a multipart upload's checksum, its parts at most twice ``part_size``: one range per
+      upload part, each hashed as its bytes pass (MD5s on as many threads as parts in
+      flight), the digests joined;
+    * MD5 or SHA of the bytes, or a multipart checksum of larger parts: ranges of
+      ``part_size``, hashed in order by a follower thread (``follow``)."""
+
+    def __init__(self, expected: Expected, size: int, part: int) -> None:
+        want, layout = expected.checksum, expected.layout
+        self._algorithm = want.algorithm if want is not None else None
+        self._layout = layout
+        self.follow: Hasher | PartsHasher | None = None
+        if layout is not None and max(layout.sizes) <= 2 * part:
+            self.ranges = layout.spans()
+        else:
+            self.ranges = [(start, min(start + part, size)) for start in range(0, size, part)]
+        inline = self._algorithm is not None and (
+            (layout is not None and self.ranges == layout.spans())
+            or (layout is None and combinable(self._algorithm))
+        )
+        self.hashers = [
+            Hasher(self._algorithm) if inline and self._algorithm else None for _ in self.ranges
+        ]
+        if self._algorithm is not None and not inline:
+            self.follow = expected.hasher()
+
+    def digest(self) -> str | None:
+        """The checksum once every range landed (a follower's is taken by the caller)."""
+        hashers = [h for h in self.hashers if h is not None]
+        if self._algorithm is None or not hashers:
+            return None
+        if self._layout is not None:
+            return composite_value(self._algorithm, [h.digest() for h in hashers])
+        total = hashers[0]
+        for hasher, (start, end) in zip(hashers[1:], self.ranges[1:], strict=True):
+            total.extend(hasher, end - start)
+        return total.value()
 
 
 def _piece(chunk_size: int) -> int:

@@ -35,6 +35,7 @@ class PipeDownload(Strategy):
         opened: OpenedObject | None = None,  # never: a command is run, not requested
     ) -> ObjectInfo:
         command = command_of(info.url)
+        self.expectation(info)  # SHARDCACHE_VERIFY=strict refuses what only a size checks
 
         def write(data: bytes) -> None:
             with local_io():

@@ -10,7 +10,6 @@ it to one strategy (:mod:`shardcache._transfer.download`): ``pipe:`` URLs (size 
 from __future__ import annotations
 
 import os
-import re
 import stat
 from typing import Any, BinaryIO
 
@@ -24,7 +23,7 @@ from .._base.url_kinds import LOCAL_PROTOCOLS, local_path, url_protocol
 from .._observe import metrics
 from .._retry.policy import describe, fetch_error, is_transient, retry_cause
 from .._retry.throttle import throttled_call
-from .checksums import from_s3_head
+from .checksums import etag_checksum, from_s3_head
 from .download import (
     LocalWriteError,
     ObjectInfo,
@@ -37,6 +36,7 @@ from .download import (
     s3_body,
     s3_get,
 )
+from .multipart import PartLayout, exact_layout, part_layout
 from .parallel_download import ParallelDownload
 from .pipe_commands import check_allowed
 from .pipe_download import PipeDownload
@@ -45,7 +45,6 @@ from .stream_download import StreamDownload
 
 logger = get_logger(__name__)
 
-_MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 _DECIDED = (FetchError, UrlError)  # errors of ours: raised as they are, never retried
 
 
@@ -152,7 +151,7 @@ class Remote:
                     **kw,
                 ),
             )
-            return s3_object_info(url, head)
+            return s3_object_info(url, head, self.options.etag_md5)
         if protocol in LOCAL_PROTOCOLS:
             st = os.stat(path)  # before any byte is read: a later change shows on the next hit
             if stat.S_ISDIR(st.st_mode):
@@ -191,13 +190,39 @@ class Remote:
             client = getattr(fs, "_s3", None) or sync(fs.loop, fs.set_session)
             ask_for_checksums(client)
             response = s3_get(fs, path, unknown, self.options.throttle)
-            return OpenedObject(s3_object_info(url, response), fs, response["Body"])
+            info = s3_object_info(url, response, self.options.etag_md5)
+            return OpenedObject(info, fs, response["Body"])
 
         return self.options.retry.run(
             once,
             retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
             give_up=lambda exc, n: exc if isinstance(exc, _DECIDED) else fetch_error(url, n, exc),
             on_retry=lambda exc, n: _open_retry(url, exc),
+        )
+
+    def part_layout(self, info: ObjectInfo, parts: int, *, exact: bool) -> PartLayout | None:
+        """The layout of the ``parts`` parts of the S3 object ``info`` describes
+        (:func:`~shardcache._transfer.multipart.part_layout`; ``exact``: every part's size
+        asked for, :func:`~shardcache._transfer.multipart.exact_layout`). Transient errors are
+        retried; a changed object (HTTP 412) is an :class:`IntegrityError`."""
+        if url_protocol(info.url) not in {"s3", "s3a"} or info.size is None:
+            return None
+        fs, path = self.filesystem(info.url)
+        learn = exact_layout if exact else part_layout
+        return self.options.retry.run(
+            lambda n: learn(
+                fs,
+                path,
+                version=info.version_id,
+                total=info.size or 0,
+                count=parts,
+                throttle=self.options.throttle,
+            ),
+            retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
+            give_up=lambda exc, n: (
+                exc if isinstance(exc, _DECIDED) else fetch_error(info.url, n, exc, "stat")
+            ),
+            on_retry=lambda exc, n: _stat_retry(info.url, exc),
         )
 
     # -- ranged reads ------------------------------------------------------------------
@@ -256,27 +281,36 @@ class Remote:
             raise exc.__cause__ from None  # type: ignore[misc]
 
 
-def s3_object_info(url: str, response: Any) -> ObjectInfo:
+def s3_object_info(url: str, response: Any, etag_md5: str = "auto") -> ObjectInfo:
     """What a ``HeadObject`` response, or a whole-object ``GetObject`` one, says of the object.
-    The ETag is its content's MD5 only for a single-part upload without KMS or customer keys
-    (a ``-N`` suffix marks a multipart one)."""
+    The ETag is taken for an MD5 (of the content, or of the parts' MD5s: ``-N``) only where
+    S3 promises it (:func:`etag_is_md5`) and ``etag_md5`` is not ``off``."""
     etag = str(response.get("ETag", "")).strip('"') or None
-    md5 = None
-    if (
-        etag
-        and _MD5_ETAG.match(etag)
-        and response.get("ServerSideEncryption") != "aws:kms"
-        and "SSECustomerAlgorithm" not in response
-    ):
-        md5 = etag
+    promised = etag_md5 != "off" and etag_is_md5(url, response)
     return ObjectInfo(
         url,
         int(response["ContentLength"]),
         etag,
         response.get("VersionId"),
-        md5,
+        etag_checksum(etag) if promised else None,
         checksum=from_s3_head(response, multipart_etag=bool(etag and "-" in etag)),
     )
+
+
+def etag_is_md5(url: str, response: Any) -> bool:
+    """Whether S3 promises the ETag of the object ``response`` describes is an MD5: not
+    for any KMS encryption (``aws:kms``, ``aws:kms:dsse``), a customer-provided key (SSE-C)
+    or a directory bucket (S3 Express One Zone: ``--x-s3``), whose ETags are not."""
+    sse = str(response.get("ServerSideEncryption") or "")
+    bucket = url.split("://", 1)[-1].split("/", 1)[0]
+    return (
+        not sse.startswith("aws:kms")
+        and "SSECustomerAlgorithm" not in response
+        and not bucket.endswith(_DIRECTORY_BUCKET)
+    )
+
+
+_DIRECTORY_BUCKET = "--x-s3"
 
 
 def _stat_retry(url: str, exc: Exception) -> None:

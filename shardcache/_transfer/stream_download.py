@@ -17,8 +17,8 @@ from .._base.redact import get_logger
 from .._base.url_kinds import url_protocol
 from .._observe import metrics
 from .._retry.policy import TruncatedBody, describe, fetch_error, is_transient, retry_cause
-from .checksums import Hasher
 from .download import (
+    Expected,
     LocalWriteError,
     ObjectInfo,
     OpenedObject,
@@ -42,7 +42,7 @@ class StreamDownload(Strategy):
         progress: Progress,
         opened: OpenedObject | None = None,
     ) -> ObjectInfo:
-        state = _Stream(info, self.options.verify)
+        state = _Stream(info, self.expectation(info))
         first = opened.take(self.options.chunk_size) if opened is not None else None
 
         def attempt(n: int) -> ObjectInfo:
@@ -61,12 +61,15 @@ class StreamDownload(Strategy):
             if state.done < state.info.size:
                 raise TruncatedBody(f"body ended at byte {state.done} of {state.info.size}")
             digest = state.hasher.value() if state.hasher is not None else None
-            return self.verify(state.info, state.done, digest, n)
+            return self.verify(
+                state.info, state.done, digest, n, expected=state.expected, out=_file(out)
+            )
 
         def on_retry(exc: Exception, n: int) -> None:
             metrics.retried(retry_cause(exc))
             if verification_failed(exc):
-                state.restart(self.start_over(state.info.url, out))
+                fresh = self.start_over(state.info.url, out)
+                state.restart(fresh, self.expectation(fresh))
             else:
                 logger.info("retrying %s after %s (attempt %d)", state.info.url, describe(exc), n)
 
@@ -103,15 +106,23 @@ class _Stream:
     """Where a stream stands: the object it verifies against, bytes written, their
     checksum (None: verified by size only)."""
 
-    def __init__(self, info: ObjectInfo, verify: str) -> None:
-        self.verify = verify
-        self.restart(info)
+    def __init__(self, info: ObjectInfo, expected: Expected) -> None:
+        self.restart(info, expected)
 
-    def restart(self, info: ObjectInfo) -> None:
+    def restart(self, info: ObjectInfo, expected: Expected) -> None:
         self.info = info
+        self.expected = expected
         self.done = 0
-        want = info.expected_checksum(self.verify)
-        self.hasher = Hasher(want.algorithm) if want is not None else None
+        self.hasher = expected.hasher()
+
+
+def _file(out: BinaryIO) -> BinaryIO | None:
+    """``out`` when it is a real file (a multipart checksum can be computed again from it)."""
+    try:
+        out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return out
 
 
 def _transient(exc: Exception) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 
-FAULT_KINDS = ("status", "reset", "truncate", "corrupt", "hang", "hold")
+FAULT_KINDS = ("status", "reset", "truncate", "corrupt", "hang", "hold", "headers")
 
 # S3 error code and message per status for injected "status:NNN" faults.
 _S3_ERRORS = {
@@ -51,6 +51,11 @@ class FaultRule:
 
     error_code: str | None = None
     """S3 error code in the XML body (``status``); default depends on the status."""
+    set_headers: dict[str, str] = field(default_factory=dict)
+    """``headers``: response headers replaced (or added) with these values."""
+    range_from: int | None = None
+    """Match only requests whose ``Range`` header starts at this byte (a ranged GET of
+    one part of a parallel download); ``0`` also matches a request without ``Range``."""
     injected: int = 0
 
     @property
@@ -58,13 +63,24 @@ class FaultRule:
         """``"status:503"``, ``"reset"``, ``"truncate"``, ``"corrupt"`` or ``"hang"``."""
         return f"status:{self.status}" if self.kind == "status" else self.kind
 
-    def matches(self, method: str, target: str) -> bool:
-        """Whether this rule applies to a request (``target`` is the decoded URL)."""
+    def matches(self, method: str, target: str, byte_range: str | None = None) -> bool:
+        """Whether this rule applies to a request (``target`` is the decoded URL,
+        ``byte_range`` its ``Range`` header)."""
         if self.remaining is not None and self.remaining <= 0:
             return False
         if self.method is not None and self.method.upper() != method.upper():
             return False
+        if self.range_from is not None and _range_start(byte_range) != self.range_from:
+            return False
         return self.path_contains is None or self.path_contains in target
+
+
+def _range_start(byte_range: str | None) -> int:
+    """The first byte a ``Range: bytes=N-...`` header asks for (0 without one)."""
+    if not byte_range:
+        return 0
+    first = byte_range.partition("=")[2].partition("-")[0]
+    return int(first) if first.isdigit() else -1
 
 
 @dataclass(frozen=True)
@@ -116,11 +132,11 @@ class FaultRules:
         with self._lock:
             return [r for r in self._rules if r.remaining is None or r.remaining > 0]
 
-    def take(self, method: str, target: str) -> FaultRule | None:
+    def take(self, method: str, target: str, byte_range: str | None = None) -> FaultRule | None:
         """Consume one use of the first rule matching this request, if any."""
         with self._lock:
             for rule in self._rules:
-                if rule.matches(method, target):
+                if rule.matches(method, target, byte_range):
                     if rule.remaining is not None:
                         rule.remaining -= 1
                     rule.injected += 1

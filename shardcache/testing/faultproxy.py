@@ -211,8 +211,8 @@ class FaultProxy(LoopbackService):
         with self._lock:
             self._sockets.discard(sock)
 
-    def _take(self, method: str, target: str) -> FaultRule | None:
-        rule = self.rules.take(method, target)
+    def _take(self, method: str, target: str, byte_range: str | None = None) -> FaultRule | None:
+        rule = self.rules.take(method, target, byte_range)
         with self._lock:
             self._requests += 1
             self._seen[method, target.partition("?")[0]] += 1
@@ -249,6 +249,8 @@ class FaultProxy(LoopbackService):
         truncate_bytes: int | None = None,
         corrupt_at: int | None = None,
         error_code: str | None = None,
+        set_headers: dict[str, str] | None = None,
+        range_from: int | None = None,
     ) -> FaultRule:
         """Inject ``kind`` into the next ``times`` matching requests (``None`` = always).
 
@@ -258,8 +260,11 @@ class FaultProxy(LoopbackService):
         body byte at ``corrupt_at``, default the middle one, inverted), ``"hang"`` (never
         answer), ``"hold"`` (headers plus ``truncate_bytes`` of a body, default half, then
         the rest once the returned rule's ``release()`` was called; with ``corrupt_at``
-        past the held part, that byte of the rest inverted). ``method``
-        and ``path_contains`` (substring of the decoded URL) narrow the match.
+        past the held part, that byte of the rest inverted), ``"headers"`` (the response
+        with ``set_headers`` replacing its headers of those names: an object as another
+        store or an encrypted object describes it). ``method``, ``path_contains``
+        (substring of the decoded URL) and ``range_from`` (the first byte of the request's
+        ``Range``: one part of a parallel download) narrow the match.
         """
         name, status = parse_kind(kind)
         rule = FaultRule(
@@ -271,6 +276,8 @@ class FaultProxy(LoopbackService):
             truncate_bytes=truncate_bytes,
             corrupt_at=corrupt_at,
             error_code=error_code,
+            set_headers=dict(set_headers or {}),
+            range_from=range_from,
         )
         return self.rules.add(rule)
 

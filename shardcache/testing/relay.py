@@ -42,7 +42,9 @@ class ProxySide(Protocol):
     @property
     def stopping(self) -> bool: ...
 
-    def _take(self, method: str, target: str) -> FaultRule | None: ...
+    def _take(
+        self, method: str, target: str, byte_range: str | None = None
+    ) -> FaultRule | None: ...
 
     def _rate_admits(self) -> bool: ...
 
@@ -197,7 +199,7 @@ class _Connection:
         method, _, rest = req.start.partition(" ")
         target = unquote(rest.rpartition(" ")[0])
         self.awaiting_first_byte = True
-        rule = self.proxy._take(method, target)
+        rule = self.proxy._take(method, target, req.get("Range"))
         if rule is None and not self.proxy._rate_admits():
             self.drain_request_body(req)
             self.send(self.client, s3_error_response(503, "SlowDown", head_only=method == "HEAD"))
@@ -208,7 +210,7 @@ class _Connection:
         if rule.kind == "reset":
             self.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return False
-        if rule.kind in ("truncate", "corrupt", "hold"):
+        if rule.kind in ("truncate", "corrupt", "hold", "headers"):
             return self.forward(req, method, fault=rule)
         self.drain_request_body(req)
         if rule.kind == "status":
@@ -283,12 +285,8 @@ class _Connection:
             req.start.endswith("HTTP/1.0") and not req.has_token("Connection", "keep-alive")
         )
         upstream_closes = framing[0] == "eof" or resp.has_token("Connection", "close")
-        if upstream_closes and framing[0] != "eof" and not client_wants_close:
-            # werkzeug closes after every response; keep the client side alive like S3
-            # does and open a fresh upstream connection for the next request instead.
-            resp.remove("Connection")
-            raw = resp.to_bytes()
-        self.send(self.client, raw)
+        keep_client = upstream_closes and framing[0] != "eof" and not client_wants_close
+        self.send(self.client, _head_for_client(resp, raw, fault, keep_alive=keep_client))
         held = 0
         if fault is not None and fault.kind == "hold" and framing[0] == "length":
             held = min(framing[1], fault.truncate_bytes or framing[1] // 2)
@@ -378,3 +376,18 @@ class _Connection:
             while data := src.read_all():
                 if not out(data):
                     return
+
+
+def _head_for_client(
+    resp: _Head, raw: bytes, fault: FaultRule | None, *, keep_alive: bool
+) -> bytes:
+    """The response head as the client gets it. ``keep_alive``: werkzeug closes after every
+    response; keep the client side alive like S3 does (a fresh upstream connection serves
+    the next request). A ``headers`` fault replaces the headers it names."""
+    if keep_alive:
+        resp.remove("Connection")
+    if fault is not None and fault.kind == "headers":
+        for name, value in fault.set_headers.items():
+            resp.remove(name)
+            resp.headers.append((name, value))
+    return resp.to_bytes() if keep_alive or (fault is not None and fault.kind == "headers") else raw

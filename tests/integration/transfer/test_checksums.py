@@ -171,16 +171,19 @@ def test_a_full_object_checksum_of_a_multipart_upload_is_used(bucket, tmp_path: 
     assert read_meta(cache.layout, path)["verified"] == "crc64nvme"
 
 
-def test_a_composite_checksum_of_a_multipart_upload_is_not_used(bucket, tmp_path: Path) -> None:
-    """A checksum of the parts' checksums does not describe the bytes: size only, as for
-    any multipart object whose ETag is no MD5."""
+def test_a_composite_checksum_of_a_multipart_upload_is_checked_over_its_parts(
+    bucket, tmp_path: Path
+) -> None:
+    """A checksum of the parts' checksums is checked over the parts the store describes."""
     data = _blob(11 << 20, 7)
     _put_multipart(bucket, "comp.tar", data, 5 << 20, ChecksumAlgorithm="CRC32C")
     cache = _cache(tmp_path)
     path = cache.fetch(f"s3://{BUCKET}/comp.tar")
     assert path.read_bytes() == data
     record = read_meta(cache.layout, path)
-    assert record["verified"] == "size" and record["checksum"] is None
+    assert record["verified"] == "crc32c-parts"
+    assert record["checksum"]["parts"] == 3
+    assert record["parts"] == [[5 << 20, 2], [1 << 20, 1]]
 
 
 def test_verify_size_checks_no_checksum(bucket, fault_proxy, tmp_path: Path) -> None:
@@ -212,16 +215,21 @@ def test_the_verify_command_checks_a_multipart_copy_with_the_crc(bucket, tmp_pat
 @pytest.mark.parametrize(
     ("head", "multipart", "want"),
     [
-        ({"ChecksumCRC32C": "abc="}, False, ("crc32c", "abc=")),
+        ({"ChecksumCRC32C": "abc="}, False, ("crc32c", "abc=", None)),
         ({"ChecksumCRC32C": "abc=", "ChecksumType": "COMPOSITE"}, False, None),
-        ({"ChecksumCRC32C": "abc=-3"}, False, None),
+        ({"ChecksumCRC32C": "abc=-3"}, False, ("crc32c", "abc=", 3)),
+        ({"ChecksumSHA256": "abc=-3", "ChecksumType": "COMPOSITE"}, True, ("sha256", "abc=", 3)),
         ({"ChecksumCRC32C": "abc="}, True, None),  # multipart of unknown type: composite
-        ({"ChecksumCRC64NVME": "abc=", "ChecksumType": "FULL_OBJECT"}, True, ("crc64nvme", "abc=")),
+        (
+            {"ChecksumCRC64NVME": "abc=", "ChecksumType": "FULL_OBJECT"},
+            True,
+            ("crc64nvme", "abc=", None),
+        ),
         ({}, False, None),
     ],
 )
-def test_only_full_object_checksums_are_taken_from_a_head(
-    head: dict, multipart: bool, want: tuple[str, str] | None
+def test_a_heads_checksum_is_of_the_bytes_or_of_the_parts_never_of_unknown_kind(
+    head: dict, multipart: bool, want: tuple[str, str, int | None] | None
 ) -> None:
     got = from_s3_head(head, multipart_etag=multipart)
-    assert (got.algorithm, got.value) == want if want else got is None
+    assert (got.algorithm, got.value, got.parts) == want if want else got is None

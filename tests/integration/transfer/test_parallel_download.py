@@ -110,11 +110,15 @@ def test_small_object_keeps_the_single_stream(s3, tmp_path: Path) -> None:
     assert s3.count("GET", BUCKET, "small.tar") == 1
 
 
-def test_multipart_object_is_fetched_in_parts_and_verified_by_size(s3, tmp_path: Path) -> None:
+def test_multipart_object_is_fetched_in_its_parts_and_verified_by_their_md5s(
+    s3, tmp_path: Path
+) -> None:
     data = _blob(4 * PART, 3)
     s3.put_objects(BUCKET, {"mp.tar": data}, multipart_chunk=PART)
     cache = _cache(tmp_path)
-    assert cache.fetch(f"s3://{BUCKET}/mp.tar").read_bytes() == data
+    path = cache.fetch(f"s3://{BUCKET}/mp.tar")
+    assert path.read_bytes() == data
+    assert read_meta(cache.layout, path)["verified"] == "md5-parts"
     assert s3.count("GET", BUCKET, "mp.tar") == 4
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from shardcache._transfer.checksums import Hasher
 from shardcache._transfer.hash_follower import HashFollower, PartsWritten
 
 PART = 100_000
@@ -28,7 +29,7 @@ def test_parts_written_out_of_order_hash_as_the_object(tmp_path: Path, order: li
     ranges = [(start, min(start + PART, len(data))) for start in range(0, len(data), PART)]
     fd = _file(tmp_path, len(data))
     written = PartsWritten(ranges)
-    follower = HashFollower(fd, len(data), "md5", written)
+    follower = HashFollower(fd, len(data), Hasher("md5"), written)
     try:
         for part in order:  # each part in two writes, reported as it goes
             start, end = ranges[part]
@@ -46,7 +47,7 @@ def test_parts_written_out_of_order_hash_as_the_object(tmp_path: Path, order: li
 def test_an_abandoned_follower_stops_without_waiting_for_parts(tmp_path: Path) -> None:
     fd = _file(tmp_path, 4 * PART)
     written = PartsWritten([(i * PART, (i + 1) * PART) for i in range(4)])
-    follower = HashFollower(fd, 4 * PART, "sha256", written)
+    follower = HashFollower(fd, 4 * PART, Hasher("sha256"), written)
     try:
         os.pwrite(fd, b"x" * PART, PART)  # a later part only: nothing hashable yet
         written.add(1, 2 * PART, PART)
@@ -62,7 +63,7 @@ def test_a_read_error_reaches_the_caller(tmp_path: Path) -> None:
     ``digest()`` (as the download's local I/O error), not lost in its thread."""
     fd = _file(tmp_path, PART)
     written = PartsWritten([(0, 2 * PART)])
-    follower = HashFollower(fd, 2 * PART, "md5", written)
+    follower = HashFollower(fd, 2 * PART, Hasher("md5"), written)
     try:
         written.add(0, 2 * PART, 2 * PART)  # claims bytes the file does not have
         with pytest.raises(Exception, match="ended at byte"):
