@@ -319,8 +319,9 @@ def warm(
     ``max_failures`` failed shards (None: no limit) or when :data:`SAME_ERROR_STOP` shards
     in a row fail with the same error that is not about the shard itself. Progress goes to
     ``stream`` (a tqdm bar when it is a terminal, else a plain line every ``log_every``
-    seconds and at the end); None shows none. On ``KeyboardInterrupt`` downloads in flight
-    are unwound (no temp file stays) and the interrupt propagates.
+    seconds and at the end); None shows none. On ``KeyboardInterrupt`` (or any exception in
+    the calling thread) downloads in flight are unwound at their next bytes (no temp file
+    stays; ``stream`` is told first) and the exception propagates.
     """
     threads = thread_count(cache, threads)
     if max_failures is not None and max_failures < 1:
@@ -364,6 +365,11 @@ def warm(
         cf.wait(pending)
     except BaseException:
         stop.set()
+        if stream is not None:
+            stream.write(
+                "warm: stopping: cancelling the downloads in flight, removing their temp files\n"
+            )
+            stream.flush()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     finally:

@@ -50,6 +50,16 @@ def start_ticks(pid: int) -> int | None:
         return -1
 
 
+def exited(pid: int) -> bool:
+    """Whether ``pid`` has exited but is not reaped yet (a zombie: it runs no more; a parent
+    that died leaves its children so where no init process reaps them, as in containers)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] in ("Z", "X")
+
+
 _CURRENT: dict[int, ProcessIdentity] = {}  # ProcessIdentity.current(), by pid
 
 

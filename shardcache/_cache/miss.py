@@ -116,6 +116,8 @@ class MissPath:
                 return final
             if not held:  # published, then evicted before we looked: download unlocked
                 logger.debug("fetching %s without its lock", url)
+            else:  # held: a .part of this shard (or beside it) of a dead process can go
+                self._space.remove_leftovers(final.parent)
 
             def report(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
                 lock.heartbeat(phase=phase, bytes_done=bytes_done, bytes_total=bytes_total)

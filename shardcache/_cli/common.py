@@ -15,6 +15,7 @@ from typing import Any
 from .._config.settings import Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + the signal's number, as a shell gives
 
 
 class UsageError(Exception):

@@ -2,20 +2,52 @@
 
 Exit codes: 0 success, 1 a shardcache error or a partial failure (some shards failed to
 warm, bad shards found by ``verify``; the output says which), 2 usage error (one line on
-stderr), 130 interrupted.
+stderr), 130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM: ``scancel``, a time
+limit, preemption). SIGTERM unwinds the command as Ctrl-C does: downloads in flight stop
+and their temp files are removed, locks are released, and one line names the signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
 
 from .. import __version__
 from .._base.errors import ConfigError, ShardCacheError, UrlError
 from .._base.redact import RedactingFilter
 from . import common, config, demo, index, maintenance, report, warm
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: whatever
+    unwinds on Ctrl-C (a warm run's downloads, their temp files, the locks) unwinds alike."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one would cut the unwinding
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` within the block (unless it is ignored, as a parent
+    may have decided, or this is not the main thread); the handler before is restored."""
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        if before is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        before = None
+    try:
+        yield
+    finally:
+        if before is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, before)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,7 +72,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "  shardcache config --json\n"
         "  shardcache report /shared/metrics/job-1234 --plot wait.png\n"
         "  shardcache demo\n"
-        "\nexit codes: 0 ok, 1 failed (or some shards failed), 2 usage error",
+        "\nexit codes: 0 ok, 1 failed (or some shards failed), 2 usage error, 130 interrupted "
+        "(SIGINT), 143 terminated (SIGTERM); an interrupted or terminated command removes "
+        "its downloads' temp files first",
     )
     parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
@@ -77,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:  # -v: botocore logs request headers
         handler.addFilter(RedactingFilter())
     try:
-        return int(args.func(args))
+        with _sigterm_unwinds():
+            return int(args.func(args))
     except common.UsageError as exc:
         prog = f"shardcache {args.command}"
         sys.stderr.write(f"{prog}: error: {exc} (see {prog} --help)\n")
@@ -88,6 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardCacheError as exc:
         sys.stderr.write(f"shardcache: {type(exc).__name__}: {exc}\n")
         return common.EXIT_FAILED
+    except Terminated:
+        sys.stderr.write(f"shardcache: terminated by SIGTERM (exit {common.EXIT_TERMINATED})\n")
+        return common.EXIT_TERMINATED
     except KeyboardInterrupt:
-        sys.stderr.write("shardcache: interrupted\n")
-        return 130
+        sys.stderr.write(f"shardcache: interrupted by SIGINT (exit {common.EXIT_INTERRUPTED})\n")
+        return common.EXIT_INTERRUPTED

@@ -9,7 +9,8 @@ removing it):
 * leftovers of lease operations (``<hash>.<token>.claim|.broken|.released``) whose
   process is dead (or, unreadable, older than ``OTHER_HOST_AGE``);
 * a download's temp file (``.<name>.<host>.<pid>.<token>.part``) from this host whose pid
-  no longer exists or now belongs to a process started after the file was last written;
+  no longer exists or now belongs to a process started after the file was last written,
+  and that no process holds a ``flock`` on (:func:`shardcache._store.leftovers.dead_writer`);
   from another host, one untouched for ``OTHER_HOST_AGE``;
 * a metadata record whose shard is gone and that no live download is about to publish,
   and a half-written metadata temp file older than ``META_TMP_AGE``;
@@ -25,7 +26,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .._base.process_identity import hostname, start_ticks, start_time
+from .._base.process_identity import hostname
 from .._base.safefs import SafeFS
 from .._disk.layout import (
     LEASE_STEPS,
@@ -37,11 +38,11 @@ from .._disk.layout import (
 )
 from .._locking.records import holder_verdict, read_record
 from .._store.eviction import list_dir
+from .._store.leftovers import dead_writer
 from .maintenance_reports import Leftover
 
 OTHER_HOST_AGE = 24 * 3600.0  # a file of another host untouched this long is abandoned
 META_TMP_AGE = 3600.0  # a metadata write takes milliseconds: an hour-old temp is abandoned
-_CLOCK_SLACK = 2.0  # seconds: process start times from /proc are coarse
 
 
 def rejudge(layout: CacheLayout, item: Leftover) -> Leftover | None:
@@ -114,14 +115,8 @@ def judge_temp(fs: SafeFS, path: Path) -> Leftover | None:
             reason = f"written on host {temp.host}, untouched for {age / 3600:.0f} h"
             return Leftover(path, "part", st.st_size, reason)
         return None
-    ticks = start_ticks(temp.pid)
-    if ticks is None:
-        return Leftover(path, "part", st.st_size, f"pid {temp.pid} no longer exists")
-    started = start_time(ticks)
-    if started is not None and started > st.st_mtime + _CLOCK_SLACK:
-        reason = f"pid {temp.pid} now belongs to a process started after the file was written"
-        return Leftover(path, "part", st.st_size, reason)
-    return None
+    reason = dead_writer(fs, path, temp, st)
+    return None if reason is None else Leftover(path, "part", st.st_size, reason)
 
 
 def judge_record(layout: CacheLayout, path: Path) -> Leftover | None:

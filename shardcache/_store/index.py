@@ -10,9 +10,10 @@ What it holds (``<scope>/.locks/index.sqlite``, :attr:`CacheLayout.index_path`):
   (mtime in ns) as recorded; ``state.total_bytes`` is kept by triggers, never summed;
 * ``parts``: every download in progress that reserved space (``<hh>/.<name>...part``) and
   the published name it will become. Their bytes are counted by ``lstat``-ing each one when
-  room is made (they are as many as downloads in flight), so a growing ``pipe:`` download,
-  a crashed one and one a cleaner removed count exactly as they did when the directory
-  was listed.
+  room is made (they are as many as downloads in flight), so a growing ``pipe:`` download
+  and one a cleaner removed count exactly as they did when the directory was listed; the
+  part of a dead process of this host (killed, preempted) is removed then, and counts
+  until it is (:mod:`shardcache._store.leftovers`).
 
 Who writes it, and when. Only processes with ``SHARDCACHE_MAX_BYTES`` on a local disk, and
 only under the scope's eviction lock (``.locks/evict.lock``), which already serialises
@@ -77,6 +78,7 @@ from .._disk.layout import CacheLayout, parse_temp_name
 from .._disk.metadata import read_meta
 from .eviction import CacheEntry, EvictReport, list_dir, log_evicted, remove
 from .index_db import boot_id, damaged, open_index, upsert
+from .leftovers import remove_if_dead
 
 logger = get_logger(__name__)
 _T = TypeVar("_T")
@@ -93,6 +95,7 @@ class IndexCounters:
     rebuilds: int = 0
     reconciles: int = 0
     corrections: int = 0  # rows fixed from the file system (newer mtime, gone, replaced)
+    dead_parts: int = 0  # downloads of dead processes removed when counting
     reopened: int = 0
 
 
@@ -289,15 +292,18 @@ class Index:
         return 0
 
     def _count_parts(self, conn: sqlite3.Connection) -> int:
-        """Bytes of the registered downloads, each ``lstat``-ed now. A part whose file is
-        gone was published (its shard recorded now if a killed process could not), failed,
-        or was cleaned up: its row goes."""
+        """Bytes of the registered downloads, each ``lstat``-ed now. A part of a dead
+        writer (:mod:`shardcache._store.leftovers`) is removed. A part whose file is gone was
+        published (its shard recorded now if a killed process could not), failed, or was
+        cleaned up: its row goes."""
         total = 0
         for name, final in conn.execute("SELECT name, final FROM parts").fetchall():
-            st = _lstat(self.layout, self.layout.data_dir / name)
-            if st is not None:
+            path = self.layout.data_dir / name
+            st = _lstat(self.layout, path)
+            if st is not None and not remove_if_dead(self.layout, path, st):
                 total += st.st_size
                 continue
+            self.counters.dead_parts += st is not None
             conn.execute("DELETE FROM parts WHERE name = ?", (name,))
             published = _lstat(self.layout, self.layout.data_dir / final)
             if published is not None:

@@ -9,13 +9,15 @@ scope's eviction lock), then its metadata record and a durable rename into place
 Invariant: the lock only avoids downloading a shard twice. Correctness comes from the
 per-process temp file renamed into place: a reader only ever opens the final name, which
 exists only once complete and verified, so no reader can see a partial shard even if a
-writer is SIGKILLed at any instant (it leaves only its ``.part``, swept later).
+writer is SIGKILLed at any instant (it leaves only its ``.part``, removed later by
+:mod:`shardcache._store.leftovers`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -159,6 +161,7 @@ class Publisher:
                 continue
             try:
                 self._layout.trust.adopt_file(fd, self._layout.trust.file_mode)
+                _hold_while_written(fd)
             except BaseException:
                 os.close(fd)
                 raise
@@ -213,6 +216,10 @@ class Part:
         """Record ``info`` as the shard's metadata, then publish the verified download;
         the published file's size."""
         self._write_meta(self._layout, self._shard.data_path, _record(self._shard, info, self.fd))
+        # Published, it is a shard that readers pin and the evictor may take: no longer held
+        # as a download (a DataLoader worker forked meanwhile holds the descriptor too).
+        with contextlib.suppress(OSError):
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
         self._publish(self._shard.data_path)
         return os.fstat(self.fd).st_size
 
@@ -295,6 +302,16 @@ def _copy_file(src_fd: int, dest: Path, fs: SafeFS) -> None:
         _unlink_quietly(fs, dest)
         raise
     os.close(out)
+
+
+def _hold_while_written(fd: int) -> None:
+    """Hold a shared ``flock`` on a new download file: while it is held, no process takes
+    it for a dead writer's leftover (:mod:`shardcache._store.leftovers`), even one that
+    cannot see this process's pid. A file system without flocks goes without."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        logger.debug("cannot hold a flock on a download file (%s): judged by its pid alone", exc)
 
 
 def _written(fd: int | None) -> int:

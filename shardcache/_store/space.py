@@ -1,7 +1,7 @@
 """Space of one cache scope: room made for a download (evicting least-recently-used shards
 within SHARDCACHE_MAX_BYTES and the disk), the full-disk error with its numbers, the
-reservation of a download's size, explicit eviction and removal, and the accounting behind
-them (the scope's index, or a listing of the directory).
+reservation of a download's size, dead downloads' leftovers removed, explicit eviction and
+removal, and the accounting behind them (the scope's index, or a listing of the directory).
 
 Invariant: published + reserved in-flight bytes never exceed SHARDCACHE_MAX_BYTES; room is
 made, and counted, only under the scope's eviction lock (:func:`evict_lock`).
@@ -22,6 +22,7 @@ from .._base.redact import get_logger
 from .._disk.layout import CacheLayout
 from .eviction import CacheEntry, EvictReport, evict_lock, evict_locked, evict_lru, remove, scan
 from .index import Index
+from .leftovers import remove_dead_parts
 
 if TYPE_CHECKING:
     from .._config.settings import Settings
@@ -145,6 +146,14 @@ class Space:
     def published(self, part: Path, final: Path) -> None:
         """``part`` was renamed to ``final``: the index counts a shard (under the lock)."""
         self._index_call(lambda index: index.published(part, final))
+
+    def remove_leftovers(self, directory: Path) -> None:
+        """Remove the temp files dead writers of this host left in the data directory
+        ``directory`` (a miss into it, under its shard's lock). A process that keeps the
+        index removes them when it makes room instead (:meth:`Index.evict`), listing no
+        directory."""
+        if self.index() is None:
+            remove_dead_parts(self._layout, directory)
 
     # -- maintenance -----------------------------------------------------------------
 

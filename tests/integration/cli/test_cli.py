@@ -471,7 +471,7 @@ def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> Non
             proc.wait()
         proxy.stop()
     assert proc.returncode == 130, err
-    assert err.rstrip().endswith("shardcache: interrupted")
+    assert err.rstrip().endswith("shardcache: interrupted by SIGINT (exit 130)")
     assert [p for p in data_dir.rglob("*") if not p.is_dir()] == []  # no .part, no shard
 
 

@@ -328,7 +328,7 @@ def test_sigkill_mid_eviction_leaves_a_repairable_index(tmp_path: Path) -> None:
     assert cache._space.index().counters.rebuilds == 1  # type: ignore[union-attr]
 
 
-def test_a_crashed_download_counts_until_cleaned(tmp_path: Path) -> None:
+def test_a_crashed_download_counts_until_the_next_room_made_removes_it(tmp_path: Path) -> None:
     from shardcache._ops.maintenance import clean
 
     urls = _sources(tmp_path, 6)
@@ -339,11 +339,14 @@ def test_a_crashed_download_counts_until_cleaned(tmp_path: Path) -> None:
     big.write_bytes(b"b" * 2 * SIZE)
     _run_and_kill(tmp_path / "c", "reserved", 6 * SIZE, [str(big)])
     assert len(_indexed(_scope(cache))[1]) == 1, "the dead download's reservation"
-    cache.fetch(urls[4])  # 4 + 2 (the orphan) + 1 > 6: the oldest goes, as with a listing
-    assert not cache.contains(urls[0])
-    assert [i.kind for i in clean(cache).removed] == ["part"]
-    cache.fetch(urls[5])  # 4 + 1 <= 6: nothing more goes
-    assert all(cache.contains(u) for u in urls[1:6])
+    # Making room, the count meets the dead download's part and removes it instead of
+    # evicting a shard: 4 + 1 <= 6.
+    cache.fetch(urls[4])
+    assert all(cache.contains(u) for u in urls[:5])
+    assert _indexed(_scope(cache))[1] == set(), "its row went with its file"
+    assert clean(cache).removed == []
+    cache.fetch(urls[5])  # 5 + 1 <= 6: nothing goes
+    assert all(cache.contains(u) for u in urls)
     _assert_exact(_scope(cache))
 
 
