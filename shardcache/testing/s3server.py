@@ -28,11 +28,10 @@ import uuid
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import unquote
 
 from shardcache._base.extras import require_extras
-from shardcache.testing._service import HOST, S3Service
+from shardcache.testing._service import HOST, S3Service, upload_multipart
 
 logger = logging.getLogger(__name__)
 
@@ -303,26 +302,9 @@ class S3Server(S3Service):
             if multipart_chunk is None:
                 etag = client.put_object(Bucket=bucket, Key=key, Body=data)["ETag"]
             else:
-                etag = self._put_multipart(client, bucket, key, data, multipart_chunk)
+                etag = upload_multipart(client, bucket, key, data, multipart_chunk)["ETag"]
             etags[key] = etag.strip('"')
         return etags
-
-    @staticmethod
-    def _put_multipart(client: Any, bucket: str, key: str, data: bytes, chunk: int) -> str:
-        if chunk <= 0:
-            raise ValueError(f"multipart_chunk must be positive, got {chunk}")
-        upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-        parts = []
-        for number, offset in enumerate(range(0, max(len(data), 1), chunk), start=1):
-            body = data[offset : offset + chunk]
-            resp = client.upload_part(
-                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
-            )
-            parts.append({"ETag": resp["ETag"], "PartNumber": number})
-        resp = client.complete_multipart_upload(
-            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
-        )
-        return str(resp["ETag"])
 
     # ------------------------------------------------------------------ request log
     def _http(self, method: str, path: str, timeout: float) -> int:

@@ -1,5 +1,6 @@
 """Reading a shard while it downloads (SHARDCACHE_READ_WHILE_DOWNLOADING), through a real
-moto S3 server and a FaultProxy that holds back, cuts or corrupts the body.
+S3 server (moto; SeaweedFS too where marked) and a FaultProxy that holds back, cuts or
+corrupts the body.
 
 "Before the shard completed" is proven by counting, never by timing: the proxy holds the
 second half of the body until the test releases it, so a sample that reaches the consumer
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
+from servers import on_s3_servers
 
 import shardcache
 from shardcache import IntegrityError, ShardCache, StallError
@@ -83,6 +85,7 @@ def _temp_files(cache: ShardCache) -> list[str]:
     return [p.name for p in data.rglob("*") if p.is_file() and is_temp_name(p.name)]
 
 
+@on_s3_servers
 def test_first_sample_arrives_before_the_rest_of_the_shard_is_sent(
     shard, fault_proxy, tmp_path: Path
 ) -> None:
@@ -217,6 +220,7 @@ def test_a_stalled_download_raises_stall_error_while_reading(
     assert _published(cache) == []
 
 
+@on_s3_servers
 def test_open_reads_while_downloading_and_pins_the_shard(
     shard, fault_proxy, tmp_path: Path
 ) -> None:

@@ -1,9 +1,11 @@
-"""A cold fetch through the fast S3 server (``rclone serve s3``, as in bench B15): the bytes,
-the verified publish and the requests per shard as the server saw them. Nothing is timed.
+"""A cold fetch through the fast S3 server (``rclone serve s3``, as in bench B15) and through a
+production object store (SeaweedFS, ``weed server -s3``): the bytes, the verified publish and
+the requests per shard as the server saw them. Nothing is timed.
 
-Requests are counted by a :class:`FaultProxy` in front of rclone (``requests_seen``): rclone
-logs requests only at debug level, one line per 32 KiB read beside them, and its log is
-written asynchronously; the proxy counts each request before it answers it.
+Requests are counted by a :class:`FaultProxy` in front of the server (``requests_seen``):
+rclone logs requests only at debug level, one line per 32 KiB read beside them, and its log
+is written asynchronously, SeaweedFS not at all; the proxy counts each request before it
+answers it.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import webdataset as wds
 from tars import tar_bytes
 
 import shardcache
-from shardcache import ShardCache
+from shardcache import RemoteNotFoundError, ShardCache
 from shardcache._disk.metadata import read_meta
-from shardcache.testing import FaultProxy, RcloneS3Server
+from shardcache.testing import FaultProxy, RcloneS3Server, SeaweedS3Server
 from shardcache.testing.rclone import rclone_binary
 
 BUCKET = "fast"
 SAMPLES = 5  # per shard
+# The servers the cold-fetch tests run on: both store objects by PutObject (put_objects).
+Server = RcloneS3Server | SeaweedS3Server
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +44,25 @@ def rclone() -> Iterator[RcloneS3Server]:
         yield server
 
 
-@pytest.fixture
+@pytest.fixture(params=["rclone", "seaweedfs"])
 def counted(
-    rclone: RcloneS3Server, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[RcloneS3Server, FaultProxy]]:
-    """The server with a counting proxy in front; AWS_* point at the proxy."""
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Server, FaultProxy]]:
+    """The server (rclone, or the session's SeaweedFS emptied) with a counting proxy in
+    front; AWS_* point at the proxy."""
+    server: Server = request.getfixturevalue(request.param)
     fsspec.AbstractFileSystem.clear_instance_cache()
     s3fs.S3FileSystem.clear_instance_cache()
-    with FaultProxy("127.0.0.1", rclone.port) as proxy:
+    with FaultProxy("127.0.0.1", server.port) as proxy:
         for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
             monkeypatch.delenv(name, raising=False)
-        for name, value in rclone.env(proxy.endpoint_url).items():
+        for name, value in server.env(proxy.endpoint_url).items():
             monkeypatch.setenv(name, value)
-        yield rclone, proxy
+        yield server, proxy
 
 
 def _shards(
-    server: RcloneS3Server, prefix: str, count: int = 4, checksum: str | None = None
+    server: Server, prefix: str, count: int = 4, checksum: str | None = None
 ) -> dict[str, bytes]:
     """``count`` WebDataset tars of ``SAMPLES`` samples (a few hundred kB each) -> bytes,
     stored with the S3 ``checksum`` if given (see ``RcloneS3Server.put_objects``)."""
@@ -75,9 +81,7 @@ def _shards(
     return {f"s3://{BUCKET}/{key}": data for key, data in objects.items()}
 
 
-def _cache(
-    tmp_path: Path, server: RcloneS3Server, proxy: FaultProxy, **settings: object
-) -> ShardCache:
+def _cache(tmp_path: Path, server: Server, proxy: FaultProxy, **settings: object) -> ShardCache:
     return ShardCache(
         tmp_path / "cache", storage_options=server.storage_options(proxy.endpoint_url), **settings
     )
@@ -135,7 +139,7 @@ def test_stop_ends_the_server_and_removes_its_directory() -> None:
 
 
 def test_cold_fetch_costs_one_get_per_shard_and_a_hit_none(
-    counted: tuple[RcloneS3Server, FaultProxy], tmp_path: Path
+    counted: tuple[Server, FaultProxy], tmp_path: Path
 ) -> None:
     server, proxy = counted
     shards = _shards(server, "fetch")
@@ -152,7 +156,7 @@ def test_cold_fetch_costs_one_get_per_shard_and_a_hit_none(
 
 
 def test_prefetch_publishes_every_shard_verified(
-    counted: tuple[RcloneS3Server, FaultProxy], tmp_path: Path
+    counted: tuple[Server, FaultProxy], tmp_path: Path
 ) -> None:
     server, proxy = counted
     shards = _shards(server, "prefetch")
@@ -166,7 +170,7 @@ def test_prefetch_publishes_every_shard_verified(
 
 
 def test_webdataset_stage_yields_every_sample_from_a_cold_cache(
-    counted: tuple[RcloneS3Server, FaultProxy], tmp_path: Path
+    counted: tuple[Server, FaultProxy], tmp_path: Path
 ) -> None:
     """The drop-in stage (reading while downloading, the default) over the fast server."""
     server, proxy = counted
@@ -186,7 +190,7 @@ def test_webdataset_stage_yields_every_sample_from_a_cold_cache(
 
 @pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "SHA256"])
 def test_the_get_brings_the_objects_s3_checksum_and_the_copy_is_checked_against_it(
-    counted: tuple[RcloneS3Server, FaultProxy], tmp_path: Path, algorithm: str
+    counted: tuple[Server, FaultProxy], tmp_path: Path, algorithm: str
 ) -> None:
     """Objects stored with an S3 checksum (as S3 stores every new object): the one GET asks
     for it (``x-amz-checksum-mode``), and the copy is verified against it, not the MD5."""
@@ -199,7 +203,7 @@ def test_the_get_brings_the_objects_s3_checksum_and_the_copy_is_checked_against_
 
 
 def test_a_large_object_is_one_whole_get_for_its_first_part_and_ranged_gets_for_the_rest(
-    counted: tuple[RcloneS3Server, FaultProxy], tmp_path: Path
+    counted: tuple[Server, FaultProxy], tmp_path: Path
 ) -> None:
     """Above the parallel threshold: the object's first part comes from the GET whose headers
     gave its size and checksum; each other part is one ranged GET; no HEAD."""
@@ -213,3 +217,18 @@ def test_a_large_object_is_one_whole_get_for_its_first_part_and_ranged_gets_for_
         before = proxy.requests_seen()
         _check_published(cache, url, cache.fetch(url), data, verified=verified)
         assert proxy.requests_seen() - before == Counter({("GET", f"/{BUCKET}/{name}/big.bin"): 6})
+
+
+def test_a_missing_key_is_one_get_and_remote_not_found(
+    counted: tuple[Server, FaultProxy], tmp_path: Path
+) -> None:
+    server, proxy = counted
+    _shards(server, "present", count=1)  # the bucket exists; the key does not
+    cache = _cache(tmp_path, server, proxy, retries=5, retry_backoff=5.0)
+    url = f"s3://{BUCKET}/missing/shard-0000.tar"
+    before = proxy.requests_seen()
+    with pytest.raises(RemoteNotFoundError) as info:
+        cache.fetch(url)
+    assert url in str(info.value) and info.value.attempts == 1
+    assert proxy.requests_seen() - before == Counter({("GET", "/fast/missing/shard-0000.tar"): 1})
+    assert not cache.contains(url) and not list(cache.settings.scope_dir.rglob("*.part"))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 from pathlib import Path
 
 import pytest
+from servers import on_s3_servers
 
 from shardcache import PermanentFetchError, ShardCache
 from shardcache._disk.layout import is_temp_name
@@ -169,4 +171,28 @@ def test_parts_that_keep_failing_give_up_with_nothing_published(
     with pytest.raises(Exception, match="3 attempts"):
         cache.fetch(url)
     assert not cache.path_for(url).exists()
+    assert not _leftovers(cache)
+
+
+@on_s3_servers
+def test_an_object_replaced_mid_download_is_fetched_again_never_torn(s3, tmp_path: Path) -> None:
+    """The object is replaced by another of the same size once its GET answered and before
+    any ranged GET is sent: those carry If-Match on the first ETag, the store refuses them
+    (412) and the download starts over on the new object. With SHARDCACHE_VERIFY=size nothing
+    else would tell the first part of the old object followed by the new one's rest."""
+    rng = random.Random("replaced")
+    old, new = rng.randbytes(4 * PART), rng.randbytes(4 * PART)
+    s3.put_objects(BUCKET, {"replaced.tar": old})
+    replaced: list[str] = []
+
+    def replace_once(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+        # Called in the fetching thread before the parts are sent (the first GET answered).
+        if phase == "downloading" and not replaced:
+            replaced.append(s3.put_objects(BUCKET, {"replaced.tar": new})["replaced.tar"])
+
+    cache = _cache(tmp_path, verify="size")
+    path = cache.fetch(f"s3://{BUCKET}/replaced.tar", progress=replace_once)
+    assert replaced == [hashlib.md5(new).hexdigest()]
+    assert path.read_bytes() == new, "the copy mixes the old and the new object"
+    assert read_meta(cache.layout, path)["etag"] == replaced[0]
     assert not _leftovers(cache)

@@ -1,7 +1,8 @@
 """SIGKILL a fetching process at chosen and random instants, then check the cache.
 
-The child fetches from the moto S3 server through a :class:`FaultProxy` (one GET stream,
-or parallel 64 KB ranged GETs) or from a local file, in flock and lease lock modes, and
+The child fetches from an S3 server (moto, and SeaweedFS) through a :class:`FaultProxy`
+(one GET stream, or parallel 64 KB ranged GETs) or from a local file, in flock and lease
+lock modes, and
 is killed at a named instant, at a random byte offset of its download, or after a random
 delay. After every kill:
 
@@ -80,6 +81,9 @@ PATH_LABELS = {
     "parts": "S3 through the proxy, 64 KB ranged GETs x4 in flight",
     "local": "a local file",
 }
+# The S3 paths again on SeaweedFS (the fixture of that name; "s3" is moto).
+SEAWEEDFS_PATHS = [("single", "seaweedfs"), ("parts", "seaweedfs")]
+SERVER_LABELS = {"s3": "", "seaweedfs": " (SeaweedFS)", None: ""}
 assert set(CYCLE) == set(INSTANTS)
 
 
@@ -242,16 +246,22 @@ def _fetch_next(
 
 
 def _sources(
-    request: pytest.FixtureRequest, tmp_path: Path, path: str, blobs: dict[str, bytes]
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    path: str,
+    server: str | None,
+    blobs: dict[str, bytes],
 ) -> tuple[dict[str, bytes], _Link | None]:
-    """The shards as URLs of ``path``'s kind, and the S3 link (None for local files)."""
+    """The shards as URLs of ``path``'s kind on ``server`` (an S3 fixture's name), and the
+    S3 link (None for local files)."""
     if path == "local":
         src = tmp_path / "src"
         src.mkdir()
         for name, data in blobs.items():
             (src / name).write_bytes(data)
         return {f"file://{src / name}": data for name, data in blobs.items()}, None
-    s3: S3Server = request.getfixturevalue("s3")
+    assert server is not None
+    s3: S3Server = request.getfixturevalue(server)
     s3.put_objects(BUCKET, blobs)
     return {f"s3://{BUCKET}/{name}": data for name, data in blobs.items()}, _Link(s3)
 
@@ -345,7 +355,11 @@ class _Torture:
 
 
 @pytest.mark.timeout(scale(300, 1800))
-@pytest.mark.parametrize("path", ["single", "parts", "local"])
+@pytest.mark.parametrize(
+    ("path", "server"),
+    [("single", "s3"), ("parts", "s3"), ("local", None), *SEAWEEDFS_PATHS],
+    ids=["single", "parts", "local", "single-seaweedfs", "parts-seaweedfs"],
+)
 @pytest.mark.parametrize("lock_mode", ["flock", "lease"])
 def test_sigkill_fetch(
     request: pytest.FixtureRequest,
@@ -354,11 +368,12 @@ def test_sigkill_fetch(
     tmp_path: Path,
     lock_mode: str,
     path: str,
+    server: str | None,
     figures: Any,
 ) -> None:
     rng = random.Random(f"crash-{lock_mode}-{path}")
     blobs = {f"train-{i:06d}.tar": rng.randbytes(rng.randrange(150_000, 400_000)) for i in range(6)}
-    sources, link = _sources(request, tmp_path, path, blobs)
+    sources, link = _sources(request, tmp_path, path, server, blobs)
     env = dict(os.environ)
     if link is not None:  # both processes reach S3 through the proxy's port
         env.update(link.s3.env(link.endpoint_url))
@@ -406,10 +421,10 @@ def test_sigkill_fetch(
         for url, digest in torture.digests.items():  # every source is intact and fetchable
             assert _sha(cache.fetch(url).read_bytes()) == digest
     assert set(torture.tally.kills) == set(INSTANTS)
-    _report(figures, torture.tally, path, lock_mode)
+    _report(figures, torture.tally, path, lock_mode, server)
 
 
-def _report(figures: Any, tally: _Tally, path: str, lock_mode: str) -> None:
+def _report(figures: Any, tally: _Tally, path: str, lock_mode: str, server: str | None) -> None:
     landed = ", ".join(f"{k} {v}" for k, v in sorted(tally.random_landed.items()))
     recovery = ", ".join(f"{k} x{v}" for k, v in sorted(tally.recovery.items()))
     if tally.requests:
@@ -417,13 +432,15 @@ def _report(figures: Any, tally: _Tally, path: str, lock_mode: str) -> None:
     cleaned = ", ".join(f"{v} {k}" for k, v in sorted(tally.cleaned.items())) or "nothing"
     figures.add(
         "crash",
-        f"SIGKILL of a process fetching from {PATH_LABELS[path]} ({lock_mode} locks) at "
+        f"SIGKILL of a process fetching from {PATH_LABELS[path]}{SERVER_LABELS[server]} "
+        f"({lock_mode} locks) at "
         + ", ".join(f"{k} x{tally.kills[k]}" for k in INSTANTS)
         + f" (random kills landed: {landed})",
         sum(tally.kills.values()),
         "0 corrupt or partial shards; the next fetch never waited (lock timeout and lease "
         f"a day): {recovery}; clean removed {cleaned}, none remained",
         path=path,
+        server="moto" if server == "s3" else server,
         lock_mode=lock_mode,
         kills=dict(tally.kills),
         random_landed=dict(tally.random_landed),

@@ -1,4 +1,5 @@
-"""Remote faults through the fault-injecting proxy in front of a real (moto) S3 server."""
+"""Remote faults through the fault-injecting proxy in front of a real S3 server: moto, and
+SeaweedFS for every test whose requests reach the server."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from servers import on_s3_servers
 from torture_scale import scale
 
 from shardcache import (
@@ -18,6 +20,7 @@ from shardcache import (
     StallError,
     TransientFetchError,
 )
+from shardcache.testing import SeaweedS3Server
 
 BUCKET = "torture"
 TRANSIENT_KINDS = ("reset", "status:500", "status:503", "truncate")
@@ -32,11 +35,17 @@ def objects(s3) -> dict[str, bytes]:
     return data
 
 
+def _area(s3) -> str:
+    """The figures' area: which server the faults were in front of."""
+    return "remote faults" + (" (SeaweedFS)" if isinstance(s3, SeaweedS3Server) else "")
+
+
 def _cache(tmp_path: Path, endpoint: str, **kw) -> ShardCache:
     kw.setdefault("retry_backoff", 0.01)
     return ShardCache(tmp_path / "cache", storage_options={"endpoint_url": endpoint}, **kw)
 
 
+@on_s3_servers
 def test_a_fifth_of_requests_faulted_every_shard_arrives_intact(
     s3, fault_proxy, objects, tmp_path: Path, figures
 ) -> None:
@@ -62,7 +71,7 @@ def test_a_fifth_of_requests_faulted_every_shard_arrives_intact(
     ratio = injected / stats.requests
     assert 0.15 <= ratio <= 0.3, (injected, stats.requests)
     figures.add(
-        "remote faults",
+        _area(s3),
         f"{len(urls)} shards through the proxy, {injected} of {stats.requests} requests "
         f"({ratio:.0%}) faulted: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(stats.faults.items())),
@@ -71,6 +80,7 @@ def test_a_fifth_of_requests_faulted_every_shard_arrives_intact(
     )
 
 
+@on_s3_servers
 @pytest.mark.parametrize("kind", ["reset", "status:500", "status:503", "truncate"])
 def test_exhausted_retries_name_url_attempts_and_last_cause(
     s3, fault_proxy, objects, tmp_path: Path, kind: str, figures
@@ -94,7 +104,7 @@ def test_exhausted_retries_name_url_attempts_and_last_cause(
     assert 4 <= requests <= 8, requests
     assert not cache.contains(url) and not list((tmp_path / "cache").rglob("*.part"))
     figures.add(
-        "remote faults",
+        _area(s3),
         f"every GET answered with {kind}, retries=3"
         + (", SHARDCACHE_SLOWDOWN_RETRY_TIME=0" if kind == "status:503" else ""),
         1,
@@ -103,6 +113,7 @@ def test_exhausted_retries_name_url_attempts_and_last_cause(
     )
 
 
+@on_s3_servers
 @pytest.mark.parametrize(
     ("case", "fault", "error"),
     [
@@ -133,7 +144,7 @@ def test_permanent_errors_fail_fast(
     assert info.value.attempts == 1 and requests == 1, requests
     assert url in str(info.value) and "retr" in str(info.value)  # says it was not retried
     figures.add(
-        "remote faults",
+        _area(s3),
         f"{case} (retries=5, backoff 5 s)",
         1,
         f"{type(info.value).__name__} after 1 request in {elapsed:.2f}s, message names the URL "
