@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -99,22 +100,22 @@ def upload_multipart(
     bucket: str,
     key: str,
     data: bytes,
-    part_size: int,
+    part_size: int | Sequence[int],
     *,
     checksum: str | None = None,
     checksum_type: str | None = None,
 ) -> dict[str, Any]:
     """Upload ``data`` with ``client`` as a multipart upload of ``part_size`` parts (the
-    last one shorter; one empty part for no data); returns CompleteMultipartUpload's answer
-    (``ETag``, and ``Checksum*`` when the store keeps one).
+    last one shorter; one empty part for no data), or of parts of the sizes ``part_size``
+    lists (uploads whose parts differ); returns CompleteMultipartUpload's answer (``ETag``,
+    and ``Checksum*`` when the store keeps one).
 
     ``checksum`` (``"CRC32"``, ``"CRC32C"``, ``"CRC64NVME"``, ``"SHA1"``, ``"SHA256"``) is
     sent with every part and the parts' values with the completion; ``checksum_type``
     (``"COMPOSITE"``, ``"FULL_OBJECT"``; default the store's for the algorithm) is asked
     for at creation. Without ``checksum`` parts carry only what ``client`` adds itself (a
     client made with ``request_checksum_calculation="when_required"`` adds nothing)."""
-    if part_size <= 0:
-        raise ValueError(f"part_size must be positive, got {part_size}")
+    spans = _part_spans(len(data), part_size)
     create: dict[str, Any] = {}
     if checksum is not None:
         create["ChecksumAlgorithm"] = checksum
@@ -122,14 +123,14 @@ def upload_multipart(
         create["ChecksumType"] = checksum_type
     upload = client.create_multipart_upload(Bucket=bucket, Key=key, **create)["UploadId"]
     parts = []
-    for number, offset in enumerate(range(0, max(len(data), 1), part_size), start=1):
+    for number, (start, end) in enumerate(spans, start=1):
         extra = {} if checksum is None else {"ChecksumAlgorithm": checksum}
         answer = client.upload_part(
             Bucket=bucket,
             Key=key,
             UploadId=upload,
             PartNumber=number,
-            Body=data[offset : offset + part_size],
+            Body=data[start:end],
             **extra,
         )
         part = {"PartNumber": number, "ETag": answer["ETag"]}
@@ -141,3 +142,21 @@ def upload_multipart(
         Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
     )
     return {k: v for k, v in answer.items() if k != "ResponseMetadata"}
+
+
+def _part_spans(total: int, part_size: int | Sequence[int]) -> list[tuple[int, int]]:
+    """Each part's ``[start, end)``: of ``part_size`` bytes (the last one the rest), or of
+    the sizes listed (adding up to ``total``)."""
+    if isinstance(part_size, int):
+        if part_size <= 0:
+            raise ValueError(f"part_size must be positive, got {part_size}")
+        sizes = [min(part_size, total - start) for start in range(0, total, part_size)] or [0]
+    else:
+        sizes = list(part_size)
+        if sum(sizes) != total or not sizes or min(sizes) < 0:
+            raise ValueError(f"part sizes {sizes} do not cut {total} bytes into parts")
+    spans, start = [], 0
+    for size in sizes:
+        spans.append((start, start + size))
+        start += size
+    return spans

@@ -14,6 +14,7 @@ from shardcache._disk.layout import is_temp_name
 from shardcache._disk.metadata import read_meta
 from shardcache._ops.verify import verify
 from shardcache._transfer.checksums import Hasher, from_s3_head
+from shardcache.testing._service import upload_multipart
 
 BUCKET = "sums"
 PART = 64 * 1024
@@ -37,29 +38,6 @@ def _put(s3, key: str, data: bytes, algorithm: str | None) -> None:
         client.put_object(Bucket=BUCKET, Key=key, Body=data)
     else:
         s3.boto3_client().put_object(Bucket=BUCKET, Key=key, Body=data, ChecksumAlgorithm=algorithm)
-
-
-def _put_multipart(s3, key: str, data: bytes, part: int, **kw: str) -> None:
-    client = s3.boto3_client()
-    upload = client.create_multipart_upload(Bucket=BUCKET, Key=key, **kw)["UploadId"]
-    parts = []
-    for number, offset in enumerate(range(0, len(data), part), start=1):
-        extra = {"ChecksumAlgorithm": kw["ChecksumAlgorithm"]} if kw else {}
-        answer = client.upload_part(
-            Bucket=BUCKET,
-            Key=key,
-            UploadId=upload,
-            PartNumber=number,
-            Body=data[offset : offset + part],
-            **extra,
-        )
-        parts.append(
-            {"PartNumber": number, "ETag": answer["ETag"]}
-            | {k: v for k, v in answer.items() if k.startswith("Checksum") and k != "ChecksumType"}
-        )
-    client.complete_multipart_upload(
-        Bucket=BUCKET, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
-    )
 
 
 def _nothing_published(cache: ShardCache, url: str) -> bool:
@@ -162,28 +140,19 @@ def test_a_corrupted_part_of_a_parallel_download_fails_the_crc(
 
 def test_a_full_object_checksum_of_a_multipart_upload_is_used(bucket, tmp_path: Path) -> None:
     data = _blob(11 << 20, 6)
-    _put_multipart(
-        bucket, "mp.tar", data, 5 << 20, ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+    upload_multipart(
+        bucket.boto3_client(),
+        BUCKET,
+        "mp.tar",
+        data,
+        5 << 20,
+        checksum="CRC64NVME",
+        checksum_type="FULL_OBJECT",
     )
     cache = _cache(tmp_path)
     path = cache.fetch(f"s3://{BUCKET}/mp.tar")
     assert path.read_bytes() == data
     assert read_meta(cache.layout, path)["verified"] == "crc64nvme"
-
-
-def test_a_composite_checksum_of_a_multipart_upload_is_checked_over_its_parts(
-    bucket, tmp_path: Path
-) -> None:
-    """A checksum of the parts' checksums is checked over the parts the store describes."""
-    data = _blob(11 << 20, 7)
-    _put_multipart(bucket, "comp.tar", data, 5 << 20, ChecksumAlgorithm="CRC32C")
-    cache = _cache(tmp_path)
-    path = cache.fetch(f"s3://{BUCKET}/comp.tar")
-    assert path.read_bytes() == data
-    record = read_meta(cache.layout, path)
-    assert record["verified"] == "crc32c-parts"
-    assert record["checksum"]["parts"] == 3
-    assert record["parts"] == [[5 << 20, 2], [1 << 20, 1]]
 
 
 def test_verify_size_checks_no_checksum(bucket, fault_proxy, tmp_path: Path) -> None:
@@ -194,11 +163,17 @@ def test_verify_size_checks_no_checksum(bucket, fault_proxy, tmp_path: Path) -> 
 
 
 def test_the_verify_command_checks_a_multipart_copy_with_the_crc(bucket, tmp_path: Path) -> None:
-    """A multipart object has no MD5 to check: its full-object CRC catches an altered copy
-    that the size alone would not."""
+    """A multipart object's full-object CRC (what a download checks, cheaper than its MD5 of
+    MD5s) catches an altered copy that the size alone would not."""
     data = _blob(11 << 20, 9)
-    _put_multipart(
-        bucket, "v.tar", data, 5 << 20, ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+    upload_multipart(
+        bucket.boto3_client(),
+        BUCKET,
+        "v.tar",
+        data,
+        5 << 20,
+        checksum="CRC64NVME",
+        checksum_type="FULL_OBJECT",
     )
     cache = _cache(tmp_path)
     path = cache.fetch(f"s3://{BUCKET}/v.tar")
