@@ -25,7 +25,7 @@ from fsspec.asyn import sync
 from .._base.errors import IntegrityError, UnverifiableError
 from .._base.redact import get_logger, redact_options
 from .._base.url_kinds import LOCAL_PROTOCOLS, url_protocol
-from .._retry.policy import RetryPolicy
+from .._retry.policy import RetryPolicy, _http_status_and_code
 from .._retry.throttle import Throttle, throttled_call
 from .checksums import Checksum, Hasher, expected
 from .multipart import PartLayout, PartsHasher, rehash
@@ -330,20 +330,43 @@ def s3_get(
     """Send one GET of bytes ``[start, end)`` of an S3 object (the whole object when neither
     is given) in a slot of ``throttle``; returns the response once its headers arrived, its
     ``Body`` unread. A ranged GET carries ``If-Match`` on the ETag, so a changed object is
-    never stitched together (HTTP 412 instead). A whole-object GET asks for the object's
-    full-object checksum (``x-amz-checksum-mode``: see :func:`ask_for_checksums`)."""
+    never stitched together (HTTP 412 instead: :func:`changed_underneath`), and so does a
+    whole-object GET of an object whose ETag is known (a download started again from byte
+    0). A whole-object GET asks for the object's full-object checksum
+    (``x-amz-checksum-mode``: see :func:`ask_for_checksums`)."""
     bucket, key, version = fs.split_path(path)
     kw: dict[str, Any] = {}
     if version or info.version_id:
         kw["VersionId"] = version or info.version_id
     if start or end is not None:
         kw["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        if info.etag:
-            kw["IfMatch"] = f'"{info.etag}"'
+    if info.etag:  # a resumed, ranged or repeated GET: never another object's bytes
+        kw["IfMatch"] = f'"{info.etag}"'
     return throttled_call(
         throttle,
         "GET",
         lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **kw),
+    )
+
+
+def precondition_failed(exc: BaseException) -> bool:
+    """HTTP 412: the If-Match on the ETag failed, so the object changed."""
+    return any(
+        item is not None and _http_status_and_code(item)[0] == 412
+        for item in (exc, exc.__cause__, exc.__context__)
+    )
+
+
+def changed_underneath(info: ObjectInfo, attempt: int) -> IntegrityError:
+    """The error of a download whose object was replaced meanwhile (HTTP 412): a failed
+    verification, so the download starts over on the new object."""
+    return IntegrityError(
+        f"{info.url} changed during the download (If-Match on ETag {info.etag} failed); "
+        "nothing was published.",
+        url=info.url,
+        attempts=attempt,
+        expected=info.etag,
+        seen="another version",
     )
 
 

@@ -27,7 +27,6 @@ from .._base.url_kinds import url_protocol
 from .._observe import metrics
 from .._retry.policy import (
     TruncatedBody,
-    _http_status_and_code,
     describe,
     fetch_error,
     is_transient,
@@ -42,7 +41,9 @@ from .download import (
     Progress,
     Source,
     Strategy,
+    changed_underneath,
     local_io,
+    precondition_failed,
     s3_body,
     verification_failed,
 )
@@ -243,15 +244,8 @@ class ParallelDownload(Strategy):
         def give_up(exc: Exception, n: int) -> BaseException:
             if isinstance(exc, _NOT_REMOTE):
                 return exc
-            if _precondition_failed(exc):
-                return IntegrityError(
-                    f"{info.url} changed during the download (If-Match on ETag {info.etag} "
-                    "failed); nothing was published.",
-                    url=info.url,
-                    attempts=n,
-                    expected=info.etag,
-                    seen="another version",
-                )
+            if precondition_failed(exc):
+                return changed_underneath(info, n)
             return fetch_error(info.url, n, exc)
 
         def wait(seconds: float) -> None:
@@ -262,7 +256,7 @@ class ParallelDownload(Strategy):
             attempt,
             retry_if=lambda exc: (
                 not isinstance(exc, _NOT_REMOTE)
-                and not _precondition_failed(exc)
+                and not precondition_failed(exc)
                 and is_transient(exc)
             ),
             give_up=give_up,
@@ -347,11 +341,3 @@ def _part_retry(url: str, exc: Exception, n: int) -> None:
 
 # Failures that are not the store's answer for this part: passed on as they are.
 _NOT_REMOTE = (_PartsCancelled, LocalWriteError, IntegrityError)
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """HTTP 412: the If-Match on the ETag failed, so the object changed."""
-    return any(
-        item is not None and _http_status_and_code(item)[0] == 412
-        for item in (exc, exc.__cause__, exc.__context__)
-    )

@@ -24,7 +24,9 @@ from .download import (
     OpenedObject,
     Progress,
     Strategy,
+    changed_underneath,
     local_io,
+    precondition_failed,
     s3_body,
     verification_failed,
 )
@@ -49,6 +51,7 @@ class StreamDownload(Strategy):
             nonlocal first
             progress(phase=self.phase(n), bytes_done=state.done, bytes_total=state.info.size)
             chunks, first = first or self.chunks(state.info, state.done), None
+            chunks = _unchanged(chunks, state.info, n)
             for chunk in chunks:
                 with local_io():
                     out.write(chunk)
@@ -123,6 +126,17 @@ def _file(out: BinaryIO) -> BinaryIO | None:
     except (AttributeError, OSError, ValueError):
         return None
     return out
+
+
+def _unchanged(chunks: Iterator[bytes], info: ObjectInfo, attempt: int) -> Iterator[bytes]:
+    """``chunks``, with the store's refusal of a resume (HTTP 412: the object was replaced)
+    raised as the failed verification it is, so the download starts over on the new one."""
+    try:
+        yield from chunks
+    except Exception as exc:
+        if precondition_failed(exc):
+            raise changed_underneath(info, attempt) from exc
+        raise
 
 
 def _transient(exc: Exception) -> bool:

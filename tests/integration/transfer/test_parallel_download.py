@@ -196,3 +196,35 @@ def test_an_object_replaced_mid_download_is_fetched_again_never_torn(s3, tmp_pat
     assert path.read_bytes() == new, "the copy mixes the old and the new object"
     assert read_meta(cache.layout, path)["etag"] == replaced[0]
     assert not _leftovers(cache)
+
+
+@on_s3_servers
+def test_an_object_replaced_before_a_stream_resumes_is_fetched_again_never_torn(
+    s3, fault_proxy, tmp_path: Path
+) -> None:
+    """One stream, cut after 1000 bytes; the object is replaced before the retry: the
+    retry's GET carries If-Match on the first ETag, the store refuses it (412) and the
+    download starts over on the new object (it was a PermanentFetchError)."""
+    rng = random.Random("resumed")
+    old, new = rng.randbytes(4 * PART), rng.randbytes(4 * PART)
+    s3.put_objects(BUCKET, {"resumed.tar": old})
+    fault_proxy.add_fault(
+        "truncate", times=1, method="GET", path_contains="resumed.tar", truncate_bytes=1000
+    )
+    replaced: list[str] = []
+
+    def replace_at_the_retry(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+        if phase == "retry 1" and not replaced:
+            replaced.append(s3.put_objects(BUCKET, {"resumed.tar": new})["resumed.tar"])
+
+    cache = _cache(
+        tmp_path,
+        verify="size",
+        parallel_threshold=1 << 30,
+        storage_options=s3.storage_options(fault_proxy.endpoint_url),
+    )
+    path = cache.fetch(f"s3://{BUCKET}/resumed.tar", progress=replace_at_the_retry)
+    assert replaced and fault_proxy.faults_injected("truncate") == 1
+    assert path.read_bytes() == new, "the copy mixes the old and the new object"
+    assert read_meta(cache.layout, path)["etag"] == replaced[0]
+    assert not _leftovers(cache)
