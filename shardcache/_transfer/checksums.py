@@ -1,16 +1,17 @@
 """Content checksums: which one verifies a download, and computing it cheaply.
 
 S3 keeps an *additional checksum* of most objects (CRC64NVME by default since 2024-12, or
-the CRC32 / CRC32C / SHA1 / SHA256 the uploader chose); ``HeadObject`` with
+the CRC32 / CRC32C / SHA1 / SHA256 the uploader chose, and the newer SHA512, MD5 and
+XXHASH64 / XXHASH3 / XXHASH128 where the SDK knows them); ``HeadObject`` with
 ``ChecksumMode=ENABLED`` returns it. A *full-object* one is a checksum of the object's
 bytes and verifies a download as well as the ETag's MD5 does against corruption in
-transit, at a fraction of the CPU: CRC64NVME and CRC32C run in ``awscrt``'s
-hardware-accelerated C code (~6-9 GB/s here), CRC32 in zlib (~2.5 GB/s), SHA in hashlib
+transit, at a fraction of the CPU: CRC64NVME, CRC32C and the xxHashes run in ``awscrt``'s
+C code (~6-9 GB/s here for the CRCs), CRC32 in zlib (~2.5 GB/s), SHA in hashlib
 (~1.6 GB/s), MD5 at ~0.6 GB/s. A *composite* one (a checksum of the parts' checksums of
-a multipart upload) does not describe the bytes alone and is never used.
+a multipart upload) is checked over the parts (:mod:`~shardcache._transfer.multipart`).
 
-:func:`expected` picks what a download is verified against: the object's full-object S3
-checksum, else the MD5 its ETag is (single-part uploads), else nothing beyond the size.
+:func:`expected` picks what a download is verified against: the cheapest checksum the
+store describes, else nothing beyond the size.
 """
 
 from __future__ import annotations
@@ -25,8 +26,29 @@ from typing import Any
 
 from awscrt import checksums as _crt
 
+# xxHashes arrived in awscrt after shardcache's lowest supported version: without them,
+# an object described by one alone is checked by what else describes it.
+_XXHASHES: dict[str, Callable[[], Any]] = (
+    {
+        "xxhash3": _crt.XXHash.new_xxhash3_64,
+        "xxhash64": _crt.XXHash.new_xxhash64,
+        "xxhash128": _crt.XXHash.new_xxhash3_128,
+    }
+    if hasattr(_crt, "XXHash")
+    else {}
+)
+
 # S3's additional checksums, cheapest to compute first (HeadObject returns at most one).
-S3_ALGORITHMS = ("crc64nvme", "crc32c", "crc32", "sha1", "sha256")
+S3_ALGORITHMS = (
+    "crc64nvme",
+    "crc32c",
+    *_XXHASHES,
+    "crc32",
+    "sha1",
+    "sha256",
+    "sha512",
+    "md5",
+)
 
 
 @dataclass(frozen=True)
@@ -69,7 +91,10 @@ class Hasher:
             self._state = 0
         else:
             self._crc = None
-            self._hash = hashlib.new(algorithm, usedforsecurity=False)
+            make = _XXHASHES.get(algorithm)
+            self._hash = (
+                _Finalized(make()) if make else hashlib.new(algorithm, usedforsecurity=False)
+            )
 
     def update(self, data: Any) -> None:
         """Add ``data`` (any bytes-like object: bytes, bytearray, memoryview)."""
@@ -93,6 +118,22 @@ class Hasher:
         if self.algorithm == "md5":
             return self.digest().hex()
         return base64.b64encode(self.digest()).decode()
+
+
+class _Finalized:
+    """An awscrt xxHash behind hashlib's ``update``/``digest`` (its digest can be asked twice)."""
+
+    def __init__(self, crt_hash: Any) -> None:
+        self._crt_hash = crt_hash
+        self._digest: bytes | None = None
+
+    def update(self, data: Any) -> None:
+        self._crt_hash.update(data)
+
+    def digest(self) -> bytes:
+        if self._digest is None:
+            self._digest = bytes(self._crt_hash.finalize())
+        return self._digest
 
 
 _CRCS: dict[str, tuple[Callable[[Any, int], int], int]] = {
@@ -129,6 +170,8 @@ def from_s3_head(head: Mapping[str, Any], *, multipart_etag: bool) -> Checksum |
         if not isinstance(raw, str) or not raw:
             continue
         value, parts = _split_parts(raw)
+        if algorithm == "md5":  # base64 here; an MD5 is kept in hex (as an ETag gives it)
+            value = base64.b64decode(value).hex()
         source = f"x-amz-checksum-{algorithm}"
         if parts is not None and kind in (None, "COMPOSITE"):
             return Checksum(algorithm, value, source, parts=parts)
