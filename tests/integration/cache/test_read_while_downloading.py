@@ -28,9 +28,11 @@ import shardcache
 from shardcache import IntegrityError, ShardCache, StallError
 from shardcache._cache.shard_cache import Wiring
 from shardcache._disk.layout import is_temp_name
-from shardcache._disk.metadata import write_meta
+from shardcache._disk.metadata import read_meta, write_meta
 from shardcache._ops.demo import make_shard
 from shardcache._store.growing import GrowingFile
+from shardcache.testing import SeaweedS3Server
+from shardcache.testing._service import upload_multipart
 
 BUCKET = "early"
 SAMPLES = 48
@@ -241,6 +243,28 @@ def test_open_reads_while_downloading_and_pins_the_shard(
         report = cache.evict(0)
         assert report.in_use == 1 and path.exists()
     assert cache.remove(path)
+
+
+@on_s3_servers
+def test_a_multipart_object_is_read_while_downloading_and_published_verified_by_its_parts(
+    s3, fault_proxy, tmp_path: Path
+) -> None:
+    """The verdict on an upload's MD5 of MD5s comes with its last byte: the reader reads
+    the first bytes while the proxy holds the rest."""
+    unit = 5 << 20 if isinstance(s3, SeaweedS3Server) else 64 << 10
+    body = os.urandom(2 * unit + 1000)
+    client = s3.boto3_client(request_checksum_calculation="when_required")
+    client.create_bucket(Bucket=BUCKET)
+    upload_multipart(client, BUCKET, "mp.tar", body, unit)
+    url = f"s3://{BUCKET}/mp.tar"
+    hold = fault_proxy.add_fault("hold", times=1, method="GET", truncate_bytes=unit // 2)
+    cache = _cache(tmp_path, fault_proxy, parallel_threshold=1 << 30)
+    with cache.open(url) as f:
+        head = f.read(4096)
+        assert not hold.released.is_set() and not cache.contains(url)
+        hold.release()
+        assert head + f.read() == body
+    assert read_meta(cache.layout, cache.path_for(url))["verified"] == "md5-parts"
 
 
 def test_eviction_while_a_stage_streams_a_shard(shard, fault_proxy, tmp_path: Path) -> None:
