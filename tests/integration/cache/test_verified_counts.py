@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import urllib.request
 from pathlib import Path
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import shardcache
 from shardcache import ShardCache
-from shardcache._cache.size_only import store_name
+from shardcache._cache.size_only import published_by_size, store_name
 from shardcache._cli.main import main
 from shardcache._disk.layout import ShardId
 
@@ -187,3 +188,31 @@ def test_a_store_is_named_without_credentials(url: str, namespace: str, name: st
     protocol = url.split(":", 1)[0]
     shard = ShardId(url, protocol, url, namespace, Path("d"), Path("l"), Path("m"))
     assert store_name(shard) == name
+
+
+def test_a_forked_child_does_not_repeat_what_its_parent_said(caplog) -> None:
+    """A DataLoader worker forked after the training process warned about a store does not
+    warn about it again; about another store it does."""
+    said = ShardId("s3://b/k.tar", "s3", "s3://b/k.tar", "s3@aws", Path("d"), Path("l"), Path("m"))
+    other = ShardId("gs://g/k.tar", "gs", "gs://g/k.tar", "gs", Path("d"), Path("l"), Path("m"))
+    with caplog.at_level(logging.WARNING, logger="shardcache"):
+        published_by_size(said, "etag")
+    assert len(_size_only_warnings(caplog)) == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it warns about, by the first word of each store
+        try:
+            warned: list[str] = []
+            handler = logging.Handler()
+            handler.emit = lambda r: warned.append(r.getMessage().split()[2])  # type: ignore[method-assign]
+            logging.getLogger("shardcache").addHandler(handler)
+            published_by_size(said, "etag")
+            published_by_size(other, "etag")
+            os.write(write, json.dumps(warned).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        got = json.loads(answer.read())
+    assert os.waitpid(pid, 0)[1] == 0
+    assert got == ["gs://g"]
