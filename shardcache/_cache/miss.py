@@ -21,12 +21,20 @@ from .._observe import metrics
 from .._store.eviction import evict_lock
 from .._store.growing import Announce, GrowingFile
 from .._store.hits import Hits
-from .._store.publish import VANISHED_RETRIES, DiskFull, Publisher, Vanished
+from .._store.publish import (
+    SIZE_ONLY,
+    VANISHED_RETRIES,
+    DiskFull,
+    Publisher,
+    Vanished,
+    verified_method,
+)
 from .._store.space import Space
 from .._transfer.download import REQUESTING
 from .._transfer.remote import ObjectInfo, OpenedObject, Progress, Remote
 from .locks import CacheLocks
 from .offers import Offers, tell_failed
+from .size_only import published_by_size
 from .stats import StatsCounter
 
 logger = get_logger("shardcache._cache")  # the cache's records keep one logger name
@@ -129,8 +137,12 @@ class MissPath:
             with self._remote.open(url) as opened:
                 info = self._download_handling_disk_full(opened, shard, report, offers)
             metrics.collector().shard_downloaded(url, time.monotonic() - t0, info.size)
+            method = verified_method(info)
+            if method == SIZE_ONLY:
+                published_by_size(shard, self._settings.verify)
             self._stats.count(
                 url,
+                verified=method,
                 misses=1,
                 bytes_downloaded=info.size,
                 bytes_served=info.size,

@@ -4,7 +4,7 @@ the loader metrics among them (:mod:`shardcache._observe.metrics`)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._observe import metrics
@@ -16,7 +16,9 @@ _METRICS_COUNTS = frozenset({"hits", "misses", "shared", "bytes_downloaded", "by
 
 @dataclass
 class CacheStats:
-    """Counters of this process's cache activity."""
+    """Counters of this process's cache activity; ``verified``: the shards this process
+    downloaded by how each was verified (``{"crc32": 12, "size": 4}``: see
+    docs/guides/observability.md, "How shards were verified")."""
 
     hits: int = 0  # found complete in the cache
     misses: int = 0  # downloaded by this process
@@ -26,6 +28,9 @@ class CacheStats:
     download_seconds: float = 0.0
     lock_wait_seconds: float = 0.0
     errors: int = 0
+    # the shards this process downloaded, by how each was verified: "crc64nvme", "md5",
+    # "md5-parts", ... (a checksum of the store's), "size" (nothing more than the size)
+    verified: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -38,14 +43,20 @@ class StatsCounter:
         self._stats = CacheStats()
         self._lock = threading.Lock()
 
-    def count(self, url: str, **deltas: float) -> None:
-        """Add ``deltas`` (about shard ``url``) to the cache's stats and the metrics."""
+    def count(self, url: str, verified: str | None = None, **deltas: float) -> None:
+        """Add ``deltas`` (about shard ``url``) to the cache's stats and the metrics;
+        ``verified``: ``url`` was downloaded and published, verified by this method."""
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
+            if verified is not None:
+                methods = self._stats.verified
+                methods[verified] = methods.get(verified, 0) + 1
         shown = {k: v for k, v in deltas.items() if k in _METRICS_COUNTS}
         if shown:
             metrics.count(url, **shown)
+        if verified is not None:
+            metrics.verified(verified)
 
     def snapshot(self) -> CacheStats:
         """A copy of the counters as they are now."""

@@ -4,7 +4,8 @@ The record format is the contract of issue 17 (docs/guides/observability.md): on
 line, ``schema`` "shardcache.metrics", integer ``version``; counts are deltas over the
 record's own period, never cumulative. Readers must be tolerant: unknown keys are ignored,
 a missing or malformed count is 0, a missing mapping is empty. A record of a newer
-``version`` is refused, since ``version`` changes only when a field changes meaning.
+``version`` is refused, since ``version`` changes only when a field changes meaning; a field
+added keeps the version (``verified`` came so: older records lack it and count nothing there).
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ COUNTS = (
     "stall_errors",
 )
 RETRY_CAUSES = ("reset", "5xx", "slowdown", "truncated", "other")
+# How a downloaded shard was verified (a record's ``verified``: method -> shards): a checksum
+# of the bytes, a multipart upload's checksum over its parts, or the size alone. The sinks
+# take labels from this fixed set (any other method is "other").
+VERIFIED_METHODS = (
+    "crc64nvme",
+    "crc32c",
+    "crc32",
+    "sha1",
+    "sha256",
+    "md5",
+    "md5-parts",
+    "crc32-parts",
+    "crc32c-parts",
+    "sha1-parts",
+    "sha256-parts",
+    "size",
+)
 # The counts a record also breaks down by mixture source (``sources``: name -> counts),
 # present when a MixtureDataset's sources counted in the period.
 SOURCE_COUNTS = ("samples", "hits", "misses", "shared", "bytes_downloaded", "bytes_served")
@@ -77,6 +95,11 @@ def counts(record: Mapping[str, Any], key: str) -> dict[str, float]:
     if not isinstance(value, dict):
         return {}
     return {str(name): number(value, name) for name in value}
+
+
+def verified_label(method: str) -> str:
+    """The label of verification method ``method``: itself if known, else "other"."""
+    return method if method in VERIFIED_METHODS else "other"
 
 
 def sources(record: Mapping[str, Any]) -> dict[str, dict[str, float]]:
@@ -151,6 +174,7 @@ __all__ = [
     "OK",
     "RETRY_CAUSES",
     "SCHEMA",
+    "VERIFIED_METHODS",
     "VERSION",
     "OwnerProcess",
     "PeriodClock",
@@ -160,4 +184,5 @@ __all__ = [
     "number",
     "optional_number",
     "stream_of",
+    "verified_label",
 ]

@@ -4,7 +4,8 @@ The record format is ``shardcache.metrics`` version 1 (docs/guides/observability
 object per period, counts per record (deltas), never cumulative, so a reader sums records.
 
 Who counts what (each fact where it is born, thread-safe: prefetch threads count too):
-cache hits/misses/shared/bytes and per-shard download time (``_cache``), requests sent
+cache hits/misses/shared/bytes, per-shard download time and the shards downloaded by how
+each was verified (``verified``: method -> count, ``_cache``), requests sent
 (``_transfer.download.s3_get``: GET; ``_transfer.remote.info``: HEAD; each attempt),
 retries by cause and integrity re-downloads (the remote retry loops, through
 :func:`retried`), lock waits with the holder (``_locking.shard_lock.ShardLock.acquire``),
@@ -102,6 +103,7 @@ class _Period:
         self.wall, self.mono = wall, mono
         self.counts = dict.fromkeys(COUNTS, 0)
         self.requests: dict[str, int] = {}
+        self.verified: dict[str, int] = {}  # shards downloaded, per verification method
         self.retries = dict.fromkeys(RETRY_CAUSES, 0)
         self.lock_count, self.lock_seconds, self.lock_worst = 0, 0.0, 0.0
         self.lock_holder: str | None = None
@@ -114,6 +116,7 @@ class _Period:
             any(self.counts.values())
             or self.sources
             or self.requests
+            or self.verified
             or any(self.retries.values())
             or self.lock_count
             or self.data_wait
@@ -156,6 +159,12 @@ class Collector:
         with self._lock:
             requests = self._period.requests
             requests[method] = requests.get(method, 0) + 1
+
+    def verified(self, method: str) -> None:
+        """A shard downloaded by this process was published, verified by ``method``."""
+        with self._lock:
+            verified = self._period.verified
+            verified[method] = verified.get(method, 0) + 1
 
     def retry(self, cause: str) -> None:
         with self._lock:
@@ -245,6 +254,7 @@ class Collector:
             "epoch": epoch,
             **p.counts,
             "requests": p.requests,
+            "verified": p.verified,
             "retries": p.retries,
             "lock_waits": {
                 "count": p.lock_count,
@@ -459,6 +469,11 @@ def shard_delivered() -> None:
 
 def request(method: str) -> None:
     collector().request(method)
+
+
+def verified(method: str) -> None:
+    """A shard this process downloaded was published, verified by ``method``."""
+    collector().verified(method)
 
 
 def retried(cause: str) -> None:

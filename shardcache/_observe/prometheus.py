@@ -7,10 +7,10 @@ collide), served over HTTP and/or written to a node_exporter textfile.
 
 Names follow ``shardcache_<what>_<unit>_total``. Labels are ``job_id``, ``host``, ``rank``
 and ``worker`` (``main`` or the DataLoader worker id), plus ``result`` / ``method`` /
-``cause`` from fixed sets and, on the ``shardcache_source_*`` counters, ``source`` (a
-``MixtureDataset``'s source names, which the user chose): never a URL or any other
-unbounded value. (``job_id``, not
-``job``: Prometheus sets ``job`` itself on every scrape.)
+``cause`` from fixed sets (``method``: a request's, or how a shard was verified) and, on the
+``shardcache_source_*`` counters, ``source`` (a ``MixtureDataset``'s source names, which the
+user chose): never a URL or any other unbounded value. (``job_id``, not ``job``: Prometheus
+sets ``job`` itself on every scrape.)
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class PrometheusSink:
     ``shardcache_shards_total``, ``shardcache_fetches_total{result=hit|miss|shared}``,
     ``shardcache_downloaded_bytes_total``, ``shardcache_served_bytes_total``,
     ``shardcache_requests_total{method}``, ``shardcache_retries_total{cause}``,
+    ``shardcache_shards_verified_total{method}`` (shards downloaded, by verification:
+    ``crc64nvme``, ``md5``, ``md5-parts``, ..., ``size``),
     ``shardcache_integrity_redownloads_total``, ``shardcache_lock_waits_total``,
     ``shardcache_lock_wait_seconds_total``, ``shardcache_data_wait_seconds_total``,
     ``shardcache_recorded_seconds_total`` (time covered by records carrying a data wait:
@@ -125,6 +127,11 @@ class PrometheusSink:
             "source_downloaded_bytes", "Bytes downloaded, per mixture source.", "source"
         )
         self._requests = counter("requests", "Requests sent to the store.", "method")
+        self._verified = counter(
+            "shards_verified",
+            "Shards downloaded, by how they were verified (a checksum; size: the size only).",
+            "method",
+        )
         self._retries = counter("retries", "Retried requests, by cause.", "cause")
         self._lock_waits = counter("lock_waits", "Waits for a shard lock held elsewhere.")
         self._lock_wait_s = counter("lock_wait_seconds", "Time spent waiting for shard locks.")
@@ -194,6 +201,8 @@ class PrometheusSink:
         for sent, n in mr.counts(record, "requests").items():
             method = sent.upper() if sent.upper() in METHODS else "other"
             _inc(self._requests.labels(**labels, method=method), n)
+        for method, n in mr.counts(record, "verified").items():
+            _inc(self._verified.labels(**labels, method=mr.verified_label(method)), n)
         for cause, n in mr.counts(record, "retries").items():
             _inc(self._retries.labels(**labels, cause=cause if cause in CAUSES else "other"), n)
         waits = record.get("lock_waits")

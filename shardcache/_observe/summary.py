@@ -30,6 +30,7 @@ def merge(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "kind": "report",
         **dict.fromkeys(_SUMMED, 0),
         "requests": {},
+        "verified": {},
         "retries": {},
         "lock_waits": {"count": 0, "seconds": 0.0, "worst_s": 0.0, "worst_holder": None},
         "slowest_shards": [],
@@ -44,6 +45,8 @@ def merge(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
             out[name] += r.get(name, 0)
         for method, n in r.get("requests", {}).items():
             out["requests"][method] = out["requests"].get(method, 0) + n
+        for method, n in r.get("verified", {}).items():  # records before it have none
+            out["verified"][method] = out["verified"].get(method, 0) + n
         for cause, n in r.get("retries", {}).items():
             out["retries"][cause] = out["retries"].get(cause, 0) + n
         waits, mine = out["lock_waits"], r.get("lock_waits", {})
@@ -98,6 +101,14 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _verified(methods: dict[str, Any]) -> str:
+    """`` (verified: md5-parts 3, size 1)``, the downloaded shards by method; "" if none."""
+    shown = ", ".join(
+        f"{m} {n}" for m, n in sorted(methods.items(), key=lambda i: (-i[1], i[0])) if n
+    )
+    return f" (verified: {shown})" if shown else ""
+
+
 def _body(r: dict[str, Any]) -> str:
     retries = r["retries"]
     requests = r["requests"]
@@ -105,7 +116,7 @@ def _body(r: dict[str, Any]) -> str:
         f"{r['samples']} samples",
         f"{r['shards']} shards ({r['hits']} hits, {r['misses']} misses, {r['shared']} shared)",
         f"{_size(r['bytes_served'])} served",
-        f"{_size(r['bytes_downloaded'])} downloaded",
+        f"{_size(r['bytes_downloaded'])} downloaded" + _verified(r.get("verified", {})),
         f"{requests.get('GET', 0)} GETs"
         + (f", {requests['HEAD']} HEADs" if requests.get("HEAD") else ""),  # revalidation
         "retries reset {} / 5xx {} / SlowDown {} / truncated {} / other {}".format(

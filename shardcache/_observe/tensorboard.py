@@ -39,10 +39,12 @@ class TensorBoardSink:
     wait), ``samples_per_s``, ``download_bytes_per_s``, ``hit_rate`` (when shards were
     fetched), and the period's ``hits``, ``misses``, ``shared``, ``bytes_downloaded``,
     ``bytes_served``, ``gets``, ``retries`` (all causes), ``integrity_redownloads``,
-    ``lock_wait_s``, ``stall_warnings``, ``stall_errors``. The walltime is the record's
-    ``time``. The step is ``step()`` when given (e.g. ``lambda: trainer.global_step``,
-    to line the scalars up with the training curves), else the record's index in its
-    process's series (0, 1, 2, ...; TensorBoard's "wall" axis shows real time).
+    ``lock_wait_s``, ``stall_warnings``, ``stall_errors``, and ``verified_<method>`` (shards
+    downloaded verified by ``method``: ``md5``, ``md5-parts``, ``size``, ...; for the methods
+    a record counts). The walltime is the record's ``time``. The step is ``step()`` when
+    given (e.g. ``lambda: trainer.global_step``, to line the scalars up with the training
+    curves), else the record's index in its process's series (0, 1, 2, ...; TensorBoard's
+    "wall" axis shows real time).
 
     Rates and the share use the time a record really covers (an epoch record's counts
     start at the process's previous record, not at the epoch start). Only the process that
@@ -89,6 +91,9 @@ class TensorBoardSink:
         out = {name: n(record, field) for name, field in _DELTAS.items()}
         out["gets"] = mr.counts(record, "requests").get("GET", 0.0)
         out["retries"] = sum(mr.counts(record, "retries").values())
+        for method, shards in mr.counts(record, "verified").items():
+            label = f"verified_{mr.verified_label(method)}"
+            out[label] = out.get(label, 0.0) + shards
         waits = record.get("lock_waits")
         out["lock_wait_s"] = n(waits, "seconds") if isinstance(waits, dict) else 0.0
         wait = mr.optional_number(record, "data_wait_s")

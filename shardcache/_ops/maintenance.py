@@ -28,11 +28,13 @@ from .._store.eviction import list_dir, scan
 from .._store.pins import is_held
 from .maintenance_reports import (
     KIND_LABELS,
+    UNKNOWN,
     CleanReport,
     CleanSummary,
     HeldLock,
     StatusReport,
     StatusSummary,
+    method_counts,
 )
 from .maintenance_stale import (
     file_size,
@@ -128,13 +130,15 @@ def status_all(settings: Settings) -> StatusSummary:
 
 
 def status(cache: ShardCache) -> StatusReport:
-    """Entries, disk, locks held and by whom, stale locks and orphan files of ``cache``
-    (:func:`require_scope_dir` first)."""
+    """Entries (and how each was verified, from its record), disk, locks held and by whom,
+    stale locks and orphan files of ``cache`` (:func:`require_scope_dir` first)."""
     require_scope_dir(cache.settings)
     layout = cache.layout
     report = StatusReport(scope_dir=layout.scope_dir)
-    entries = scan(layout, unreadable=report.unreadable)[0]  # counts only: no records read
+    # Records read for how each shard was verified (older records, or none: "unknown").
+    entries = scan(layout, with_meta=True, unreadable=report.unreadable)[0]
     report.entries = len(entries)
+    report.verified = method_counts(e.verified or UNKNOWN for e in entries)
     report.bytes = sum(e.size for e in entries)
     with _DirFds(layout.fs) as dirs:
         report.in_use = sum(1 for e in entries if is_held(layout.fs, e.path, dirs.fd(e.path)))

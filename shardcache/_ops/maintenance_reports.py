@@ -4,6 +4,8 @@ scope under a cache root; each as text for a person and as JSON."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,24 @@ KIND_LABELS = {
     "meta-tmp": "orphan metadata temp",
     "samples": "orphan sample record",
 }
+
+UNKNOWN = "unknown"  # a shard whose record does not say how it was verified (older, or none)
+
+
+SIZE_NOTE = (
+    "size: checked by their size only (the store described no checksum, a local file or a "
+    "pipe: command, or SHARDCACHE_VERIFY=size)"
+)
+
+
+def method_counts(methods: Iterable[str]) -> dict[str, int]:
+    """Shards counted by verification method, most first (then by name)."""
+    return dict(sorted(Counter(methods).items(), key=lambda item: (-item[1], item[0])))
+
+
+def verified_text(methods: dict[str, int]) -> str:
+    """``md5-parts 3, size 1, unknown 2``: shards by verification method."""
+    return ", ".join(f"{method} {n}" for method, n in methods.items()) or "none"
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,7 @@ class StatusReport:
     entries: int = 0
     bytes: int = 0
     in_use: int = 0  # shards pinned by readers right now
+    verified: dict[str, int] = field(default_factory=dict)  # shards by verification method
     downloads: int = 0  # temp files of live downloads
     download_bytes: int = 0
     disk_total: int | None = None  # None: the file system could not be asked
@@ -104,6 +125,7 @@ class StatusReport:
             "entries": self.entries,
             "bytes": self.bytes,
             "in_use": self.in_use,
+            "verified": self.verified,
             "downloads_in_progress": self.downloads,
             "download_bytes": self.download_bytes,
             "disk_total": self.disk_total,
@@ -128,6 +150,8 @@ class StatusReport:
         lines += [
             f"entries     {self.entries} shards, {format_bytes(self.bytes)}"
             f" ({self.in_use} in use by readers)",
+            f"verified    {verified_text(self.verified)}",
+            *([f"  {SIZE_NOTE}"] if self.verified.get("size") else []),
             f"downloads   {self.downloads} in progress ({format_bytes(self.download_bytes)})",
             f"disk        {disk}",
             f"locks held  {len(self.locks_held)}",
@@ -243,6 +267,8 @@ class StatusSummary:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         for report in self.reports:
             root, name = report.scope_dir, report.scope_dir.name
+            if report.verified:
+                lines.append(f"{name}: verified {verified_text(report.verified)}")
             lines += [f"{name}: {lock.describe()}" for lock in report.locks_held]
             lines += [f"{name}: {item.describe(root)}" for item in report.stale_locks]
             lines += [f"{name}: {item.describe(root)}" for item in report.orphans]

@@ -65,6 +65,7 @@ class RankSummary:
     bytes_downloaded: float = 0
     bytes_served: float = 0
     requests: Counter[str] = field(default_factory=Counter)
+    verified: Counter[str] = field(default_factory=Counter)  # shards downloaded, by method
     retries: Counter[str] = field(default_factory=Counter)
     integrity_redownloads: float = 0
     lock_waits: float = 0
@@ -97,6 +98,7 @@ class RankSummary:
         self.stall_warnings += n(record, "stall_warnings")
         self.stall_errors += n(record, "stall_errors")
         self.requests.update(mr.counts(record, "requests"))
+        self.verified.update(mr.counts(record, "verified"))  # none in records before it
         self.retries.update(mr.counts(record, "retries"))
         self._add_lock_waits(record.get("lock_waits"))
         wait = mr.optional_number(record, "data_wait_s")
@@ -202,6 +204,7 @@ class RankSummary:
             "bytes_downloaded": int(self.bytes_downloaded),
             "bytes_served": int(self.bytes_served),
             "requests": {k: int(v) for k, v in sorted(self.requests.items())},
+            "verified": {k: int(v) for k, v in sorted(self.verified.items()) if v},
             "retries": {k: int(v) for k, v in sorted(self.retries.items())},
             "integrity_redownloads": int(self.integrity_redownloads),
             "lock_waits": {
@@ -426,6 +429,7 @@ def _merge(total: RankSummary, rank: RankSummary) -> None:
     for name in (*mr.COUNTS, "lock_waits", "lock_wait_s"):
         setattr(total, name, getattr(total, name) + getattr(rank, name))
     total.requests.update(rank.requests)
+    total.verified.update(rank.verified)
     total.retries.update(rank.retries)
     total.add_sources(rank.sources)
     if rank.lock_worst_s > total.lock_worst_s:

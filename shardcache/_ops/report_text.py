@@ -1,6 +1,6 @@
 """The text form of ``shardcache report``: per job a header, one table (worst ranks first,
-then a totals row), the worst ranks' retries, lock waits and stalls, the slowest shards, and
-the counts per mixture source."""
+then a totals row), the downloads by verification method, the worst ranks' retries, lock
+waits and stalls, the slowest shards, and the counts per mixture source."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def _job_lines(job: JobReport, top: int) -> list[str]:
         )
         lines.append("  ".join(cells).rstrip())
     lines += _wait_note(job)
+    lines += _verified_lines(total)
     lines += _source_lines(total)
     details = [line for rank in shown for line in _details(rank)]
     if details:
@@ -115,6 +116,14 @@ def _row(rank: RankSummary, label: str | None = None) -> tuple[str, ...]:
         f"{rank.lock_waits:.0f}/{rank.lock_wait_s:.1f}s",
         f"{rank.stall_warnings:.0f}/{rank.stall_errors:.0f}",
     )
+
+
+def _verified_lines(total: RankSummary) -> list[str]:
+    """The job's downloaded shards by how they were verified, if any were counted."""
+    methods = [(m, n) for m, n in sorted(total.verified.items(), key=lambda i: (-i[1], i[0])) if n]
+    if not methods:
+        return []
+    return ["downloads verified by: " + ", ".join(f"{m} {n:.0f}" for m, n in methods)]
 
 
 def _source_lines(total: RankSummary) -> list[str]:

@@ -26,16 +26,24 @@ from .._cache.shard_cache import ShardCache
 from .._datasets.urls import read_manifest
 from .._disk.metadata import read_meta
 from .._store.eviction import CacheEntry, scan
+from .._store.publish import SIZE_ONLY
 from .._transfer.checksums import Checksum, Hasher
 from .._transfer.download import ObjectInfo
 from .._transfer.multipart import PartLayout, PartsHasher
 from .fetch_progress import LOG_EVERY, FetchProgress
 from .maintenance import require_scope_dir
-from .maintenance_reports import unreadable_json, unreadable_lines
+from .maintenance_reports import (
+    SIZE_NOTE,
+    method_counts,
+    unreadable_json,
+    unreadable_lines,
+    verified_text,
+)
 
 logger = get_logger(__name__)
 
 _HASH_CHUNK = 8 << 20
+_CHECKED = ("ok", "bad")  # the outcomes of a shard that was checked
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class VerifyItem:
     outcome: str  # "ok" | "bad" | "unknown-origin" | "skipped" | "error"
     detail: str = ""
     removed: bool = False
+    method: str | None = None  # what it was checked by ("crc32", "md5-parts", "size", ...)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +64,7 @@ class VerifyItem:
             "outcome": self.outcome,
             "detail": self.detail,
             "removed": self.removed,
+            "method": self.method,
         }
 
 
@@ -73,11 +83,17 @@ class VerifyReport:
     def failed(self) -> bool:
         return bool(self.of("bad") or self.of("error") or self.unreadable)
 
+    @property
+    def verified(self) -> dict[str, int]:
+        """The checked shards (ok or bad) by what they were checked by, most first."""
+        return method_counts(i.method or SIZE_ONLY for i in self.items if i.outcome in _CHECKED)
+
     def as_json(self) -> dict[str, Any]:
         counts = {o: len(self.of(o)) for o in ("ok", "bad", "unknown-origin", "skipped", "error")}
         return {
             "scope_dir": str(self.scope_dir),
             "counts": counts,
+            "verified": self.verified,
             "items": [i.as_json() for i in self.items if i.outcome != "ok"],
             "unreadable": unreadable_json(self.unreadable),
         }
@@ -90,6 +106,10 @@ class VerifyReport:
             f"{len(bad)} bad, {len(errors)} not checkable, {len(unknown)} of unknown origin, "
             f"{len(skipped)} skipped"
         ]
+        if self.verified:
+            lines.append(f"  checked by: {verified_text(self.verified)}")
+            if self.verified.get(SIZE_ONLY):
+                lines.append(f"  {SIZE_NOTE}")
         for item in bad:
             action = "removed" if item.removed else "NOT removed (in use; run again later)"
             lines.append(f"  bad: {item.url}: {item.detail}; {action}")
@@ -166,7 +186,7 @@ def _verify_one(cache: ShardCache, entry: Any, expected: dict[Path, dict[str, An
         )
     try:
         if is_pipe_url(url) and want is None:
-            problem = _check_recorded_size(cache, entry)
+            problem, method = _check_recorded_size(cache, entry), SIZE_ONLY
             if problem is None:
                 return VerifyItem(
                     path,
@@ -177,16 +197,16 @@ def _verify_one(cache: ShardCache, entry: Any, expected: dict[Path, dict[str, An
                     "in a manifest to check its content)",
                 )
         else:
-            problem = _check(cache, entry, want)
+            problem, method = _check(cache, entry, want)
     except FileNotFoundError:
         return VerifyItem(path, url, "skipped", "removed from the cache meanwhile")
     except (ShardCacheError, OSError) as exc:
         return VerifyItem(path, url, "error", f"{type(exc).__name__}: {' '.join(str(exc).split())}")
     if problem is None:
-        return VerifyItem(path, url, "ok")
+        return VerifyItem(path, url, "ok", method=method)
     removed = cache.remove(path)
     logger.info("bad cached shard %s (%s): %s", url, path, problem)
-    return VerifyItem(path, url, "bad", problem, removed)
+    return VerifyItem(path, url, "bad", problem, removed, method)
 
 
 def _verify_quick(cache: ShardCache, entry: Any) -> VerifyItem:
@@ -197,15 +217,16 @@ def _verify_quick(cache: ShardCache, entry: Any) -> VerifyItem:
     if entry.recorded_size is None:
         return VerifyItem(path, url, "skipped", "no size was recorded when it was cached")
     if entry.recorded_size == entry.size:
-        return VerifyItem(path, url, "ok")
+        return VerifyItem(path, url, "ok", method=SIZE_ONLY)
     problem = f"size {entry.size} bytes, {entry.recorded_size} recorded when it was cached"
     removed = cache.remove(path)
     logger.info("bad cached shard %s (%s): %s", url, path, problem)
-    return VerifyItem(path, url, "bad", problem, removed)
+    return VerifyItem(path, url, "bad", problem, removed, SIZE_ONLY)
 
 
-def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | None:
-    """What is wrong with the cached copy, or None."""
+def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> tuple[str | None, str]:
+    """What is wrong with the cached copy (None: nothing), and what it is checked by (the
+    checksums' names, ``md5+sha256`` for a manifest's two; ``size`` for the size alone)."""
     size = cache.layout.fs.lstat(entry.path).st_size
     if meta is not None:
         source = "the manifest"
@@ -226,15 +247,16 @@ def _check(cache: ShardCache, entry: Any, meta: dict[str, Any] | None) -> str | 
             return (
                 f"the remote object changed since it was cached (ETag {info.etag}, "
                 f"cached copy {entry.etag})"
-            )
+            ), SIZE_ONLY
+    method = "+".join(sorted(want)) or SIZE_ONLY
     if want_size is not None and int(want_size) != size:
-        return f"size {size} bytes, {source} has {want_size}"
+        return f"size {size} bytes, {source} has {want_size}", method
     if want:
         got = _hashes(cache.layout.fs, entry.path, hashers)
         for name, value in want.items():
             if got[name] != value:
-                return f"{name} {got[name]}, {source} has {value}"
-    return None
+                return f"{name} {got[name]}, {source} has {value}", method
+    return None, method
 
 
 def _hasher(

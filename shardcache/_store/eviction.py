@@ -63,6 +63,7 @@ class CacheEntry:
     md5: str | None = None
     url_redacted: bool = False
     recorded_size: int | None = None  # the size its metadata record gives
+    verified: str | None = None  # how it was verified ("md5", ..., "size"); None: not recorded
 
 
 @dataclass
@@ -174,6 +175,7 @@ def _entry(path: Path, st: os.stat_result, meta: dict[str, Any]) -> CacheEntry:
         md5=meta.get("md5"),
         url_redacted=bool(meta.get("url_redacted")),
         recorded_size=_int_or_none(meta.get("size")),
+        verified=meta["verified"] if isinstance(meta.get("verified"), str) else None,
     )
 
 

@@ -259,6 +259,16 @@ class Part:
             raise
 
 
+SIZE_ONLY = "size"
+"""The verification method of a copy checked against nothing but the object's size."""
+
+
+def verified_method(info: ObjectInfo) -> str:
+    """How a download that returned ``info`` was verified, as records and counts name it: the
+    checksum's method (``crc64nvme``, ``md5``, ``md5-parts``, ...), else :data:`SIZE_ONLY`."""
+    return info.verified.method if info.verified is not None else SIZE_ONLY
+
+
 def _record(shard: ShardId, info: ObjectInfo, fd: int) -> dict[str, Any]:
     """The metadata record of ``shard``'s download of ``info`` (open as ``fd``)."""
     url = shard.canonical_url
@@ -275,7 +285,7 @@ def _record(shard: ShardId, info: ObjectInfo, fd: int) -> dict[str, Any]:
         # beyond its size ("crc64nvme", ..., "md5"; "md5-parts", "crc32-parts", ... for a
         # multipart upload's, with the parts' sizes; "size" for nothing more).
         "checksum": info.checksum.as_record() if info.checksum else None,
-        "verified": info.verified.method if info.verified else "size",
+        "verified": verified_method(info),
         "parts": info.parts_layout.as_record() if info.parts_layout else None,
         "version_id": info.version_id,
         "mtime_ns": info.mtime_ns,

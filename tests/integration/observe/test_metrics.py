@@ -153,20 +153,25 @@ def test_report_merges_processes_and_formats_one_line() -> None:
 
     a = record(1, 0.0, 60.0, shards=60, samples=6000, hits=59, misses=1, data_wait_s=3.0)
     a["requests"] = {"GET": 2, "HEAD": 1}
+    a["verified"] = {"md5": 1}  # b and idle: records of before it, without the field
     a["retries"] = {"reset": 1, "slowdown": 1}
     a["slowest_shards"] = [{"url": "s3://b/x.tar", "seconds": 2.1, "bytes": 10}]
     a["bytes_served"] = 2_100_000_000
     a["lock_waits"] = {"count": 1, "seconds": 0.5, "worst_s": 0.5, "worst_holder": "pid 77 on n2"}
     b = record(2, 0.0, 60.0, shards=60, samples=6000, hits=60, data_wait_s=0.6)
     idle = record(9, 0.0, 61.0)  # the training process, with workers: consumed nothing
+    for older in (b, idle):
+        del older["verified"]
     report = merge([a, b, idle])
+    assert report["verified"] == {"md5": 1}
     assert report["processes"] == 3 and report["consumer_s"] == 120.0
     assert report["data_wait_share"] == pytest.approx(3.6 / 120)
     assert format_line(report) == (
         "shardcache rank 3 epoch 2: 12000 samples, 120 shards (119 hits, 1 misses, 0 shared), "
-        "2.1 GB served, 0 B downloaded, 2 GETs, 1 HEADs, retries reset 1 / 5xx 0 / SlowDown 1 "
-        "/ truncated 0 / other 0, lock waits 1 (0.5 s, worst 0.5 s on pid 77 on n2), waited "
-        "for data 3 % of 120 s, stalls 0 warnings / 0 errors, slowest s3://b/x.tar 2.1 s"
+        "2.1 GB served, 0 B downloaded (verified: md5 1), 2 GETs, 1 HEADs, retries reset 1 / "
+        "5xx 0 / SlowDown 1 / truncated 0 / other 0, lock waits 1 (0.5 s, worst 0.5 s on pid "
+        "77 on n2), waited for data 3 % of 120 s, stalls 0 warnings / 0 errors, slowest "
+        "s3://b/x.tar 2.1 s"
     )
     other = merge([record(5, 0.0, 60.0, shards=10, data_wait_s=30.0)]) | {"rank": 5}
     job = merge([report, other])

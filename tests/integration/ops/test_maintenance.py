@@ -21,7 +21,9 @@ import pytest
 from shardcache import ShardCache
 from shardcache._base.safefs import SafeFS
 from shardcache._base.trust import Trust
+from shardcache._cli.main import main
 from shardcache._disk.layout import CacheLayout
+from shardcache._disk.metadata import read_meta, write_meta
 from shardcache._locking.lease import remove_lease_if_unchanged
 from shardcache._locking.policy import LockPolicy
 from shardcache._locking.shard_lock import ShardLock
@@ -32,6 +34,7 @@ from shardcache._store.pins import is_held
 CTX = mp.get_context("spawn")
 BUCKET = "maint"
 WAIT = 30.0  # bound on every handshake with a child process
+NOT_AN_MD5 = '"0123456789abcdef0123456789abcdef"'
 
 
 def _hold_lock(lock_path: str, mode: str, url: str, ready: Any, release: Any) -> None:
@@ -439,6 +442,54 @@ def test_verify_notices_a_replaced_multipart_object(s3, tmp_path: Path) -> None:
     [bad] = report.of("bad")
     assert bad.detail.startswith("md5-parts ")  # the ETag's MD5 of MD5s, over the parts
     assert bad.removed and not cache.contains(f"s3://{BUCKET}/{key}")
+
+
+def test_status_and_verify_count_shards_by_how_they_were_verified(
+    s3, fault_proxy, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A CRC32 object, a multipart upload (MD5 of MD5s), an SSE-KMS object without a
+    checksum (its ETag no MD5: the proxy rewrites its headers), and a copy whose record comes
+    from before records said how (``unknown`` to status; verify checks it by its MD5)."""
+    plain = s3.boto3_client(request_checksum_calculation="when_required")
+    s3.put_objects(BUCKET, {"crc.tar": random.Random(1).randbytes(30_000)})  # boto3: CRC32
+    part = 5 << 20
+    plain.put_object(Bucket=BUCKET, Key="old.tar", Body=random.Random(2).randbytes(30_000))
+    plain.put_object(Bucket=BUCKET, Key="kms.tar", Body=random.Random(3).randbytes(30_000))
+    s3.put_objects(BUCKET, {"mp.tar": b"m" * (part + 1000)}, multipart_chunk=part)
+    fault_proxy.add_fault(
+        "headers",
+        times=None,
+        path_contains="kms.tar",
+        set_headers={"ETag": NOT_AN_MD5, "x-amz-server-side-encryption": "aws:kms"},
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint_url)  # the CLI's store too
+    monkeypatch.setenv("SHARDCACHE_DIR", str(tmp_path / "cache"))
+    cache = ShardCache()
+    for key in ("crc.tar", "old.tar", "kms.tar", "mp.tar"):
+        cache.fetch(f"s3://{BUCKET}/{key}")
+    old = cache.path_for(f"s3://{BUCKET}/old.tar")
+    record = read_meta(cache.layout, old)
+    assert record.pop("verified") == "md5"
+    write_meta(cache.layout, old, record)
+
+    def run(*args: str) -> dict[str, Any]:
+        main([*args, "--json"])
+        return json.loads(capsys.readouterr().out)
+
+    assert run("status")["verified"] == {"crc32": 1, "md5-parts": 1, "size": 1, "unknown": 1}
+    assert main(["status"]) == 0
+    text = capsys.readouterr().out
+    assert "verified    crc32 1, md5-parts 1, size 1, unknown 1" in text
+    assert "size: checked by their size only" in text
+    assert run("status", "--all")["scopes"][0]["verified"]["unknown"] == 1
+
+    checked = run("verify")
+    assert checked["counts"]["ok"] == 4
+    assert checked["verified"] == {"crc32": 1, "md5": 1, "md5-parts": 1, "size": 1}
+    assert main(["verify"]) == 0
+    assert "checked by: crc32 1, md5 1, md5-parts 1, size 1" in capsys.readouterr().out
+    quick = run("verify", "--quick")
+    assert quick["verified"] == {"size": 4}
 
 
 def test_verify_command_exit_codes(s3, cached, tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ def _job_records() -> list[dict]:
         bytes_downloaded=1000,
         bytes_served=3000,
         requests={"HEAD": 1, "GET": 2, "WEIRD": 5},
+        verified={"md5-parts": 2, "size": 1, "s3://b/not-a-method": 4},
         retries={"5xx": 1, "reset": 0, "a-new-cause": 2},
         lock_waits={"count": 1, "seconds": 0.5, "worst_s": 0.5, "worst_holder": "pid 9 on x"},
         slowest_shards=[{"url": "s3://b/k.tar", "seconds": 2.0, "bytes": 1000}],
@@ -76,6 +77,11 @@ def _check_values(values: dict[tuple[str, frozenset], float]) -> None:
     # bounded label values: an unknown method or cause is "other"
     assert values[("shardcache_requests_total", _labels("0", method="other"))] == 5
     assert values[("shardcache_retries_total", _labels("0", cause="5xx"))] == 1
+    verified = "shardcache_shards_verified_total"
+    assert values[(verified, _labels("0", method="md5-parts"))] == 2
+    assert values[(verified, _labels("0", method="size"))] == 1
+    assert values[(verified, _labels("0", method="other"))] == 4  # never a label of its own
+    assert (verified, _labels(method="size")) not in values  # records without it count none
     assert values[("shardcache_retries_total", _labels("0", cause="other"))] == 2
     assert values[("shardcache_lock_wait_seconds_total", w0)] == 0.5
     main = _labels()
@@ -193,6 +199,10 @@ def test_tensorboard_scalars_read_back(summary_writer, tmp_path) -> None:
     assert scalars[worker + "gets"][0][2] == 2
     assert scalars[worker + "bytes_downloaded"][0][2] == 1000
     assert scalars[worker + "lock_wait_s"][0][2] == 0.5
+    assert scalars[worker + "verified_md5-parts"][0][2] == 2
+    assert scalars[worker + "verified_size"][0][2] == 1
+    assert scalars[worker + "verified_other"][0][2] == 4
+    assert "shardcache/verified_size" not in scalars  # the main process downloaded none
     assert worker + "data_wait_share" not in scalars  # the worker record carries none
 
 
@@ -230,3 +240,19 @@ def test_prometheus_counts_per_mixture_source() -> None:
     assert values[("shardcache_source_fetches_total", miss)] == 2
     assert values[("shardcache_source_downloaded_bytes_total", _labels(source="code"))] == 900
     assert not any(("source", "bad") in labels for _name, labels in values)
+
+
+def test_every_method_a_download_is_verified_by_has_a_label_of_its_own() -> None:
+    """The sinks' fixed set of methods covers every checksum a download can be checked by
+    (S3's algorithms and the ETag's MD5, of the bytes or of a multipart upload's parts)."""
+    from shardcache._observe.metric_records import VERIFIED_METHODS
+    from shardcache._store.publish import SIZE_ONLY
+    from shardcache._transfer.checksums import S3_ALGORITHMS, Checksum
+
+    methods = {Checksum(a, "v", "test").method for a in (*S3_ALGORITHMS, "md5")}
+    methods |= {
+        Checksum(a, "v", "test", parts=2).method
+        for a in (*S3_ALGORITHMS, "md5")
+        if a != "crc64nvme"  # S3 keeps CRC64NVME of the full object only
+    }
+    assert methods | {SIZE_ONLY} == set(VERIFIED_METHODS)
