@@ -39,6 +39,9 @@ class AzuriteServer(ChildServer):
     """``azurite-blob`` on 127.0.0.1 (a free port), its data in a temporary directory."""
 
     name = "azurite-blob"
+    # On SIGTERM Azurite waits for its clients' keep-alive connections to close (seconds);
+    # its data is thrown away anyway.
+    graceful = False
     install_hint = (
         "run scripts/setup-venv (it installs Azurite with npm under the venv), or "
         "npm install -g azurite@3.37.0"

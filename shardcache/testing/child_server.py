@@ -34,6 +34,7 @@ class ChildServer(LoopbackService):
 
     name = "server"
     install_hint = ""
+    graceful = True  # stop() sends SIGTERM first (else SIGKILL at once)
 
     def __init__(self, *, start_timeout: float = 30.0) -> None:
         self._start_timeout = start_timeout
@@ -119,7 +120,10 @@ class ChildServer(LoopbackService):
         proc, self._proc, self._port = self._proc, None, None
         if proc is None or proc.poll() is not None:
             return
-        proc.terminate()
+        if self.graceful:
+            proc.terminate()
+        else:
+            proc.kill()
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
