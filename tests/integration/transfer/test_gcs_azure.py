@@ -112,10 +112,12 @@ def test_the_webdataset_stage_reads_a_tar_from_the_store(store: Store, tmp_path:
     store.put({"train-0.tar": tar_bytes(samples)})
     cache = store.cache(tmp_path)
 
-    got = list(shardcache.WebDataset([store.url("train-0.tar")], shardshuffle=False, cache=cache))
+    url = store.url("train-0.tar")
+    got = list(shardcache.WebDataset([url], shardshuffle=False, cache=cache))
 
     assert [s["__key__"] for s in got] == [key for key, _ in samples]
     assert [s["bin"] for s in got] == [files["bin"] for _, files in samples]
+    assert read_meta(cache.layout, cache.path_for(url))["verified"] == store.algorithm
 
 
 def test_warm_fetches_the_stores_shards(store: Store, tmp_path: Path) -> None:
@@ -144,15 +146,18 @@ def test_warm_fetches_the_stores_shards(store: Store, tmp_path: Path) -> None:
         assert read_meta(cache.layout, path)["verified"] == store.algorithm
 
 
-def test_a_missing_object_is_remote_not_found(store: Store, tmp_path: Path) -> None:
+def test_a_missing_object_is_remote_not_found_after_one_request(
+    store: Store, proxy: FaultProxy, tmp_path: Path
+) -> None:
     store.put({"present.bin": b"x"})
-    cache = store.cache(tmp_path)
+    cache = store.cache(tmp_path, proxy)
     url = store.url("absent.bin")
 
     with pytest.raises(RemoteNotFoundError, match=url):
         cache.fetch(url)
 
     assert _nothing_published(cache, url)
+    assert sum(proxy.requests_seen().values()) == 1, proxy.requests_seen()  # no listing
 
 
 def test_a_byte_flipped_in_transit_is_an_integrity_error_and_nothing_is_published(
