@@ -81,12 +81,16 @@ def gcs_body(
     if stop is None:
         raise ValueError(f"{info.url}: a read to the end needs the object's size")
     generation = info.version_id
+    # fs.url gives the media URL (".../o/<key>?alt=media") in every gcsfs release; the
+    # generation is added here, as only newer ones take it as an argument.
+    url = fs.url(path) + (f"&generation={generation}" if generation else "")
     pos = start
     while pos < stop:
         upto = min(stop, pos + piece)
 
         def get(first: int = pos, last: int = upto) -> bytes:
-            return _forbidden_typed(fs.cat_file, path, start=first, end=last, generation=generation)
+            headers = {"Range": f"bytes={first}-{last - 1}"}
+            return _forbidden_typed(sync, fs.loop, fs._call, "GET", url, headers=headers)[1]
 
         try:
             data = throttled_call(throttle, "GET", get)
