@@ -24,6 +24,7 @@ import shardcache
 from shardcache import IntegrityError, RemoteNotFoundError, RemotePermissionError, ShardCache
 from shardcache._disk.layout import is_temp_name
 from shardcache._disk.metadata import read_meta
+from shardcache._ops.verify import verify
 from shardcache.testing import AzuriteServer, FaultProxy, GcsEmulator
 
 CHUNK = 256 * 1024  # each ranged GET of a download: a 1 MB object takes four
@@ -229,3 +230,22 @@ def test_a_wrong_azure_key_is_a_permission_error_on_one_line(
 
     assert "az://ctr/a.bin" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_verify_checks_a_cached_copy_against_the_stores_checksum(
+    store: Store, tmp_path: Path
+) -> None:
+    data = _blob(100_000, 5)
+    store.put({"v.bin": data})
+    cache = store.cache(tmp_path)
+    path = cache.fetch(store.url("v.bin"))
+    assert not verify(cache).failed
+    damaged = bytearray(data)  # a byte flipped on disk, the size kept
+    damaged[50_000] ^= 0xFF
+    path.chmod(0o600)
+    path.write_bytes(bytes(damaged))
+
+    report = verify(cache)
+
+    [bad] = report.of("bad")
+    assert bad.detail.startswith("md5 ") and bad.removed  # both stores keep an MD5 here
