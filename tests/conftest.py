@@ -1,5 +1,6 @@
-"""Shared fixtures: one moto S3 server per session and, for the tests that ask for it, one
-SeaweedFS server per session (per xdist worker), each reset before each test that uses it."""
+"""Shared fixtures: one moto S3 server per session and, for the tests that ask for them, one
+SeaweedFS server, one GCS emulator and one Azurite per session (per xdist worker), each
+reset before each test that uses it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from hypothesis import settings
 from juicefs import Node, nodes, require_fuse
 from threads import PrefetchThreads
 
-from shardcache.testing import FaultProxy, S3Server, SeaweedS3Server, fresh_process_state
+from shardcache.testing import (
+    AzuriteServer,
+    FaultProxy,
+    GcsEmulator,
+    S3Server,
+    SeaweedS3Server,
+    fresh_process_state,
+)
 from shardcache.testing.seaweedfs import weed_binary
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -171,6 +179,38 @@ def fault_proxy(s3: S3Server) -> Iterator[FaultProxy]:
     """A fault-injecting proxy in front of the (reset) S3 server; no faults until added."""
     with FaultProxy("127.0.0.1", s3.port) as proxy:
         yield proxy
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[GcsEmulator]:
+    """The GCS emulator in its own process, shared by the whole session (required: a
+    missing one fails the tests that use it, with how to install it)."""
+    with GcsEmulator() as server:
+        yield server
+
+
+@pytest.fixture
+def gcs(gcs_server: GcsEmulator) -> GcsEmulator:
+    """The session's GCS emulator, emptied, with fsspec's instance cache cleared."""
+    gcs_server.reset()
+    fsspec.AbstractFileSystem.clear_instance_cache()
+    return gcs_server
+
+
+@pytest.fixture(scope="session")
+def azurite_server() -> Iterator[AzuriteServer]:
+    """Azurite's blob service in its own process, shared by the whole session (required,
+    as the GCS emulator)."""
+    with AzuriteServer() as server:
+        yield server
+
+
+@pytest.fixture
+def azurite(azurite_server: AzuriteServer) -> AzuriteServer:
+    """The session's Azurite, emptied, with fsspec's instance cache cleared."""
+    azurite_server.reset()
+    fsspec.AbstractFileSystem.clear_instance_cache()
+    return azurite_server
 
 
 @pytest.fixture(scope="session")

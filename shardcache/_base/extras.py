@@ -21,6 +21,8 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     # moto's server (python -m moto.server) needs its "server" extra, flask and flask_cors.
     "testing": ("moto", "flask", "flask_cors", "boto3"),
     "prometheus": ("prometheus_client",),
+    "gcs": ("gcsfs",),
+    "azure": ("adlfs",),
     "plot": ("matplotlib",),
 }
 

@@ -1,6 +1,7 @@
 """Variables of other libraries that shardcache honours as they do: botocore's S3 endpoint
-(``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``: which store a key names) and webdataset's
-cache and security switches (``WDS_CACHE``, ``WDS_CACHE_SIZE``, ``WDS_SECURE``).
+(``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``: which store a key names), gcsfs's switch of
+its bucket-type look-ups (``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT``) and webdataset's cache and
+security switches (``WDS_CACHE``, ``WDS_CACHE_SIZE``, ``WDS_SECURE``).
 
 Read here, with the settings, so that no other module reads the environment.
 """
@@ -15,6 +16,16 @@ def s3_endpoint(env: Mapping[str, str] | None = None) -> str | None:
     """The S3 endpoint botocore would use when none is passed in code, or None (AWS)."""
     env = os.environ if env is None else env
     return env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+
+
+def gcsfs_extended(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` is set to true (``true`` or ``1``, as
+    gcsfs reads it): only then does shardcache use gcsfs's extended file system, which asks
+    a gRPC API for each bucket's type (zonal and hierarchical-namespace buckets). Unset,
+    gcsfs would make that look-up too, which fails against emulators and private endpoints
+    after tens of seconds, every time; shardcache then uses the plain file system."""
+    env = os.environ if env is None else env
+    return env.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "").strip().lower() in ("true", "1")
 
 
 def webdataset_cache(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:

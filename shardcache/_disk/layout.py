@@ -54,11 +54,20 @@ _MAX_HOST = 64
 _DIGEST_CHARS = 20
 
 
+# Schemes that name one store each, and the one spelling a cache key uses for them.
+_SAME_STORE = {"gcs": "gs", "abfs": "az", "abfss": "az"}
+
+
 def canonical_url(url: str, protocol: str) -> str:
-    """``url`` (of ``protocol``) with a local path made an absolute ``file://`` URL, so each
-    file has one cache entry however it is named."""
+    """``url`` (of ``protocol``) with a local path made an absolute ``file://`` URL, and a
+    store's other schemes spelt as its first (``gcs://`` as ``gs://``; ``abfs://`` and
+    ``abfss://`` as ``az://``), so each file or object has one cache entry however it is
+    named."""
     if protocol in LOCAL_PROTOCOLS:
         return "file://" + local_path(url)
+    same = _SAME_STORE.get(protocol)
+    if same is not None:
+        return f"{same}://{url.partition('://')[2]}"
     return url
 
 
@@ -67,7 +76,13 @@ def namespace(
 ) -> str:
     """The store behind URLs of ``protocol`` (its resolved ``storage_options``, else the
     endpoint the environment gives botocore, ``env_endpoint``): equal keys on two S3
-    endpoints never share a cache entry."""
+    endpoints (two GCS endpoints, two Azure accounts) never share a cache entry."""
+    same = _SAME_STORE.get(protocol, protocol)
+    if same == "gs":
+        endpoint = storage_options.get("endpoint_url")
+        return f"gs@{endpoint}" if endpoint else "gs"
+    if same == "az":
+        return f"az@{_azure_account(storage_options)}"
     if protocol not in {"s3", "s3a"}:
         return protocol
     endpoint = (
@@ -77,6 +92,20 @@ def namespace(
         or "aws"
     )
     return f"s3@{endpoint}"
+
+
+def _azure_account(storage_options: Mapping[str, Any]) -> str:
+    """The Azure account ``storage_options`` name: its ``account_name``, else the blob
+    endpoint or account of its ``connection_string``, else "default" (adlfs then reads
+    the account from the environment)."""
+    if storage_options.get("account_name"):
+        return str(storage_options["account_name"])
+    fields = dict(
+        item.split("=", 1)
+        for item in str(storage_options.get("connection_string") or "").split(";")
+        if "=" in item
+    )
+    return fields.get("BlobEndpoint") or fields.get("AccountName") or "default"
 
 
 @dataclass(frozen=True)

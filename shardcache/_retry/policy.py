@@ -15,6 +15,7 @@ import errno
 import random
 import socket
 import ssl
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,15 +172,34 @@ class TruncatedBody(ConnectionError):
 
 def _http_status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
     """The HTTP status and error code an exception carries: botocore's ``response`` dict,
-    or aiohttp's ``ClientResponseError.status`` (fsspec's HTTP file system raises those)."""
+    aiohttp's ``ClientResponseError.status`` (fsspec's HTTP file system raises those), the
+    Azure SDK's ``HttpResponseError`` (adlfs) or gcsfs's ``HttpError``."""
     if isinstance(exc, AiohttpResponseError):
         return exc.status, None
+    store = _store_status_and_code(exc)
+    if store is not None:
+        return store
     response = getattr(exc, "response", None)
     if not isinstance(response, dict):
         return None, None
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     code = response.get("Error", {}).get("Code")
     return status, (str(code) if code is not None else None)
+
+
+def _store_status_and_code(exc: BaseException) -> tuple[int | None, str | None] | None:
+    """Status and code of an Azure SDK or gcsfs error; None for any other exception. Their
+    modules are looked up, not imported: an error of theirs means they were imported."""
+    azure = sys.modules.get("azure.core.exceptions")
+    if azure is not None and isinstance(exc, azure.HttpResponseError):
+        code = getattr(exc, "error_code", None)
+        code = getattr(code, "value", code)
+        status = getattr(exc, "status_code", None)
+        return (status if isinstance(status, int) else None), (str(code) if code else None)
+    gcs = sys.modules.get("gcsfs.retry")
+    if gcs is not None and isinstance(exc, gcs.HttpError):
+        return (exc.code if isinstance(exc.code, int) else None), None
+    return None
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -266,10 +286,22 @@ def describe(exc: BaseException) -> str:
     status, code = _http_status_and_code(item)
     if isinstance(item, AiohttpResponseError):
         return f"HTTP {status} {item.message}".strip()
+    if _store_status_and_code(item) is not None:
+        return f"HTTP {status} {code or ''}: {_first_line(item)}".replace("  ", " ")
     if status is not None or code is not None:
         message = getattr(item, "response", {}).get("Error", {}).get("Message", "")
         return f"HTTP {status} {code}: {message}".strip().rstrip(":")
-    return f"{type(item).__name__}: {item}"
+    return f"{type(item).__name__}: {' '.join(str(item).split())}"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an Azure or GCS error's message (the rest: request ids, times and
+    the response's XML), without the Azure SDK's wrapping."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    prefix = "Operation returned an invalid status "
+    if message.startswith(prefix):
+        message = message[len(prefix) :].strip("'")
+    return message
 
 
 def is_throttled(exc: BaseException) -> bool:
@@ -327,6 +359,10 @@ def _not_found_advice(url: str) -> str:
         return f"Check the path (read as {local_path(url)}) and that the file system is mounted."
     if protocol == "s3":
         return "Check the bucket and key (and the endpoint: AWS_ENDPOINT_URL / storage_options)."
+    if protocol in ("gs", "gcs"):
+        return "Check the bucket and object name (and endpoint_url in storage_options, if any)."
+    if protocol in ("abfs", "abfss", "az"):
+        return "Check the container and blob name (and the account in storage_options)."
     return "Check the URL (and the endpoint in storage_options, if any)."
 
 
@@ -365,8 +401,9 @@ def fetch_error(url: str, attempts: int, exc: BaseException, what: str = "downlo
     if kind == DENIED:
         return RemotePermissionError(
             f"could not {what} {url}: permission denied ({cause}); failed at once, without "
-            "retries. Check the credentials (AWS_* / storage_options), the bucket policy "
-            "or the file's permissions for this user.",
+            "retries. Check the credentials (AWS_* / storage_options; for Azure the "
+            "account key, SAS token or connection string), the bucket policy or the "
+            "file's permissions for this user.",
             url=url,
             attempts=attempts,
             cause=cause,

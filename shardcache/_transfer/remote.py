@@ -16,13 +16,15 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.asyn import sync
 
-from .._base.errors import FetchError, PermanentFetchError, UrlError
+from .._base.errors import FetchError, IntegrityError, PermanentFetchError, UrlError
 from .._base.redact import get_logger
 from .._base.url_check import check_url
 from .._base.url_kinds import LOCAL_PROTOCOLS, local_path, url_protocol
+from .._config.borrowed import gcsfs_extended
 from .._observe import metrics
 from .._retry.policy import describe, fetch_error, is_transient, retry_cause
 from .._retry.throttle import throttled_call
+from .azure import AZURE_PROTOCOLS, azure_body, azure_filesystem, azure_object_info
 from .checksums import etag_checksum, from_s3_head
 from .download import (
     LocalWriteError,
@@ -36,6 +38,7 @@ from .download import (
     s3_body,
     s3_get,
 )
+from .gcs import GCS_PROTOCOLS, gcs_filesystem, gcs_object_info
 from .multipart import PartLayout, exact_layout, part_layout
 from .parallel_download import ParallelDownload
 from .pipe_commands import check_allowed
@@ -46,6 +49,7 @@ from .stream_download import StreamDownload
 logger = get_logger(__name__)
 
 _DECIDED = (FetchError, UrlError)  # errors of ours: raised as they are, never retried
+_SETTLED = (*_DECIDED, IntegrityError)  # a ranged read of an object that changed, too
 
 
 class Remote:
@@ -105,8 +109,13 @@ class Remote:
         return fs, fs._strip_protocol(url)
 
     def _make_filesystem(self, url: str, protocol: str) -> fsspec.AbstractFileSystem:
+        options = _fresh(self.storage_options_for(protocol))
         try:
-            fs = fsspec.filesystem(protocol, **_fresh(self.storage_options_for(protocol)))
+            if protocol in GCS_PROTOCOLS:
+                return gcs_filesystem(options, gcsfs_extended())
+            if protocol in AZURE_PROTOCOLS:
+                return azure_filesystem(options)
+            fs = fsspec.filesystem(protocol, **options)
         except ValueError:
             check_url(url)  # an unknown protocol: the UrlError expand_urls raises for it
             raise
@@ -157,6 +166,10 @@ class Remote:
             if stat.S_ISDIR(st.st_mode):
                 raise fetch_error(url, 1, IsADirectoryError(url), "stat")
             return ObjectInfo(url, st.st_size, mtime_ns=st.st_mtime_ns)
+        if protocol in GCS_PROTOCOLS:
+            return gcs_object_info(fs, url, path, self.options.throttle)
+        if protocol in AZURE_PROTOCOLS:
+            return azure_object_info(fs, url, path, self.options.throttle)
         info = fs.info(path)
         if info.get("type") == "directory":
             raise fetch_error(url, 1, IsADirectoryError(url), "stat")
@@ -229,10 +242,24 @@ class Remote:
 
     def read_range(self, url: str, start: int, end: int, etag: str | None = None) -> bytes:
         """Bytes ``[start, end)`` of ``url`` (fewer at the object's end), uncached: one ranged
-        GET on S3 (``If-Match`` on ``etag`` when given: a changed object is an error, not
-        other bytes), retried as downloads are."""
+        GET on S3 and Azure (``If-Match`` on ``etag`` when given: a changed object is an
+        error, not other bytes), retried as downloads are."""
         fs, path = self.filesystem(url)
-        if url_protocol(url) not in {"s3", "s3a"}:
+        protocol = url_protocol(url)
+        if protocol in AZURE_PROTOCOLS:
+            info = ObjectInfo(url, None, etag)
+            return self.options.retry.run(
+                lambda n: b"".join(
+                    azure_body(
+                        fs, path, info, end - start, self.options.throttle, start=start, end=end
+                    )
+                ),
+                retry_if=lambda exc: not isinstance(exc, _SETTLED) and is_transient(exc),
+                give_up=lambda exc, n: (
+                    exc if isinstance(exc, _SETTLED) else fetch_error(url, n, exc)
+                ),
+            )
+        if protocol not in {"s3", "s3a"}:
             return self.options.retry.run(
                 lambda n: fs.cat_file(path, start=start, end=end),
                 retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),

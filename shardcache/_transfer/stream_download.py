@@ -1,5 +1,6 @@
-"""The single-stream download: one GET (S3, HTTP) or a sequential read (other fsspec
-stores), resumed after a transient failure at the byte it reached.
+"""The single-stream download: one GET (S3, HTTP), ranged GETs pinned to the object's
+version (GCS: its generation; Azure: ``If-Match`` on its ETag) or a sequential read (other
+fsspec stores), resumed after a transient failure at the byte it reached.
 
 Memory stays bounded by ``chunk_size`` whatever the object size. An S3 resume is a
 ``Range`` request guarded by ``If-Match`` on the ETag, so a changed object is never
@@ -17,6 +18,7 @@ from .._base.redact import get_logger
 from .._base.url_kinds import url_protocol
 from .._observe import metrics
 from .._retry.policy import TruncatedBody, describe, fetch_error, is_transient, retry_cause
+from .azure import AZURE_PROTOCOLS, azure_body
 from .download import (
     Expected,
     LocalWriteError,
@@ -30,6 +32,7 @@ from .download import (
     s3_body,
     verification_failed,
 )
+from .gcs import GCS_PROTOCOLS, gcs_body
 
 logger = get_logger(__name__)
 
@@ -92,10 +95,17 @@ class StreamDownload(Strategy):
         """The object's bytes from ``offset`` on, in chunks of at most ``chunk_size``."""
         fs, path = self.source.filesystem(info.url)
         chunk = self.options.chunk_size
-        if url_protocol(info.url) in {"s3", "s3a"}:
+        protocol = url_protocol(info.url)
+        if protocol in {"s3", "s3a"}:
             yield from s3_body(fs, path, info, chunk, self.options.throttle, start=offset)
             return
-        if url_protocol(info.url) in {"http", "https"}:
+        if protocol in GCS_PROTOCOLS:  # every read pinned to the object's generation
+            yield from gcs_body(fs, path, info, chunk, self.options.throttle, start=offset)
+            return
+        if protocol in AZURE_PROTOCOLS:  # every read with If-Match on the blob's ETag
+            yield from azure_body(fs, path, info, chunk, self.options.throttle, start=offset)
+            return
+        if protocol in {"http", "https"}:
             yield from _http_body(fs, path, info, offset, chunk)
             return
         with fs.open(path, "rb", block_size=chunk) as f:

@@ -28,6 +28,7 @@ from shardcache._disk.layout import (
     lease_step_path,
     meta_temp_path,
     meta_temp_pid,
+    namespace,
     owner_path,
     parse_temp_name,
     scope_dir,
@@ -182,6 +183,30 @@ def test_cache_key_namespaces() -> None:
     assert _shard(layout, url, "ep1") != _shard(layout, url, "ep2")
     with pytest.raises(ConfigError):
         cache_key(url, "bad\nnamespace")
+
+
+def test_one_stores_schemes_are_one_cache_entry_and_its_endpoint_or_account_is_kept() -> None:
+    layout = CacheLayout(Path("/c"))
+
+    def identity(url: str, options: dict[str, Any]) -> Any:
+        protocol = url.split("://", maxsplit=1)[0]
+        return layout.identify(url, protocol, namespace(protocol, options))
+
+    azure = {"connection_string": "AccountName=acct;AccountKey=k;BlobEndpoint=http://h/acct;"}
+    az = identity("az://ctr/d/a.tar", azure)
+    assert (
+        identity("abfs://ctr/d/a.tar", azure).data_path
+        == identity("abfss://ctr/d/a.tar", azure).data_path
+    )
+    assert identity("abfs://ctr/d/a.tar", azure).data_path == az.data_path
+    assert az.canonical_url == "az://ctr/d/a.tar"
+    assert az.namespace == "az@http://h/acct"  # never the key
+    assert identity("az://ctr/d/a.tar", {"account_name": "other"}).data_path != az.data_path
+    gs = identity("gs://b/a.tar", {})
+    assert identity("gcs://b/a.tar", {}).data_path == gs.data_path
+    assert identity("gs://b/a.tar", {"endpoint_url": "http://127.0.0.1:1"}).namespace == (
+        "gs@http://127.0.0.1:1"
+    )
 
 
 def test_temp_name_round_trip(tmp_path: Path) -> None:

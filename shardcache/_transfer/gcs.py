@@ -1,0 +1,127 @@
+"""Google Cloud Storage through gcsfs: the file system, an object's metadata, and its bytes
+read pinned to one generation.
+
+An object's metadata (one JSON ``GET``, no listing) gives its size, its ``crc32c`` (every
+GCS object has one: base64 of the big-endian CRC32C, S3's encoding), its ``md5Hash`` (not
+for composite objects) and its *generation*, which changes whenever the object is
+replaced. Every read of a download names that generation (``?generation=``), so a
+replaced object is never stitched together: GCS answers 404 for a generation that is gone,
+which is raised as :class:`IntegrityError` (the download starts over on the new object).
+A server that ignores the pin (the GCS emulator) is still caught: the bytes then fail the
+CRC32C check.
+
+gcsfs's default file system (``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` unset or true) asks a
+gRPC API for the bucket's type before operations; shardcache makes the plain one instead
+unless that variable is set to true explicitly (zonal and hierarchical-namespace buckets).
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+from collections.abc import Iterator
+from typing import Any
+
+from fsspec.asyn import sync
+
+from .._base.errors import IntegrityError
+from .._base.extras import require_extras
+from .._retry.throttle import Throttle, throttled_call
+from .checksums import Checksum
+from .download import ObjectInfo
+
+GCS_PROTOCOLS = frozenset({"gs", "gcs"})
+
+
+def gcs_filesystem(options: dict[str, Any], extended: bool) -> Any:
+    """A gcsfs file system made with ``options``: the plain one, or gcsfs's extended one
+    (zonal and hierarchical-namespace buckets: a bucket-type look-up over gRPC first) when
+    ``extended``."""
+    require_extras("gs:// URLs", "gcs")
+    if extended:
+        import fsspec
+
+        return fsspec.filesystem("gs", **options)
+    from gcsfs.core import GCSFileSystem
+
+    return GCSFileSystem(**options)
+
+
+def gcs_object_info(fs: Any, url: str, path: str, throttle: Throttle) -> ObjectInfo:
+    """Size, CRC32C, MD5 and generation of the object at ``path``: one metadata request."""
+    meta = throttled_call(
+        throttle, "HEAD", lambda: _forbidden_typed(sync, fs.loop, fs._get_object, path)
+    )
+    crc32c = meta.get("crc32c")
+    md5 = meta.get("md5Hash")
+    return ObjectInfo(
+        url,
+        int(meta["size"]),
+        str(meta.get("etag") or "") or None,
+        str(meta["generation"]) if meta.get("generation") else None,
+        base64.b64decode(md5).hex() if md5 else None,
+        checksum=Checksum("crc32c", crc32c, "the object's crc32c") if crc32c else None,
+    )
+
+
+def gcs_body(
+    fs: Any,
+    path: str,
+    info: ObjectInfo,
+    piece: int,
+    throttle: Throttle,
+    *,
+    start: int = 0,
+    end: int | None = None,
+) -> Iterator[bytes]:
+    """Bytes ``[start, end)`` of the object (to its size when ``end`` is None), in ranged
+    GETs of at most ``piece`` bytes, each pinned to ``info``'s generation. A generation
+    that is gone raises :class:`IntegrityError`."""
+    stop = info.size if end is None else end
+    if stop is None:
+        raise ValueError(f"{info.url}: a read to the end needs the object's size")
+    generation = info.version_id
+    # fs.url gives the media URL (".../o/<key>?alt=media") in every gcsfs release; the
+    # generation is added here, as only newer ones take it as an argument.
+    url = fs.url(path) + (f"&generation={generation}" if generation else "")
+    pos = start
+    while pos < stop:
+        upto = min(stop, pos + piece)
+
+        def get(first: int = pos, last: int = upto) -> bytes:
+            headers = {"Range": f"bytes={first}-{last - 1}"}
+            return _forbidden_typed(sync, fs.loop, fs._call, "GET", url, headers=headers)[1]
+
+        try:
+            data = throttled_call(throttle, "GET", get)
+        except FileNotFoundError as exc:
+            if generation is None:
+                raise
+            raise IntegrityError(
+                f"{info.url} changed during the download (generation {generation}, read "
+                "pinned to it, is gone); nothing was published.",
+                url=info.url,
+                expected=generation,
+                seen="another generation",
+            ) from exc
+        if not data:
+            return
+        yield data
+        pos += len(data)
+
+
+def _forbidden_typed(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, gcsfs's refusal (a bare ``OSError("Forbidden: ...")``)
+    raised as a ``PermissionError``, as the retry policy classifies refusals."""
+    try:
+        return call(*args, **kwargs)
+    except PermissionError:
+        raise
+    except OSError as exc:
+        if exc.errno is None and str(exc).startswith("Forbidden"):
+            first = str(exc).splitlines()[0]
+            raise PermissionError(errno.EACCES, f"GCS refused the request ({first})") from exc
+        raise
+
+
+__all__ = ["GCS_PROTOCOLS", "gcs_body", "gcs_filesystem", "gcs_object_info"]
