@@ -44,8 +44,7 @@ def azure_object_info(fs: Any, url: str, path: str, throttle: Throttle) -> Objec
         int(props.size),
         str(props.etag).strip('"'),
         getattr(props, "version_id", None),
-        hex_md5,
-        checksum=Checksum("md5", hex_md5, "the blob's Content-MD5") if hex_md5 else None,
+        Checksum("md5", hex_md5, "the blob's Content-MD5") if hex_md5 else None,
     )
 
 

@@ -197,7 +197,7 @@ def expected(info: Any, verify: str) -> Checksum | None:
     composite checksum of a multipart one, the ETag's MD5 of the parts' MD5s."""
     if verify == "size":
         return None
-    described = [c for c in (info.checksum, info.etag_checksum) if c is not None]
+    described = [c for c in (info.checksum, info.md5_checksum) if c is not None]
     # A checksum of the bytes before one of the parts (no layout to learn), a store's
     # CRC or SHA before an MD5 (cheaper to compute).
     described.sort(key=lambda c: (c.parts is not None, c.algorithm == "md5"))

@@ -56,9 +56,10 @@ class ObjectInfo:
     size: int | None  # None: known only once downloaded (a pipe: command's output)
     etag: str | None = None
     version_id: str | None = None
-    # The MD5 the ETag is, where the store promises it (single-part: the content's; a
-    # multipart upload's: of its parts' MD5s, ``parts`` set).
-    etag_checksum: Checksum | None = None
+    # An MD5 the store promises: the ETag where S3 promises it is one (single-part: the
+    # content's; a multipart upload's: of its parts' MD5s, ``parts`` set), GCS's md5Hash,
+    # Azure's Content-MD5.
+    md5_checksum: Checksum | None = None
     mtime_ns: int | None = None  # a local source's modification time (its version)
     checksum: Checksum | None = None  # the store's own checksum (S3: x-amz-checksum-*)
     verified: Checksum | None = None  # set on the info a download returns: what it checked
@@ -66,8 +67,9 @@ class ObjectInfo:
 
     @property
     def md5(self) -> str | None:
-        """The hex MD5 of the content, when the ETag is one (a single-part upload)."""
-        c = self.etag_checksum
+        """The hex MD5 of the content, when the store gives one (not of a multipart upload's
+        parts)."""
+        c = self.md5_checksum
         return c.value if c is not None and c.parts is None else None
 
     def expected_checksum(self, verify: str) -> Checksum | None:

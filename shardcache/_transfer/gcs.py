@@ -59,7 +59,7 @@ def gcs_object_info(fs: Any, url: str, path: str, throttle: Throttle) -> ObjectI
         int(meta["size"]),
         str(meta.get("etag") or "") or None,
         str(meta["generation"]) if meta.get("generation") else None,
-        base64.b64decode(md5).hex() if md5 else None,
+        Checksum("md5", base64.b64decode(md5).hex(), "the object's md5Hash") if md5 else None,
         checksum=Checksum("crc32c", crc32c, "the object's crc32c") if crc32c else None,
     )
 

@@ -95,8 +95,8 @@ def test_an_etag_is_taken_for_an_md5_only_where_s3_promises_it(
     assert etag_is_md5(url, headers) is promised
     response = {"ETag": '"0123456789abcdef0123456789abcdef-3"', "ContentLength": 9} | headers
     info = s3_object_info(url, response)
-    assert (info.etag_checksum is not None) is promised
-    assert s3_object_info(url, response, etag_md5="off").etag_checksum is None
+    assert (info.md5_checksum is not None) is promised
+    assert s3_object_info(url, response, etag_md5="off").md5_checksum is None
 
 
 def test_the_cheapest_described_checksum_is_expected() -> None:
@@ -106,7 +106,7 @@ def test_the_cheapest_described_checksum_is_expected() -> None:
     md5_parts = Checksum("md5", "0" * 32, "the ETag", parts=3)
 
     def info(checksum: Checksum | None, etag: Checksum | None) -> ObjectInfo:
-        return ObjectInfo("s3://b/k", 9, etag_checksum=etag, checksum=checksum)
+        return ObjectInfo("s3://b/k", 9, md5_checksum=etag, checksum=checksum)
 
     assert expected(info(full, md5), "etag") is full
     assert expected(info(None, md5), "etag") is md5
