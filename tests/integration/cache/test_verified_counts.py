@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multipart_uploads import regular_sizes, upload_in_parts
 from prometheus_client.parser import text_string_to_metric_families
 
 import shardcache
@@ -24,9 +23,10 @@ from shardcache import ShardCache
 from shardcache._cache.size_only import published_by_size, store_name
 from shardcache._cli.main import main
 from shardcache._disk.layout import ShardId
+from shardcache.testing._service import upload_multipart
 
 PART = 64 * 1024
-SIZES = regular_sizes(3 * PART - 500, PART)
+SIZE = 3 * PART - 500  # three parts, the last one short
 NOT_AN_MD5 = '"0123456789abcdef0123456789abcdef"'
 SIZE_ONLY_HEADERS = {"ETag": NOT_AN_MD5, "x-amz-server-side-encryption": "aws:kms"}
 
@@ -51,7 +51,7 @@ def _size_only(s3: Any, fault_proxy: Any, bucket: str, key: str, seed: int) -> N
 def objects(s3: Any, fault_proxy: Any) -> dict[str, str]:
     """URL -> the method a download of it is verified by."""
     s3.put_objects("vcounts", {"crc.tar": _blob(40_000, 1)})  # boto3 adds a CRC32
-    upload_in_parts(_plain_client(s3), "vcounts", "mp.tar", _blob(sum(SIZES), 2), SIZES)
+    upload_multipart(_plain_client(s3), "vcounts", "mp.tar", _blob(SIZE, 2), PART)
     _size_only(s3, fault_proxy, "vcounts", "kms.tar", 3)
     return {
         "s3://vcounts/crc.tar": "crc32",

@@ -250,3 +250,24 @@ def test_verify_checks_a_cached_copy_against_the_stores_checksum(
 
     [bad] = report.of("bad")
     assert bad.detail.startswith(f"{method} ") and bad.removed
+
+
+def test_an_azure_blob_committed_from_blocks_without_an_md5_is_verified_by_its_size(
+    azurite: AzuriteServer, tmp_path: Path
+) -> None:
+    """Azure keeps no whole-blob checksum of a blob committed from blocks (unless the
+    uploader sets its Content-MD5): its size is all there is to check, and it says so."""
+    data = _blob(300_000, 9)
+    azurite.put_objects("ctr", {})  # the container
+    blob = azurite.service_client().get_blob_client("ctr", "blocks.bin")
+    ids = []
+    for number, start in enumerate(range(0, len(data), 100_000)):
+        ids.append(f"{number:08d}")
+        blob.stage_block(ids[-1], data[start : start + 100_000])
+    blob.commit_block_list(ids)
+    assert blob.get_blob_properties().content_settings.content_md5 is None
+    cache = ShardCache(tmp_path / "cache", storage_options=azurite.storage_options())
+    path = cache.fetch("az://ctr/blocks.bin")
+    assert path.read_bytes() == data
+    assert read_meta(cache.layout, path)["verified"] == "size"
+    assert cache.stats().verified == {"size": 1}
