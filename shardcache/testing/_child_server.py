@@ -92,9 +92,20 @@ class ChildServer(LoopbackService):
 
     def start(self: _C) -> _C:
         """Start the server and wait until it is ready (bounded by ``start_timeout``); a
-        port taken meanwhile by someone else is retried on others."""
+        port taken meanwhile by someone else is retried on others. A start that fails
+        leaves nothing behind (as :meth:`stop`)."""
         if self._proc is not None and self._proc.poll() is None:
             return self
+        try:
+            self._launch()
+        except BaseException:
+            self.stop()
+            raise
+        atexit.register(self.stop)
+        return self
+
+    def _launch(self) -> None:
+        """Run the program until it is ready, on other ports if it fails; else raise."""
         program = self.program()
         if program is None:
             raise MissingExtraError(
@@ -123,8 +134,7 @@ class ChildServer(LoopbackService):
             self._port = port
             error = self._wait_ready(deadline)
             if not error:
-                atexit.register(self.stop)
-                return self
+                return
             self._terminate()
             if time.monotonic() >= deadline:
                 break
