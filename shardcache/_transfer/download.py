@@ -359,16 +359,25 @@ def precondition_failed(exc: BaseException) -> bool:
     )
 
 
-def changed_underneath(info: ObjectInfo, attempt: int) -> IntegrityError:
-    """The error of a download whose object was replaced meanwhile (HTTP 412): a failed
-    verification, so the download starts over on the new object."""
+def changed_underneath(
+    info: ObjectInfo,
+    attempt: int | None = None,
+    *,
+    noticed: str | None = None,
+    expected: str | None = None,
+    seen: str = "another version",
+) -> IntegrityError:
+    """The error of a download whose object was replaced meanwhile: a failed verification,
+    so the download starts over on the new object. ``noticed`` says how (default S3's: HTTP
+    412, the If-Match on the ETag failed), ``expected`` the version read (default the
+    ETag) and ``seen`` what was found instead."""
+    noticed = noticed or f"If-Match on ETag {info.etag} failed"
     return IntegrityError(
-        f"{info.url} changed during the download (If-Match on ETag {info.etag} failed); "
-        "nothing was published.",
+        f"{info.url} changed during the download ({noticed}); nothing was published.",
         url=info.url,
-        attempts=attempt,
-        expected=info.etag,
-        seen="another version",
+        **({} if attempt is None else {"attempts": attempt}),
+        expected=expected or info.etag,
+        seen=seen,
     )
 
 

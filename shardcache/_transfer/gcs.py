@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import errno
-from collections.abc import Iterator
 from typing import Any
 
 from fsspec.asyn import sync
@@ -28,7 +27,8 @@ from .._base.errors import IntegrityError
 from .._base.extras import require_extras
 from .._retry.throttle import Throttle, throttled_call
 from .checksums import Checksum
-from .download import ObjectInfo
+from .download import ObjectInfo, changed_underneath
+from .ranged_gets import RangedGets
 
 GCS_PROTOCOLS = frozenset({"gs", "gcs"})
 
@@ -64,50 +64,29 @@ def gcs_object_info(fs: Any, url: str, path: str, throttle: Throttle) -> ObjectI
     )
 
 
-def gcs_body(
-    fs: Any,
-    path: str,
-    info: ObjectInfo,
-    piece: int,
-    throttle: Throttle,
-    *,
-    start: int = 0,
-    end: int | None = None,
-) -> Iterator[bytes]:
-    """Bytes ``[start, end)`` of the object (to its size when ``end`` is None), in ranged
-    GETs of at most ``piece`` bytes, each pinned to ``info``'s generation. A generation
-    that is gone raises :class:`IntegrityError`."""
-    stop = info.size if end is None else end
-    if stop is None:
-        raise ValueError(f"{info.url}: a read to the end needs the object's size")
+def gcs_gets(fs: Any, path: str, info: ObjectInfo) -> RangedGets:
+    """Ranged GETs of the object at ``path`` (for :func:`ranged_reads`), each pinned to
+    ``info``'s generation: a generation that is gone is an :class:`IntegrityError`."""
     generation = info.version_id
     # fs.url gives the media URL (".../o/<key>?alt=media") in every gcsfs release; the
     # generation is added here, as only newer ones take it as an argument.
     url = fs.url(path) + (f"&generation={generation}" if generation else "")
-    pos = start
-    while pos < stop:
-        upto = min(stop, pos + piece)
 
-        def get(first: int = pos, last: int = upto) -> bytes:
-            headers = {"Range": f"bytes={first}-{last - 1}"}
-            return _forbidden_typed(sync, fs.loop, fs._call, "GET", url, headers=headers)[1]
+    def get(first: int, last: int) -> bytes:
+        headers = {"Range": f"bytes={first}-{last - 1}"}
+        return _forbidden_typed(sync, fs.loop, fs._call, "GET", url, headers=headers)[1]
 
-        try:
-            data = throttled_call(throttle, "GET", get)
-        except FileNotFoundError as exc:
-            if generation is None:
-                raise
-            raise IntegrityError(
-                f"{info.url} changed during the download (generation {generation}, read "
-                "pinned to it, is gone); nothing was published.",
-                url=info.url,
-                expected=generation,
-                seen="another generation",
-            ) from exc
-        if not data:
-            return
-        yield data
-        pos += len(data)
+    def changed(exc: Exception) -> IntegrityError | None:
+        if generation is None or not isinstance(exc, FileNotFoundError):
+            return None
+        return changed_underneath(
+            info,
+            noticed=f"generation {generation}, read pinned to it, is gone",
+            expected=generation,
+            seen="another generation",
+        )
+
+    return RangedGets(get, changed)
 
 
 def _forbidden_typed(call: Any, *args: Any, **kwargs: Any) -> Any:
@@ -124,4 +103,4 @@ def _forbidden_typed(call: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-__all__ = ["GCS_PROTOCOLS", "gcs_body", "gcs_filesystem", "gcs_object_info"]
+__all__ = ["GCS_PROTOCOLS", "gcs_filesystem", "gcs_gets", "gcs_object_info"]

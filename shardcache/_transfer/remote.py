@@ -24,7 +24,7 @@ from .._config.borrowed import gcsfs_extended
 from .._observe import metrics
 from .._retry.policy import describe, fetch_error, is_transient, retry_cause
 from .._retry.throttle import throttled_call
-from .azure import AZURE_PROTOCOLS, azure_body, azure_filesystem, azure_object_info
+from .azure import AZURE_PROTOCOLS, azure_filesystem, azure_gets, azure_object_info
 from .checksums import etag_checksum, from_s3_head
 from .download import (
     LocalWriteError,
@@ -43,6 +43,7 @@ from .multipart import PartLayout, exact_layout, part_layout
 from .parallel_download import ParallelDownload
 from .pipe_commands import check_allowed
 from .pipe_download import PipeDownload
+from .ranged_gets import ranged_reads
 from .s3_client import s3_client_options, share_service_models
 from .stream_download import StreamDownload
 
@@ -250,8 +251,13 @@ class Remote:
             info = ObjectInfo(url, None, etag)
             return self.options.retry.run(
                 lambda n: b"".join(
-                    azure_body(
-                        fs, path, info, end - start, self.options.throttle, start=start, end=end
+                    ranged_reads(
+                        info,
+                        end - start,
+                        self.options.throttle,
+                        azure_gets(fs, path, info),
+                        start=start,
+                        end=end,
                     )
                 ),
                 retry_if=lambda exc: not isinstance(exc, _SETTLED) and is_transient(exc),

@@ -18,7 +18,7 @@ from .._base.redact import get_logger
 from .._base.url_kinds import url_protocol
 from .._observe import metrics
 from .._retry.policy import TruncatedBody, describe, fetch_error, is_transient, retry_cause
-from .azure import AZURE_PROTOCOLS, azure_body
+from .azure import AZURE_PROTOCOLS, azure_gets
 from .download import (
     Expected,
     LocalWriteError,
@@ -32,7 +32,8 @@ from .download import (
     s3_body,
     verification_failed,
 )
-from .gcs import GCS_PROTOCOLS, gcs_body
+from .gcs import GCS_PROTOCOLS, gcs_gets
+from .ranged_gets import ranged_reads
 
 logger = get_logger(__name__)
 
@@ -100,10 +101,12 @@ class StreamDownload(Strategy):
             yield from s3_body(fs, path, info, chunk, self.options.throttle, start=offset)
             return
         if protocol in GCS_PROTOCOLS:  # every read pinned to the object's generation
-            yield from gcs_body(fs, path, info, chunk, self.options.throttle, start=offset)
+            gets = gcs_gets(fs, path, info)
+            yield from ranged_reads(info, chunk, self.options.throttle, gets, start=offset)
             return
         if protocol in AZURE_PROTOCOLS:  # every read with If-Match on the blob's ETag
-            yield from azure_body(fs, path, info, chunk, self.options.throttle, start=offset)
+            gets = azure_gets(fs, path, info)
+            yield from ranged_reads(info, chunk, self.options.throttle, gets, start=offset)
             return
         if protocol in {"http", "https"}:
             yield from _http_body(fs, path, info, offset, chunk)

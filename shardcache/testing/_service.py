@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import socket
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -10,6 +11,14 @@ from typing import Any, TypeVar
 HOST = "127.0.0.1"
 REGION = "us-east-1"
 _S = TypeVar("_S", bound="LoopbackService")
+
+
+def free_port() -> int:
+    """A port nothing listens on now on 127.0.0.1 (another process may take it before a
+    server binds it: servers retry on another)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
 
 
 class LoopbackService(abc.ABC):

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardcache.testing._child_server import ChildServer
 from shardcache.testing._service import HOST
-from shardcache.testing.child_server import ChildServer
 
 ACCOUNT = "devstoreaccount1"
 # Azurite's well-known development account key, published with Azurite (not a secret).
@@ -38,7 +38,7 @@ def azurite_program() -> str | None:
 class AzuriteServer(ChildServer):
     """``azurite-blob`` on 127.0.0.1 (a free port), its data in a temporary directory."""
 
-    name = "azurite-blob"
+    program_name = "azurite-blob"
     # On SIGTERM Azurite waits for its clients' keep-alive connections to close (seconds);
     # its data is thrown away anyway.
     graceful = False
@@ -47,10 +47,11 @@ class AzuriteServer(ChildServer):
         "npm install -g azurite@3.37.0"
     )
 
-    def command(self, port: int) -> list[str] | None:
-        program = azurite_program()
-        if program is None:
-            return None
+    def program(self) -> str | None:
+        """The executable (:func:`azurite_program`), None when it is not installed."""
+        return azurite_program()
+
+    def _command(self, program: str, port: int) -> list[str]:
         return [
             program,
             "--blobHost",

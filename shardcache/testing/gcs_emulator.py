@@ -14,27 +14,19 @@ The program comes from the ``gcp-storage-emulator`` package (the ``testing`` ext
 from __future__ import annotations
 
 import http.client
-import shutil
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from shardcache.testing._child_server import ChildServer
 from shardcache.testing._service import HOST
-from shardcache.testing.child_server import ChildServer
 
 
 class GcsEmulator(ChildServer):
     """``gcp-storage-emulator start --in-memory`` on 127.0.0.1 (a free port)."""
 
-    name = "gcp-storage-emulator"
-    install_hint = "pip install 'shardcache[testing]' (scripts/setup-venv installs it)"
+    program_name = "gcp-storage-emulator"
 
-    def command(self, port: int) -> list[str] | None:
-        beside = Path(sys.executable).parent / self.name
-        program = str(beside) if beside.is_file() else shutil.which(self.name)
-        if program is None:
-            return None
+    def _command(self, program: str, port: int) -> list[str]:
         return [program, "start", f"--host={HOST}", f"--port={port}", "--in-memory"]
 
     def storage_options(self, endpoint_url: str | None = None) -> dict[str, Any]:
@@ -57,7 +49,7 @@ class GcsEmulator(ChildServer):
         finally:
             conn.close()
         if response.status != 200:
-            raise RuntimeError(f"{self.name}: /wipe answered {response.status}")
+            raise RuntimeError(f"{self.program_name}: /wipe answered {response.status}")
 
     def put_objects(self, bucket: str, objects: Mapping[str, bytes]) -> dict[str, str]:
         """Store ``objects`` in ``bucket`` (made if missing); returns key -> generation."""

