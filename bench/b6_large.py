@@ -26,9 +26,14 @@ through the same shaped link from two servers:
   carry no checksum) and is measured without and with an MD5 pass of its own over the file
   after the download (:func:`bench.peers.md5_pass`: the ETag, single-part or of the parts).
 
-Every row reports the requests each reader sent (counted by the shaping proxy: GETs, HEADs)
-and its client CPU per GB next to the wall time (over this link the cost of an MD5 shows in
-the CPU more than in the wall time).
+  The four kinds are read again straight from the server (unshaped, loopback), where the
+  client's CPU, not the link, sets the pace.
+
+Each reader makes its client and reads a 1 KiB warm-up object through it before the clock
+(a training job makes its client once; until 2026-11-29 B6 timed shardcache's and s3fs's
+client creation too). Every row reports its client CPU per GB next to the wall time (over
+the link the cost of an MD5 shows in the CPU more than in the wall time) and, through the
+link, the requests each reader sent (counted by the shaping proxy: GETs, HEADs).
 
 Peers: s3fs ``get`` (one stream, validating response checksums only when required:
 ``peers.NO_RANGE_CHECKSUMS``) and boto3 ``download_file`` with TransferConfig's documented
@@ -43,6 +48,7 @@ server, for the object with a checksum (what S3 stores today).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +61,7 @@ from bench.infra import BUCKET, MB, Link, MiB, median, put, shaped_proxy
 
 KEY = "b6-big.bin"
 MD5_KEY = "md5/b6-big.bin"  # the same bytes with an MD5 ETag and no S3 checksum
+WARM = "warm-up.bin"  # 1 KiB each reader reads before the clock
 PARTS = 8
 SHARDCACHE = "shardcache"
 S3FS = "s3fs get (one stream)"
@@ -100,10 +107,13 @@ def _over_the_link(  # noqa: PLR0917
     cfg: Config,
     readers: tuple[str, ...] = ALL_READERS,
     etag: str = "",
+    *,
+    direct: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """``readers`` fetching ``key`` (ETag ``etag``, for an MD5 pass) from ``server``
-    (process ``pid``) through the shaped link, ``reps`` runs each in alternating order: their
-    summaries, with the requests each sent and what shardcache's record says it verified."""
+    (process ``pid``) through the shaped link (``direct``: straight from the server),
+    ``reps`` runs each in alternating order: their summaries, with what shardcache's record
+    says it verified and, through the link, the requests each sent (counted there)."""
     import fsspec
     from boto3.s3.transfer import TransferConfig
 
@@ -115,54 +125,67 @@ def _over_the_link(  # noqa: PLR0917
     runs: dict[str, list[dict[str, Any]]] = {}
     sent: dict[str, dict[str, int]] = {}
     verified: dict[str, str] = {}
-    with shaped_proxy(server.port, b.cfg["link"]) as link:
-        so = server.storage_options(link.endpoint)
-        pids = {"server": pid, "proxy": link.pid}
+    with contextlib.ExitStack() as stack:
+        link = None if direct else stack.enter_context(shaped_proxy(server.port, b.cfg["link"]))
+        endpoint = server.endpoint_url if link is None else link.endpoint
+        so = server.storage_options(endpoint)
+        pids = {"server": pid} | ({} if link is None else {"proxy": link.pid})
 
-        def sc() -> Any:
+        def requests() -> dict[str, int]:
+            return {} if link is None else _requests(link.requests(), key)
+
+        # Each reader's client is made and reads the warm-up object before the clock (a
+        # training job makes its client once); the returned callable is timed.
+        def sc() -> Callable[[], Any]:
             cache = new_cache(b.fresh_dir("b6"), so, part_size=part, parallel_threshold=thr)
-            return cache.layout, cache.fetch(url)
+            cache.fetch(f"s3://{BUCKET}/{WARM}")
+            return lambda: (cache.layout, cache.fetch(url))
 
-        def s3fs_get() -> Any:
+        def s3fs_get() -> Callable[[], Any]:
             fs = fsspec.filesystem("s3", skip_instance_cache=True, config_kwargs=config, **so)
-            return fs.get(url, str(b.fresh_dir("b6p") / "x.bin"))
+            fs.cat_file(f"s3://{BUCKET}/{WARM}")
+            return lambda: fs.get(url, str(b.fresh_dir("b6p") / "x.bin"))
 
         # boto3's documented knobs for a parallel download: TransferConfig's
         # multipart_chunksize and max_concurrency, set to shardcache's part size and count.
         transfer = TransferConfig(
             multipart_threshold=thr, multipart_chunksize=part, max_concurrency=PARTS
         )
-        client = server.boto3_client(link.endpoint, max_pool_connections=PARTS)
-        peers.checksums_as_on_s3(client)
 
-        def boto3_download() -> str:
+        def boto3_download(md5: bool = False) -> Callable[[], Any]:
+            client = server.boto3_client(endpoint, max_pool_connections=PARTS)
+            peers.checksums_as_on_s3(client)
+            client.get_object(Bucket=BUCKET, Key=WARM)["Body"].read()
             dest = str(b.fresh_dir("b6p") / "x.bin")
-            client.download_file(BUCKET, key, dest, Config=transfer)
-            return dest
 
-        def boto3_and_md5() -> None:
-            peers.md5_pass(boto3_download(), etag, part)
+            def run() -> None:
+                client.download_file(BUCKET, key, dest, Config=transfer)
+                if md5:
+                    peers.md5_pass(dest, etag, part)
 
-        every: dict[str, Callable[[], Any]] = {
+            return run
+
+        every: dict[str, Callable[[], Callable[[], Any]]] = {
             SHARDCACHE: sc,
             S3FS: s3fs_get,
             BOTO3: boto3_download,
-            BOTO3_MD5: boto3_and_md5,
+            BOTO3_MD5: lambda: boto3_download(md5=True),
         }
         for rep in range(b.cfg["reps"]):
             order = list(readers) if rep % 2 == 0 else list(reversed(readers))  # alternate
             for name in order:
                 clear_fs_caches()
-                before = _requests(link.requests(), key)
-                run = timed(every[name], pids)
+                ready = every[name]()
+                before = requests()
+                run = timed(ready, pids)
                 runs.setdefault(name, []).append(run)
-                after = _requests(link.requests(), key)
+                after = requests()
                 sent[name] = {m: n - before.get(m, 0) for m, n in after.items()}
                 if name == SHARDCACHE:
                     verified[name] = read_meta(*run["out"])["verified"]
     return {
         n: _summary(r, obj)
-        | {"gets": sent[n].get("GET", 0), "heads": sent[n].get("HEAD", 0)}
+        | ({} if direct else {"gets": sent[n].get("GET", 0), "heads": sent[n].get("HEAD", 0)})
         | ({"verified": verified[n]} if n in verified else {})
         for n, r in runs.items()
     }
@@ -196,7 +219,7 @@ def _put_kinds(server: Any, data: bytes, part: int) -> dict[str, str]:
     ``part`` bytes); returns key -> ETag."""
     (crc, _), (md5, _), (multipart, _), (composite, _) = KINDS.values()
     etags = server.put_objects(BUCKET, {crc: data}, checksum=peers.S3_CHECKSUM)
-    etags |= server.put_objects(BUCKET, {md5: data})
+    etags |= server.put_objects(BUCKET, {md5: data, WARM: os.urandom(1024)})
     for key, checksum in ((multipart, None), (composite, "CRC32C")):
         kind = "COMPOSITE" if checksum else None
         answer = server.put_multipart(
@@ -214,31 +237,41 @@ def _kinds(b: Bench) -> dict[str, Any]:
     cfg: Config = b.cfg["b6_kinds"]
     obj, part, _thr = cfg
     rows: dict[str, dict[str, dict[str, Any]]] = {}
+    direct: dict[str, dict[str, dict[str, Any]]] = {}
     with SeaweedS3Server() as server:
         etags = _put_kinds(server, os.urandom(obj), part)
         crc_key = KINDS["full-object CRC64NVME"][0]
         ceiling = _ranged_ceiling(b, server, server.pid, crc_key, cfg)
         for kind, (key, _) in KINDS.items():
-            rows[kind] = _over_the_link(
-                b, server, server.pid, key, cfg, KIND_READERS, etag=etags[key]
-            )
+            for out, unshaped in ((rows, False), (direct, True)):
+                out[kind] = _over_the_link(
+                    b, server, server.pid, key, cfg, KIND_READERS, etags[key], direct=unshaped
+                )
     for kind, (_, method) in KINDS.items():
-        if rows[kind][SHARDCACHE]["verified"] != method:
-            raise RuntimeError(
-                f"B6 {kind}: shardcache's record says verified by "
-                f"{rows[kind][SHARDCACHE]['verified']!r}, expected {method!r}"
-            )
-    ratios = {kind: _kind_ratios(r) for kind, r in rows.items()}
-    crc, multipart = rows["full-object CRC64NVME"], rows["multipart MD5"]
+        for seen in (rows[kind][SHARDCACHE]["verified"], direct[kind][SHARDCACHE]["verified"]):
+            if seen != method:
+                raise RuntimeError(
+                    f"B6 {kind}: shardcache's record says verified by {seen!r}, expected {method!r}"
+                )
     return {
         "rows": rows,
+        "direct": direct,
         "ceiling": ceiling,
-        "ratios": ratios,
-        "multipart_md5_vs_crc64nvme": {
-            "wall": _ratio(multipart[SHARDCACHE]["wall_s"], crc[SHARDCACHE]["wall_s"]),
-            "cpu": _ratio(multipart[SHARDCACHE]["cpu_s_per_gb"], crc[SHARDCACHE]["cpu_s_per_gb"]),
-        },
+        "ratios": {kind: _kind_ratios(r) for kind, r in rows.items()},
+        "direct_ratios": {kind: _kind_ratios(r) for kind, r in direct.items()},
+        "multipart_md5_vs_crc64nvme": _md5_vs_crc(rows),
+        "multipart_md5_vs_crc64nvme_direct": _md5_vs_crc(direct),
         "what": f"{obj / MiB:g} MiB, multipart ones in {part / MiB:g} MiB parts",
+    }
+
+
+def _md5_vs_crc(rows: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float | None]:
+    """shardcache's wall time and CPU per GB for the multipart MD5 object against the
+    full-object CRC64NVME one."""
+    crc, multipart = rows["full-object CRC64NVME"][SHARDCACHE], rows["multipart MD5"][SHARDCACHE]
+    return {
+        "wall": _ratio(multipart["wall_s"], crc["wall_s"]),
+        "cpu": _ratio(multipart["cpu_s_per_gb"], crc["cpu_s_per_gb"]),
     }
 
 
@@ -264,12 +297,12 @@ def b6_large(b: Bench) -> dict[str, Any]:
     obj, part, _thr = cfg
     link: Link = b.cfg["link"]
     data = os.urandom(obj)
-    put(b.s3, {KEY: data})
+    put(b.s3, {KEY: data, WARM: os.urandom(1024)})
     moto_ceiling = _ranged_ceiling(b, b.s3, b.server_pid, KEY, cfg)
     moto = _over_the_link(b, b.s3, b.server_pid, KEY, cfg)
     with RcloneS3Server() as fast:
         fast.put_objects(BUCKET, {KEY: data}, checksum=peers.S3_CHECKSUM)
-        fast.put_objects(BUCKET, {MD5_KEY: data})
+        fast.put_objects(BUCKET, {MD5_KEY: data, WARM: os.urandom(1024)})
         del data
         ceiling = _ranged_ceiling(b, fast, fast.pid, KEY, cfg)
         crc = _over_the_link(b, fast, fast.pid, KEY, cfg)
@@ -287,6 +320,8 @@ def b6_large(b: Bench) -> dict[str, Any]:
     peer_rows |= {f"{n} (moto)": r for n, r in moto.items()}
     for kind, rows in kinds["rows"].items():
         peer_rows |= {f"{n} (SeaweedFS, {kind})": r for n, r in rows.items()}
+    for kind, rows in kinds["direct"].items():
+        peer_rows |= {f"{n} (SeaweedFS unshaped, {kind})": r for n, r in rows.items()}
     return {
         "what": f"one {obj / MiB:g} MiB object, {part / MiB:g} MiB parts x {PARTS} in flight, "
         f"link: {link.describe()}; from the fast server (rclone serve s3) uploaded with a "
@@ -294,7 +329,8 @@ def b6_large(b: Bench) -> dict[str, Any]:
         "and from moto, which copies the whole object for every ranged GET and answers them "
         "one after another (no client fills the link from it); from SeaweedFS four kinds "
         f"of object ({kinds['what']}: {', '.join(KINDS)}; limit {kind_limit:.1f} MB/s), "
-        "shardcache verifying each, boto3 without and with an MD5 pass over its file; each "
+        "shardcache verifying each, boto3 without and with an MD5 pass over its file, through "
+        "the link and again unshaped (straight from the server); each "
         "server's ranged ceiling measured in this run (plain boto3 ranged GETs of the same "
         "parts, unshaped)",
         "shardcache": s,
@@ -313,7 +349,9 @@ def b6_large(b: Bench) -> dict[str, Any]:
         }
         | kind_fractions,
         "kind_ratios": kinds["ratios"],
+        "kind_ratios_unshaped": kinds["direct_ratios"],
         "multipart_md5_vs_crc64nvme": kinds["multipart_md5_vs_crc64nvme"],
+        "multipart_md5_vs_crc64nvme_unshaped": kinds["multipart_md5_vs_crc64nvme_direct"],
         "target": ">= 90% of min(link capacity, server ranged ceiling), from the fast server",
         "verdict": verdict(frac[SHARDCACHE] >= 0.9),
     }

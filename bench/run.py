@@ -675,11 +675,15 @@ def render(report: dict[str, Any]) -> str:
             extra.append(f"SeaweedFS ranged ceiling (unshaped) {ceiling} MB/s")
         for server, fractions in res.get("link_fractions", {}).items():
             extra.append(f"{server}: " + ", ".join(f"{n} {f}" for n, f in fractions.items()))
-        for kind, ratios in res.get("kind_ratios", {}).items():
-            extra.append(f"{kind}: " + ", ".join(f"{n}={v}" for n, v in ratios.items()))
-        if "multipart_md5_vs_crc64nvme" in res:
-            vs = res["multipart_md5_vs_crc64nvme"]
-            extra.append(f"multipart MD5 / CRC64NVME: wall x{vs['wall']}, CPU x{vs['cpu']}")
+        for how in ("", "_unshaped"):
+            for kind, ratios in res.get(f"kind_ratios{how}", {}).items():
+                text = ", ".join(f"{n}={v}" for n, v in ratios.items())
+                extra.append(f"{kind}{how.replace('_', ' ')}: {text}")
+            if vs := res.get(f"multipart_md5_vs_crc64nvme{how}"):
+                extra.append(
+                    f"multipart MD5 / CRC64NVME{how.replace('_', ' ')}: wall x{vs['wall']}, "
+                    f"CPU x{vs['cpu']}"
+                )
         ratio_text = "<br>".join([*([f"{ratio}"] if ratio is not None else []), *extra]) or "-"
         lines.append(
             f"| {sid} | {title}: {res['what']} | {_fmt(res['shardcache'], cores)} | {peers} | "

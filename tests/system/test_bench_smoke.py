@@ -135,12 +135,16 @@ def _check_b6(b6: dict) -> None:
         sc = rows["shardcache"]
         assert sc["verified"] == method, (kind, sc)
         assert sc["gets"] == parts and sc["heads"] == ("parts" in method), (kind, sc)
-        for row in rows.values():
+        unshaped = {n: b6["peers"][f"{n} (SeaweedFS unshaped, {kind})"] for n in KIND_READERS}
+        assert unshaped["shardcache"]["verified"] == method, (kind, unshaped)
+        for row in [*rows.values(), *unshaped.values()]:
             assert row["mb_s"] > 0 and row["cpu_s_per_gb"] > 0, (kind, row)
-        ratios = b6["kind_ratios"][kind]
-        assert len(ratios) == 4 and all(r > 0 for r in ratios.values()), (kind, ratios)
+        for how in ("", "_unshaped"):
+            ratios = b6[f"kind_ratios{how}"][kind]
+            assert len(ratios) == 4 and all(r > 0 for r in ratios.values()), (kind, ratios)
     assert b6["seaweedfs_ranged_ceiling"]["mb_s"] > 0, b6
-    assert set(b6["multipart_md5_vs_crc64nvme"]) == {"wall", "cpu"}, b6
+    for how in ("", "_unshaped"):
+        assert set(b6[f"multipart_md5_vs_crc64nvme{how}"]) == {"wall", "cpu"}, b6
 
 
 def test_md5_pass_checks_a_single_part_and_a_multipart_etag(tmp_path: Path) -> None:
