@@ -30,7 +30,7 @@ through the same shaped link from two servers:
   client's CPU, not the link, sets the pace.
 
 Each reader makes its client and reads a 1 KiB warm-up object through it before the clock
-(a training job makes its client once; until 2026-11-29 B6 timed shardcache's and s3fs's
+(a training job makes its client once; until 2026-11-28 B6 timed shardcache's and s3fs's
 client creation too). Every row reports its client CPU per GB next to the wall time (over
 the link the cost of an MD5 shows in the CPU more than in the wall time) and, through the
 link, the requests each reader sent (counted by the shaping proxy: GETs, HEADs).
@@ -230,8 +230,8 @@ def _put_kinds(server: Any, data: bytes, part: int) -> dict[str, str]:
 
 
 def _kinds(b: Bench) -> dict[str, Any]:
-    """The four kinds of object from SeaweedFS over the shaped link: each reader's summary
-    by kind, the server's ranged ceiling, and the ratios."""
+    """The four kinds of object from SeaweedFS, through the shaped link and unshaped: each
+    reader's summary by kind, the server's ranged ceiling, and the ratios."""
     from shardcache.testing import SeaweedS3Server
 
     cfg: Config = b.cfg["b6_kinds"]
