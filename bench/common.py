@@ -33,6 +33,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "b4_calls": 200,
         "b5": 8 * MiB,
         "b6": (4 * MiB, 1 * MiB, 2 * MiB),  # object, part size, threshold
+        # B6's four kinds of object on SeaweedFS, which refuses upload parts under 5 MiB
+        "b6_kinds": (10 * MiB, 5 * MiB, 8 * MiB),
         "b7": (3, 300_000),
         "link": Link(0.005, 20 * MB, 40 * MB),  # tiny: the plumbing, not the figures
         "b7_rate": 2 * MB,
@@ -51,6 +53,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "b4_calls": 5000,
         "b5": 1024 * MiB,
         "b6": (96 * MiB, 12 * MiB, 48 * MiB),  # object, part, threshold: see B6
+        "b6_kinds": (96 * MiB, 12 * MiB, 48 * MiB),  # uploaded in parts of `part` too
         "b7": (16, 8 * MiB),
         "link": Link(0.04, 10 * MB, 50 * MB),
         "b7_rate": 20 * MB,
@@ -95,8 +98,9 @@ class Bench:
 
     @contextlib.contextmanager
     def link(self, link: Link | None = None) -> Iterator[tuple[dict[str, Any], dict[str, int]]]:
-        with shaped_proxy(self.s3.port, link or self.cfg["link"]) as (endpoint, pid):
-            yield self.s3.storage_options(endpoint), {"server": self.server_pid, "proxy": pid}
+        with shaped_proxy(self.s3.port, link or self.cfg["link"]) as shaped:
+            so = self.s3.storage_options(shaped.endpoint)
+            yield so, {"server": self.server_pid, "proxy": shaped.pid}
 
     def gets(self, prefix: str) -> int:
         return sum(1 for r in self.s3.requests("GET") if r.key.startswith(prefix))

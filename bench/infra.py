@@ -12,7 +12,7 @@ import tarfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -97,12 +97,22 @@ def _proxy_main(upstream_port: int, link: Link, conn: Any) -> None:
         total_rate=link.total_rate,
     ) as proxy:
         conn.send(proxy.port)
-        conn.recv()  # block until told to stop
+        while conn.recv() == "requests":  # anything else: stop
+            conn.send(dict(proxy.requests_seen()))
+
+
+class ShapedLink(NamedTuple):
+    """A running shaping proxy: its ``endpoint``, its process's ``pid``, and ``requests()``:
+    (method, path) -> how many such requests it has seen so far."""
+
+    endpoint: str
+    pid: int
+    requests: Callable[[], dict[tuple[str, str], int]]
 
 
 @contextlib.contextmanager
-def shaped_proxy(upstream_port: int, link: Link) -> Iterator[tuple[str, int]]:
-    """A FaultProxy with ``link`` shaping in its own process; yields (endpoint, pid)."""
+def shaped_proxy(upstream_port: int, link: Link) -> Iterator[ShapedLink]:
+    """A FaultProxy with ``link`` shaping in its own process."""
     parent, child = CTX.Pipe()
     proc = CTX.Process(target=_proxy_main, args=(upstream_port, link, child), daemon=True)
     proc.start()
@@ -110,7 +120,12 @@ def shaped_proxy(upstream_port: int, link: Link) -> Iterator[tuple[str, int]]:
         if not parent.poll(60):
             raise RuntimeError("shaping proxy did not start")
         port = parent.recv()
-        yield f"http://127.0.0.1:{port}", proc.pid or 0
+
+        def requests() -> dict[tuple[str, str], int]:
+            parent.send("requests")
+            return parent.recv()
+
+        yield ShapedLink(f"http://127.0.0.1:{port}", proc.pid or 0, requests)
     finally:
         stop_helper(parent, proc)
 

@@ -9,6 +9,7 @@ runs the smoke test in ``.venv`` without them).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import io
 import multiprocessing
@@ -39,6 +40,7 @@ S3_CHECKSUM = "CRC64NVME"
 # s3transfer's download_file takes another path, reading the first part alone before it
 # asks for the others.
 NO_RANGE_CHECKSUMS = "when_required"
+MD5_PASS_BLOCK = 8 << 20  # bytes read back at a time by md5_pass
 LOADER_TIMEOUT = 300.0  # seconds a DataLoader may wait for one sample from its workers
 
 
@@ -56,6 +58,42 @@ def checksums_as_on_s3(client: Any) -> Any:
 
     client.meta.events.register("before-call.s3.GetObject", no_check_of_a_range)
     return client
+
+
+def md5_pass(path: str | Path, etag: str, part_size: int) -> None:
+    """The MD5 check a boto3 user adds after ``download_file``, which checks nothing of a
+    ranged download: one pass of ``hashlib`` over the file, read back in order on one
+    thread. A single-part ETag is the file's MD5; a multipart upload's ``<md5>-N`` is the
+    MD5 of its parts' MD5s, the parts of ``part_size`` bytes (the upload's, which the user
+    knows or learns from one HEAD of part 1). Raises ``RuntimeError`` if it does not
+    match."""
+    etag = etag.strip('"')
+    _, _, count = etag.partition("-")
+    whole, part, digests, left = hashlib.md5(), hashlib.md5(), [], part_size
+    buf = memoryview(bytearray(MD5_PASS_BLOCK))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            if not count:
+                whole.update(buf[:n])
+                continue
+            view = buf[:n]
+            while view:
+                take = view[:left]
+                part.update(take)
+                left -= len(take)
+                view = view[len(take) :]
+                if left == 0:
+                    digests.append(part.digest())
+                    part, left = hashlib.md5(), part_size
+    if count:
+        if left < part_size:  # the last part, shorter
+            digests.append(part.digest())
+        whole = hashlib.md5(b"".join(digests))
+        seen = f"{whole.hexdigest()}-{len(digests)}"
+    else:
+        seen = whole.hexdigest()
+    if seen != etag:
+        raise RuntimeError(f"{path}: MD5 pass gave {seen}, the ETag is {etag}")
 
 
 class PeerMissing(Exception):

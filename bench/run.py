@@ -576,7 +576,10 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
     "B3": ("processes on one node, node scope, cold", b3_node),
     "B4": ("per-call overhead", b4_overhead),
     "B5": ("memory of a large fetch", b5_memory),
-    "B6": ("large single object over the shaped link, fast server and moto", b6_large),
+    "B6": (
+        "large single object over the shaped link: fast server, moto, SeaweedFS (four kinds)",
+        b6_large,
+    ),
     "B7": ("latency hiding at a fixed consumer rate", b7_hiding),
     "B8": ("client CPU per GB of a cold fetch", b8_cpu),
     "B9": ("time to first sample, cold", b9_first_sample),
@@ -667,8 +670,20 @@ def render(report: dict[str, Any]) -> str:
             extra.append(
                 f"server ranged ceiling (unshaped) {res['server_ranged_ceiling']['mb_s']} MB/s"
             )
+        if "seaweedfs_ranged_ceiling" in res:
+            ceiling = res["seaweedfs_ranged_ceiling"]["mb_s"]
+            extra.append(f"SeaweedFS ranged ceiling (unshaped) {ceiling} MB/s")
         for server, fractions in res.get("link_fractions", {}).items():
             extra.append(f"{server}: " + ", ".join(f"{n} {f}" for n, f in fractions.items()))
+        for how in ("", "_unshaped"):
+            for kind, ratios in res.get(f"kind_ratios{how}", {}).items():
+                text = ", ".join(f"{n}={v}" for n, v in ratios.items())
+                extra.append(f"{kind}{how.replace('_', ' ')}: {text}")
+            if vs := res.get(f"multipart_md5_vs_crc64nvme{how}"):
+                extra.append(
+                    f"multipart MD5 / CRC64NVME{how.replace('_', ' ')}: wall x{vs['wall']}, "
+                    f"CPU x{vs['cpu']}"
+                )
         ratio_text = "<br>".join([*([f"{ratio}"] if ratio is not None else []), *extra]) or "-"
         lines.append(
             f"| {sid} | {title}: {res['what']} | {_fmt(res['shardcache'], cores)} | {peers} | "

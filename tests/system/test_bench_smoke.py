@@ -85,14 +85,7 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
             importlib.util.find_spec("s3torchconnector") is None
         )
     _check_equal_concurrency(report["results"]["B2"])
-    b6 = report["results"]["B6"]  # judged against min(link, the server's ranged ceiling)
-    assert b6["server_ranged_ceiling"]["mb_s"] > 0 and b6["limit_mb_s"] > 0
-    assert b6["moto_ranged_ceiling"]["mb_s"] > 0, b6  # the fast server's and moto's
-    assert len(b6["link_fractions"]) == 3, b6  # fast server (two objects), moto
-    for fractions in b6["link_fractions"].values():
-        peers = {n.removesuffix(" (fast server)") for n in b6["peers"] if "(fast server)" in n}
-        assert set(fractions) == {"shardcache", *peers}, b6
-    assert b6["peers"]["shardcache (moto)"]["gets"] >= 2, b6  # parts: whole GET + ranged
+    _check_b6(report["results"]["B6"])
     b7 = report["results"]["B7"]  # waiting for data apart from the per-sample work
     for res in [b7["shardcache"], *b7["peers"].values()]:
         assert res["work_s"] > 0 and res["wait_s"] >= 0, b7
@@ -116,6 +109,64 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
     assert {"miss_ms_100", "hit_ms_300", "status_s", "verify_quick_s", "evict_s"} <= set(
         b11["shardcache"]
     )
+
+
+def _check_b6(b6: dict) -> None:
+    """B6 is judged against min(link, the server's ranged ceiling), from rclone, moto and
+    SeaweedFS. Its four kinds of object from SeaweedFS: shardcache verified each by what it
+    is, in one GET a part (the whole-object GET gives the first) and, for a multipart
+    upload, one HEAD of part 1 for the layout; boto3 with and without its MD5 pass beside
+    it, with CPU per GB; the ratios present."""
+    from bench.b6_large import KIND_READERS, KINDS
+    from bench.common import SIZES
+
+    assert b6["server_ranged_ceiling"]["mb_s"] > 0 and b6["limit_mb_s"] > 0
+    assert b6["moto_ranged_ceiling"]["mb_s"] > 0, b6  # the fast server's and moto's
+    assert len(b6["link_fractions"]) == 3 + len(KINDS), b6  # rclone x2, moto, SeaweedFS
+    fast = {n.removesuffix(" (fast server)") for n in b6["peers"] if n.endswith("(fast server)")}
+    for server, fractions in b6["link_fractions"].items():
+        readers = KIND_READERS if server.startswith("SeaweedFS") else {"shardcache", *fast}
+        assert set(fractions) == set(readers), b6
+    assert b6["peers"]["shardcache (moto)"]["gets"] >= 2, b6  # parts: whole GET + ranged
+    size, part, _threshold = SIZES["tiny"]["b6_kinds"]
+    parts = -(-size // part)
+    for kind, (_key, method) in KINDS.items():
+        rows = {n: b6["peers"][f"{n} (SeaweedFS, {kind})"] for n in KIND_READERS}
+        sc = rows["shardcache"]
+        assert sc["verified"] == method, (kind, sc)
+        assert sc["gets"] == parts and sc["heads"] == ("parts" in method), (kind, sc)
+        unshaped = {n: b6["peers"][f"{n} (SeaweedFS unshaped, {kind})"] for n in KIND_READERS}
+        assert unshaped["shardcache"]["verified"] == method, (kind, unshaped)
+        for row in [*rows.values(), *unshaped.values()]:
+            assert row["mb_s"] > 0 and row["cpu_s_per_gb"] > 0, (kind, row)
+        for how in ("", "_unshaped"):
+            ratios = b6[f"kind_ratios{how}"][kind]
+            assert len(ratios) == 4 and all(r > 0 for r in ratios.values()), (kind, ratios)
+    assert b6["seaweedfs_ranged_ceiling"]["mb_s"] > 0, b6
+    for how in ("", "_unshaped"):
+        assert set(b6[f"multipart_md5_vs_crc64nvme{how}"]) == {"wall", "cpu"}, b6
+
+
+def test_md5_pass_checks_a_single_part_and_a_multipart_etag(tmp_path: Path) -> None:
+    """The boto3 peer's own MD5 pass (B6) checks the file against the ETag, of the whole
+    file or of its parts' MD5s, and refuses a file with one byte changed."""
+    import hashlib
+
+    from bench.peers import md5_pass
+
+    data = os.urandom(3 * 1000 + 7)
+    path = tmp_path / "x.bin"
+    path.write_bytes(data)
+    parts = [data[i : i + 1000] for i in range(0, len(data), 1000)]
+    multipart = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest()
+    md5_pass(path, f'"{hashlib.md5(data).hexdigest()}"', 1000)
+    md5_pass(path, f'"{multipart}-4"', 1000)
+    with pytest.raises(RuntimeError, match="MD5 pass"):
+        md5_pass(path, f"{multipart}-4", 999)  # other part boundaries: another checksum
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    for etag in (hashlib.md5(data).hexdigest(), f"{multipart}-4"):
+        with pytest.raises(RuntimeError, match="MD5 pass"):
+            md5_pass(path, etag, 1000)
 
 
 def _check_equal_concurrency(b2: dict) -> None:
