@@ -26,6 +26,8 @@ from typing import Any
 
 from awscrt import checksums as _crt
 
+from .._base.errors import IntegrityError
+
 # xxHashes arrived in awscrt after shardcache's lowest supported version: without them,
 # an object described by one alone is checked by what else describes it.
 _XXHASHES: dict[str, Callable[[], Any]] = (
@@ -219,6 +221,40 @@ def etag_checksum(etag: str | None) -> Checksum | None:
 _MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
 
 
+def mismatch(
+    url: str,
+    want: Checksum,
+    digest: str | None,
+    attempt: int,
+    *,
+    which: str = "",
+    parts: list[int] | None = None,
+) -> IntegrityError:
+    """The error of a download whose ``digest`` is not ``want``; ``which`` says which parts
+    of a multipart upload differ (``parts``: their numbers), where that is known."""
+    if want.parts is None:
+        what = f"{want.algorithm.upper()} of the downloaded bytes"
+    else:
+        what = f"{want.algorithm.upper()} of the {want.parts} parts' {want.algorithm.upper()}s"
+    hint = (
+        "set SHARDCACHE_ETAG_MD5=off if this store's ETags are not MD5s"
+        if want.source == "the ETag"
+        else "check that the store computes this checksum over the object's bytes"
+    )
+    return IntegrityError(
+        f"{url}: {what} is {digest}, expected {want.value} ({want.source}) on attempt "
+        f"{attempt}{'; ' + which if which else ''}. The bytes were corrupted in transit or "
+        "the object changed; nothing was published. Check the network path (proxies) and "
+        f"the object; {hint}.",
+        url=url,
+        attempts=attempt,
+        expected=want.value,
+        seen=digest,
+        algorithm=want.method,
+        parts=parts or [],
+    )
+
+
 __all__ = [
     "S3_ALGORITHMS",
     "Checksum",
@@ -227,4 +263,5 @@ __all__ = [
     "etag_checksum",
     "expected",
     "from_s3_head",
+    "mismatch",
 ]

@@ -27,8 +27,8 @@ from .._base.redact import get_logger, redact_options
 from .._base.url_kinds import LOCAL_PROTOCOLS, url_protocol
 from .._retry.policy import RetryPolicy, _http_status_and_code
 from .._retry.throttle import Throttle, throttled_call
-from .checksums import Checksum, Hasher, expected
-from .multipart import PartLayout, PartsHasher, rehash
+from .checksums import Checksum, Hasher, expected, mismatch
+from .multipart import PartLayout, PartsHasher, differing_parts, rehash
 
 logger = get_logger(__name__)
 
@@ -161,6 +161,8 @@ class Source(Protocol):
 
     def part_layout(self, info: ObjectInfo, parts: int, *, exact: bool) -> PartLayout | None: ...
 
+    def part_checksums(self, info: ObjectInfo, algorithm: str, parts: int) -> list[str] | None: ...
+
 
 class LocalWriteError(Exception):
     """Local file I/O failed (the ``OSError`` is ``__cause__``): not a remote error, never
@@ -264,13 +266,15 @@ class Strategy(abc.ABC):
         *,
         expected: Expected,
         out: BinaryIO | None = None,
+        part_digests: list[bytes] | None = None,
     ) -> ObjectInfo:
         """Raise :class:`IntegrityError` unless ``size`` and ``digest`` (the downloaded
         bytes' checksum under ``expected``; None when it names none) match the object's.
         A multipart checksum computed over an assumed regular layout that does not match
         is computed again from ``out`` over the layout asked part by part, when that one
-        differs. Returns ``info`` with ``verified`` (None: the size only) and
-        ``parts_layout`` set."""
+        differs; one that does not match names the parts that differ where the store
+        reports each part's checksum (``part_digests``: ours). Returns ``info`` with
+        ``verified`` (None: the size only) and ``parts_layout`` set."""
         if size != info.size:
             raise IntegrityError(
                 f"{info.url}: downloaded {size} bytes, expected {info.size} on attempt "
@@ -287,37 +291,35 @@ class Strategy(abc.ABC):
             if exact is not None and exact.sizes != layout.sizes and out is not None:
                 logger.info("%s: its upload's parts are not of one size; hashing again", info.url)
                 with local_io():
-                    digest, layout = rehash(out, want.algorithm, exact), exact
+                    hashed = rehash(out, want.algorithm, exact)
+                digest, layout, part_digests = hashed.value(), exact, hashed.digests
         if want is not None and digest != want.value:
-            raise _mismatch(info, want, digest, attempt)
+            which, parts = self._which_parts(info, want, layout, part_digests)
+            raise mismatch(info.url, want, digest, attempt, which=which, parts=parts)
         return replace(info, verified=want, parts_layout=layout if want is not None else None)
+
+    def _which_parts(
+        self,
+        info: ObjectInfo,
+        want: Checksum,
+        layout: PartLayout | None,
+        ours: list[bytes] | None,
+    ) -> tuple[str, list[int]]:
+        """Which parts of a multipart upload differ from the store's, said for a message,
+        and their numbers (none known: empty)."""
+        if want.parts is None:
+            return "", []
+        if want.algorithm == "md5":
+            return "the store keeps no MD5 of each part, so which one differs is not known", []
+        if layout is None or ours is None or len(ours) != want.parts:
+            return "which part differs is not known", []
+        theirs = self.source.part_checksums(info, want.algorithm, want.parts)
+        return differing_parts(want.algorithm, layout, ours, theirs)
 
 
 def _local(url: str) -> bool:
     """Whether ``url`` is a file on this machine: its copy crosses no network."""
     return url_protocol(url) in LOCAL_PROTOCOLS
-
-
-def _mismatch(info: ObjectInfo, want: Checksum, digest: str | None, attempt: int) -> IntegrityError:
-    if want.parts is None:
-        what = f"{want.algorithm.upper()} of the downloaded bytes"
-    else:
-        what = f"{want.algorithm.upper()} of the {want.parts} parts' {want.algorithm.upper()}s"
-    hint = (
-        "set SHARDCACHE_ETAG_MD5=off if this store's ETags are not MD5s"
-        if want.algorithm == "md5"
-        else "check that the store computes this checksum over the object's bytes"
-    )
-    return IntegrityError(
-        f"{info.url}: {what} is {digest}, expected {want.value} ({want.source}) on attempt "
-        f"{attempt}. The bytes were corrupted in transit or the object changed; nothing "
-        f"was published. Check the network path (proxies) and the object; {hint}.",
-        url=info.url,
-        attempts=attempt,
-        expected=want.value,
-        seen=digest,
-        algorithm=want.method,
-    )
 
 
 def s3_get(

@@ -22,6 +22,7 @@ with :func:`composite_value`.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import math
 import os
@@ -120,14 +121,38 @@ class PartsHasher:
                     self._part = Hasher(self.algorithm)
                     self._left = self._sizes[len(self._digests)]
 
+    @property
+    def digests(self) -> list[bytes]:
+        """The digest of each part complete so far."""
+        return list(self._digests)
+
     def value(self) -> str:
         """The composite checksum (of the parts complete so far: a short body is caught by
         the size check first)."""
         return composite_value(self.algorithm, self._digests)
 
 
-def rehash(out: BinaryIO, algorithm: str, layout: PartLayout) -> str:
-    """The composite checksum of the first ``layout.total`` bytes of the file ``out``,
+def differing_parts(
+    algorithm: str, layout: PartLayout, ours: list[bytes], theirs: list[str] | None
+) -> tuple[str, list[int]]:
+    """The parts whose ``algorithm`` digest (``ours``, raw) is not the store's own
+    checksum of the part (``theirs``, base64; None: the store reports none), said for a
+    message, and their numbers (from 1)."""
+    if theirs is None:
+        return "the store reports no checksum of each part, so which one differs is not known", []
+    encoded = [base64.b64encode(d).decode() for d in ours]
+    numbers = [n for n, (a, b) in enumerate(zip(encoded, theirs, strict=True), 1) if a != b]
+    spans = layout.spans()
+    said = [
+        f"part {n} of {len(ours)} (bytes {spans[n - 1][0]}-{spans[n - 1][1] - 1}) has "
+        f"{algorithm.upper()} {encoded[n - 1]}, the store's part has {theirs[n - 1]}"
+        for n in numbers
+    ]
+    return "; ".join(said) or "every part matches the store's checksum of it", numbers
+
+
+def rehash(out: BinaryIO, algorithm: str, layout: PartLayout) -> PartsHasher:
+    """The multipart checksum of the first ``layout.total`` bytes of the file ``out``,
     read back (from the page cache, just written)."""
     hasher = PartsHasher(algorithm, layout)
     out.flush()
@@ -140,7 +165,7 @@ def rehash(out: BinaryIO, algorithm: str, layout: PartLayout) -> str:
             break
         hasher.update(buf[:n])
         done += n
-    return hasher.value()
+    return hasher
 
 
 def part_layout(
@@ -178,21 +203,61 @@ def _every_part(
     first: int | None,
 ) -> PartLayout | None:
     numbers = range(1 if first is None else 2, count + 1)
-    with cf.ThreadPoolExecutor(
-        min(_HEAD_CONCURRENCY, max(len(numbers), 1)), thread_name_prefix="shardcache-head"
-    ) as pool:
-        heads = list(pool.map(lambda n: _head_part(fs, path, version, n, throttle), numbers))
+    heads = _heads(fs, path, version, numbers, throttle)
     sizes = ([] if first is None else [first]) + [int(h["ContentLength"]) for h in heads]
     return PartLayout(tuple(sizes)) if sum(sizes) == total else None
 
 
-def _head_part(fs: Any, path: str, version: str | None, number: int, throttle: Throttle) -> Any:
+def part_checksums(
+    fs: Any, path: str, *, version: str | None, count: int, algorithm: str, throttle: Throttle
+) -> list[str] | None:
+    """Each part's own ``algorithm`` checksum, as the store reports it (S3 does, for a
+    ``HeadObject`` of a part with ``ChecksumMode``, of an upload made with checksums); None
+    when it reports none for some part. Asked only after a checksum did not match, to name
+    the part that differs."""
+    heads = _heads(fs, path, version, range(1, count + 1), throttle, checksum_mode=True)
+    values = [h.get(f"Checksum{algorithm.upper()}") for h in heads]
+    return values if all(isinstance(v, str) and v for v in values) else None  # type: ignore[return-value]
+
+
+def _heads(
+    fs: Any,
+    path: str,
+    version: str | None,
+    numbers: range,
+    throttle: Throttle,
+    *,
+    checksum_mode: bool = False,
+) -> list[Any]:
+    """``HeadObject`` of each part of ``numbers``, ``_HEAD_CONCURRENCY`` at a time."""
+    with cf.ThreadPoolExecutor(
+        min(_HEAD_CONCURRENCY, max(len(numbers), 1)), thread_name_prefix="shardcache-head"
+    ) as pool:
+        return list(
+            pool.map(
+                lambda n: _head_part(fs, path, version, n, throttle, checksum_mode=checksum_mode),
+                numbers,
+            )
+        )
+
+
+def _head_part(
+    fs: Any,
+    path: str,
+    version: str | None,
+    number: int,
+    throttle: Throttle,
+    *,
+    checksum_mode: bool = False,
+) -> Any:
     """``HeadObject`` of part ``number`` (of ``version`` when the bucket keeps versions).
     No ``If-Match``: a layout read from a replaced object only makes the checksum differ,
     which restarts the download as any mismatch does (and moto compares it with the part's
     own ETag)."""
     bucket, key, in_path = fs.split_path(path)
     kw: dict[str, Any] = {"PartNumber": number}
+    if checksum_mode:
+        kw["ChecksumMode"] = "ENABLED"
     if in_path or version:
         kw["VersionId"] = in_path or version
     return throttled_call(
@@ -206,7 +271,9 @@ __all__ = [
     "PartLayout",
     "PartsHasher",
     "composite_value",
+    "differing_parts",
     "exact_layout",
+    "part_checksums",
     "part_layout",
     "rehash",
 ]

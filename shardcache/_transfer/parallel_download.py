@@ -96,8 +96,10 @@ class ParallelDownload(Strategy):
                 return None  # fresh metadata says the object is no longer large
             head, first = first, None
             expected = self.expectation(info)
-            digest = self._fetch_parts(info, out, progress, n, head=head, expected=expected)
-            verified = self.verify(info, info.size, digest, n, expected=expected, out=out)
+            digest, parts = self._fetch_parts(info, out, progress, n, head=head, expected=expected)
+            verified = self.verify(
+                info, info.size, digest, n, expected=expected, out=out, part_digests=parts
+            )
             out.seek(info.size)
             return verified
 
@@ -120,10 +122,11 @@ class ParallelDownload(Strategy):
         *,
         head: Iterator[bytes] | None,
         expected: Expected,
-    ) -> str | None:
+    ) -> tuple[str | None, list[bytes] | None]:
         """Every part at its offset; ``head``, the body of a whole-object GET already
         answered, gives the first part (then is closed) instead of a ranged GET of its own.
-        Returns the checksum of the object's bytes under ``expected`` (None: none asked)."""
+        Returns the checksum of the object's bytes under ``expected`` (None: none asked)
+        and, for a multipart upload's, each upload part's digest."""
         size = info.size or 0
         with local_io():
             out.flush()
@@ -186,12 +189,13 @@ class ParallelDownload(Strategy):
                 )
             if follower is not None:
                 progress(phase="verifying", bytes_done=size, bytes_total=size)
-                return follower.digest()  # the tail after the last part: the rest is hashed
+                # The tail after the last part: the rest is hashed.
+                return follower.digest(), plan.part_digests()
         except BaseException:
             if follower is not None:
                 follower.abandon()  # never left waiting for bytes that will not come
             raise
-        return plan.digest()
+        return plan.digest(), plan.part_digests()
 
     def _fetch_part(
         self,
@@ -299,6 +303,14 @@ class _Plan:
         ]
         if self._algorithm is not None and not inline:
             self.follow = expected.hasher()
+
+    def part_digests(self) -> list[bytes] | None:
+        """Each upload part's digest, for a multipart upload's checksum (else None)."""
+        if self._layout is None:
+            return None
+        if isinstance(self.follow, PartsHasher):
+            return self.follow.digests
+        return [h.digest() for h in self.hashers if h is not None]
 
     def digest(self) -> str | None:
         """The checksum once every range landed (a follower's is taken by the caller)."""

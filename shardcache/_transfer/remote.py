@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 from fsspec.asyn import sync
@@ -39,7 +40,7 @@ from .download import (
     s3_get,
 )
 from .gcs import GCS_PROTOCOLS, gcs_filesystem, gcs_object_info
-from .multipart import PartLayout, exact_layout, part_layout
+from .multipart import PartLayout, exact_layout, part_checksums, part_layout
 from .parallel_download import ParallelDownload
 from .pipe_commands import check_allowed
 from .pipe_download import PipeDownload
@@ -49,6 +50,7 @@ from .stream_download import StreamDownload
 
 logger = get_logger(__name__)
 
+_T = TypeVar("_T")
 _DECIDED = (FetchError, UrlError)  # errors of ours: raised as they are, never retried
 _SETTLED = (*_DECIDED, IntegrityError)  # a ranged read of an object that changed, too
 
@@ -217,14 +219,12 @@ class Remote:
     def part_layout(self, info: ObjectInfo, parts: int, *, exact: bool) -> PartLayout | None:
         """The layout of the ``parts`` parts of the S3 object ``info`` describes
         (:func:`~shardcache._transfer.multipart.part_layout`; ``exact``: every part's size
-        asked for, :func:`~shardcache._transfer.multipart.exact_layout`). Transient errors are
-        retried; a changed object (HTTP 412) is an :class:`IntegrityError`."""
-        if url_protocol(info.url) not in {"s3", "s3a"} or info.size is None:
-            return None
-        fs, path = self.filesystem(info.url)
+        asked for, :func:`~shardcache._transfer.multipart.exact_layout`); None for other
+        stores. Transient errors are retried."""
         learn = exact_layout if exact else part_layout
-        return self.options.retry.run(
-            lambda n: learn(
+        return self._about_parts(
+            info,
+            lambda fs, path: learn(
                 fs,
                 path,
                 version=info.version_id,
@@ -232,6 +232,31 @@ class Remote:
                 count=parts,
                 throttle=self.options.throttle,
             ),
+        )
+
+    def part_checksums(self, info: ObjectInfo, algorithm: str, parts: int) -> list[str] | None:
+        """Each of the ``parts`` parts' own ``algorithm`` checksum as the S3 store reports it
+        (:func:`~shardcache._transfer.multipart.part_checksums`), or None."""
+        return self._about_parts(
+            info,
+            lambda fs, path: part_checksums(
+                fs,
+                path,
+                version=info.version_id,
+                count=parts,
+                algorithm=algorithm,
+                throttle=self.options.throttle,
+            ),
+        )
+
+    def _about_parts(self, info: ObjectInfo, ask: Callable[[Any, str], _T]) -> _T | None:
+        """``ask(fs, path)`` of an S3 object's parts, retried as a stat is; None for other
+        stores."""
+        if url_protocol(info.url) not in {"s3", "s3a"} or info.size is None:
+            return None
+        fs, path = self.filesystem(info.url)
+        return self.options.retry.run(
+            lambda n: ask(fs, path),
             retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
             give_up=lambda exc, n: (
                 exc if isinstance(exc, _DECIDED) else fetch_error(info.url, n, exc, "stat")

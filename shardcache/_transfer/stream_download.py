@@ -33,6 +33,7 @@ from .download import (
     verification_failed,
 )
 from .gcs import GCS_PROTOCOLS, gcs_gets
+from .multipart import PartsHasher
 from .ranged_gets import ranged_reads
 
 logger = get_logger(__name__)
@@ -69,7 +70,15 @@ class StreamDownload(Strategy):
                 raise TruncatedBody(f"body ended at byte {state.done} of {state.info.size}")
             digest = state.hasher.value() if state.hasher is not None else None
             return self.verify(
-                state.info, state.done, digest, n, expected=state.expected, out=_file(out)
+                state.info,
+                state.done,
+                digest,
+                n,
+                expected=state.expected,
+                out=_file(out),
+                part_digests=state.hasher.digests
+                if isinstance(state.hasher, PartsHasher)
+                else None,
             )
 
         def on_retry(exc: Exception, n: int) -> None:

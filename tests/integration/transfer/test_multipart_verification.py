@@ -6,9 +6,12 @@ promise, and the strict setting."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import random
+import zlib
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -347,3 +350,56 @@ def test_the_verify_command_keeps_a_good_copy_whose_etag_is_no_md5(
     cache.fetch(f"s3://{BUCKET}/enc.tar")
     report = verify(cache)
     assert not report.failed and len(report.of("ok")) == 1
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["stream", "parallel"])
+@pytest.mark.parametrize("per_part", [True, False], ids=["store-names-parts", "no-part-checksums"])
+def test_a_flipped_byte_names_the_part_where_the_store_reports_each_parts_checksum(
+    bucket, fault_proxy, tmp_path: Path, parallel: bool, per_part: bool
+) -> None:
+    """S3 answers a HEAD of one part with that part's own checksum (moto does not: the proxy
+    adds it, as S3 sends it); the failed check then names the part that differs."""
+    sizes = _sizes(bucket)
+    data = _blob(sum(sizes), 17)
+    upload_multipart(
+        bucket.boto3_client(),
+        BUCKET,
+        "n.tar",
+        data,
+        sizes,
+        checksum="CRC32",
+        checksum_type="COMPOSITE",
+    )
+    if per_part:
+        ends = list(accumulate(sizes))
+        for number, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True), 1):
+            own = base64.b64encode(zlib.crc32(data[start:end]).to_bytes(4, "big")).decode()
+            fault_proxy.add_fault(
+                "headers",
+                times=None,
+                method="HEAD",
+                path_contains=f"n.tar?partNumber={number}",
+                set_headers={"x-amz-checksum-crc32": own},
+            )
+    flip = {"range_from": sizes[0], "corrupt_at": 7} if parallel else {"corrupt_at": sizes[0] + 7}
+    fault_proxy.add_fault("corrupt", times=None, method="GET", path_contains="n.tar", **flip)
+    cache = _cache(tmp_path, bucket, fault_proxy, parallel=parallel, retries=0)
+    with pytest.raises(IntegrityError) as caught:
+        cache.fetch(f"s3://{BUCKET}/n.tar")
+    if per_part:
+        assert f"part 2 of 3 (bytes {sizes[0]}-{2 * sizes[0] - 1}) has CRC32" in str(caught.value)
+        assert caught.value.parts == [2]
+    else:
+        assert "the store reports no checksum of each part" in str(caught.value)
+        assert caught.value.parts == []
+
+
+def test_a_flipped_byte_of_an_md5_multipart_object_says_no_part_can_be_named(
+    bucket, fault_proxy, tmp_path: Path
+) -> None:
+    sizes = _sizes(bucket)
+    upload_multipart(_plain_client(bucket), BUCKET, "m.tar", _blob(sum(sizes), 18), sizes)
+    fault_proxy.add_fault("corrupt", times=None, method="GET", path_contains="m.tar")
+    cache = _cache(tmp_path, bucket, fault_proxy, parallel=False, retries=0)
+    with pytest.raises(IntegrityError, match="the store keeps no MD5 of each part"):
+        cache.fetch(f"s3://{BUCKET}/m.tar")
