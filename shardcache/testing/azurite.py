@@ -7,7 +7,7 @@ adlfs reaches it with the development account's connection string::
         fs = adlfs.AzureBlobFileSystem(**azure.storage_options())
 
 Blobs written in one request carry Content-MD5, and Azurite honours ``If-Match`` on ranged
-reads, as Azure does. Azurite is a node program: ``scripts/setup-venv`` installs it with npm
+reads, as Azure does. Azurite is a node program: ``scripts/setup-azurite`` installs it with npm
 under the venv (``<venv>/azurite``); one on PATH (``azurite-blob``) is used otherwise.
 """
 
@@ -43,7 +43,7 @@ class AzuriteServer(ChildServer):
     # its data is thrown away anyway.
     graceful = False
     install_hint = (
-        "run scripts/setup-venv (it installs Azurite with npm under the venv), or "
+        "run scripts/setup-azurite (it installs Azurite with npm under the venv), or "
         "npm install -g azurite@3.37.0"
     )
 
