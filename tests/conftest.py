@@ -42,7 +42,7 @@ settings.load_profile(os.environ.get("SHARDCACHE_HYPOTHESIS", "deterministic"))
 #   and takes down the machine's one SLURM) or a multi-process job (torchrun, the benchmark
 #   harness), so that two such jobs never compete for the two cores (their jobs have time
 #   limits), and test_node_lock.py, whose waiters give up on a holder that shows no progress
-#   for 8 s through a chain of polls on JuiceFS (it timed out once beside such a job);
+#   for 20 s through a chain of polls on JuiceFS (it timed out once beside such a job);
 # - "accounts": the security tests, whose second accounts are made with useradd.
 # The groups are whole files, assigned by the scheduler below (xdist's own --dist loadgroup
 # renames node ids, which pytest 9.2 no longer allows: it silently grouped nothing). A test
