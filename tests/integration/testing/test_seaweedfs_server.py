@@ -23,7 +23,10 @@ def _listening(pid: int) -> set[tuple[str, int]]:
     """(address, port) of every TCP socket ``pid`` listens on (/proc/net/tcp{,6})."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd)
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:  # closed since it was listed: the server works meanwhile
+            continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:[") : -1])
     found = set()
