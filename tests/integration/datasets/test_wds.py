@@ -187,6 +187,10 @@ def _split_rank(rank: int, store: str, out) -> None:
     )
     try:
         out.put((rank, list(shardcache.split_by_node([f"shard-{i}" for i in range(7)]))))
+        # No rank leaves the group while the other may still be connecting its mesh: a rank
+        # that destroyed its group early made the other's gloo connect fail ("Connection
+        # closed by peer") in one fresh-clone run.
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
