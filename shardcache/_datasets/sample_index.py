@@ -148,6 +148,11 @@ def load_index(source: str, urls: Sequence[str]) -> SampleIndex:
         raise SampleIndexError(
             f"cannot read the sample index {source}: {exc}", path=source
         ) from None
+    return index_records(document, source, urls)
+
+
+def index_records(document: Any, source: str, urls: Sequence[str]) -> SampleIndex:
+    """The records of ``urls`` in the index document ``document`` read from ``source``."""
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         seen = document.get("format") if isinstance(document, dict) else type(document).__name__
         raise SampleIndexError(
