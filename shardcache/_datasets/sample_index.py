@@ -12,9 +12,11 @@ whole archive once (:func:`scan`), from one of two places:
   end where the record ends: otherwise the shard changed and :class:`SampleIndexError`
   says to index again);
 * **learned** (the default, nothing prepared): each shard is fetched through the cache
-  and scanned; the result is kept beside the cached copy in ``<scope>/.samples/`` and
-  reused while that copy (its inode and size) is the one cached, so other processes and
-  later epochs read a small record instead of scanning again.
+  and scanned (:func:`learn`; which shards each rank learns, and how the job shares them
+  and keeps the whole index, is :mod:`shardcache._datasets.job_index`); the result is
+  kept beside the cached copy in ``<scope>/.samples/`` and reused while that copy (its
+  inode and size) is the one cached, so other processes and later epochs read a small
+  record instead of scanning again.
 """
 
 from __future__ import annotations
@@ -298,7 +300,8 @@ def stale(url: str, expected: object, seen: object) -> SampleIndexError:
     return SampleIndexError(
         f"{url} does not match its sample index: expected {expected}, found {seen}. The "
         "shard changed since it was indexed: make the index again (shardcache index), or "
-        "leave index= unset to learn it",
+        "leave index= unset to learn it (an index a job learned is kept in the cache "
+        "root's .indexes/ and, with keep_index='data', beside the shards: delete it)",
         url=url,
         expected=expected,
         seen=seen,

@@ -311,6 +311,32 @@ def test_an_index_kept_beside_the_data_serves_a_job_with_new_caches(s3, tmp_path
     assert gets[index_keys[0]] <= RANKS  # one look beside the data a rank
 
 
+def test_a_shard_one_rank_cannot_learn_stops_every_rank_at_once(s3, tmp_path: Path) -> None:
+    """A shard missing from the store: the rank learning it fails, and the other rank,
+    waiting for its offsets, raises the same error (not the process group's error when
+    its peer is gone, nor a wait for the collective timeout)."""
+    tars = shard_tars(UNEQUAL)
+    del tars["train-000007.tar"]
+    s3.put_objects(BUCKET, tars)
+    spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
+    command = torchrun(
+        RANKS, JOB, f"--spec={spec}", f"--cache={tmp_path / 'cache'}", f"--out={tmp_path}"
+    )
+    done = subprocess.run(
+        command,
+        env=job_env(**s3.env()),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode != 0
+    failed = [line for line in done.stderr.splitlines() if "could not learn" in line]
+    assert {line.split(":", 1)[0] for line in failed} == {"[rank0]", "[rank1]"}, done.stderr[-4000:]
+    assert all("rank 1 could not learn" in line for line in failed), failed
+    assert "train-000007.tar does not exist" in failed[0]
+
+
 def shardcache_cli(*runs: tuple[list[str], dict[str, str]]) -> list[str]:
     """Run ``python -m shardcache ARGS`` once per ``(ARGS, env)``, all at once (bounded);
     each must exit 0. Returns their stdouts."""
