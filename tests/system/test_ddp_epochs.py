@@ -311,6 +311,29 @@ def test_an_index_kept_beside_the_data_serves_a_job_with_new_caches(s3, tmp_path
     assert gets[index_keys[0]] <= RANKS  # one look beside the data a rank
 
 
+def test_at_node_scope_the_ranks_of_a_cache_share_its_shards(s3, tmp_path: Path) -> None:
+    """SHARDCACHE_SCOPE=node: both ranks read through one cache and share learning its
+    shards' offsets (each rank a part, gathered); every shard is fetched once in the job
+    and scanned once."""
+    tars = shard_tars(UNEQUAL)
+    s3.put_objects(BUCKET, tars)
+    s3.clear_requests()
+    spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
+    run_job(
+        tmp_path,
+        spec,
+        "--epochs=1",
+        "--batch-size=8",
+        "--log-info",
+        env={**s3.env(), "SHARDCACHE_SCOPE": "node"},
+    )
+    check_epoch(records(tmp_path), 0, all_keys(UNEQUAL), batch_size=8, remainder="pad")
+    gets = Counter(r.key for r in s3.requests() if r.method == "GET" and r.bucket == BUCKET)
+    assert gets == Counter(tars.keys()), gets
+    assert "once across the job's 2 ranks" in (tmp_path / "torchrun.stderr").read_text()
+    assert len(list((tmp_path / "cache" / "node" / ".samples").glob("*/*.json"))) == len(tars)
+
+
 def test_a_shard_one_rank_cannot_learn_stops_every_rank_at_once(s3, tmp_path: Path) -> None:
     """A shard missing from the store: the rank learning it fails, and the other rank,
     waiting for its offsets, raises the same error (not the process group's error when
