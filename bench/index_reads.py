@@ -22,13 +22,12 @@ instead: 20 ms to the first byte of a GET, 100 MB/s a stream (one reader, no par
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.infra import MB, MiB, make_shard, samples_per_shard
+from bench.infra import MB, MiB, make_shard, samples_per_shard, table_main
 from shardcache.testing import S3Server
 
 BLOCK = 512
@@ -159,18 +158,11 @@ def main_parser() -> argparse.ArgumentParser:
         default=[100, 10, 1],
         help="sample sizes (KiB), one shard each",
     )
-    parser.add_argument("--json", default=None, help="also write the figures here")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = main_parser().parse_args(argv)
-    rows = run(args)
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=2)
-    return 0
+    return table_main(main_parser(), run, table, argv)
 
 
 if __name__ == "__main__":

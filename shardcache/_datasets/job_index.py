@@ -56,7 +56,6 @@ from .sample_index import (
 logger = get_logger(__name__)
 
 KEEPS = ("cache", "data")  # where a learned index is kept: the cache root, also the data
-_KEPT_LIMIT = 1 << 30  # a kept index of a few million shards still fits
 
 
 def kept_path(cache: ShardCache, digest: str) -> Path:
@@ -183,7 +182,8 @@ def _find_kept(
     data (when allowed); one that cannot be used is learned again (a warning says why)."""
     path = kept_path(cache, digest)
     try:
-        document = json.loads(cache.layout.fs.read_small(path, _KEPT_LIMIT))
+        size = cache.layout.fs.lstat(path).st_size  # read whole, however large
+        document = json.loads(cache.layout.fs.read_small(path, size + 1))
     except FileNotFoundError:
         document = None
     except (OSError, ValueError) as exc:
