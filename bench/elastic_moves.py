@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import random
 import sys
 from itertools import accumulate
 from typing import Any
 
+from bench.infra import table_main
 from shardcache._datasets.epoch_split import EpochSplit
 
 CASES = [
@@ -104,18 +104,11 @@ def main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shards", type=int, default=100000, help="skip larger cases")
-    parser.add_argument("--json", default=None, help="also write the figures here")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = main_parser().parse_args(argv)
-    rows = run(args)
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=2)
-    return 0
+    return table_main(main_parser(), run, table, argv)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import multiprocessing as mp
 import os
 import resource
@@ -197,6 +198,21 @@ def count_samples(samples: Iterator[dict[str, Any]], on_sample: Callable[[], Non
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def table_main(
+    parser: Any, run: Callable[[Any], Any], table: Callable[[Any], str], argv: list[str] | None
+) -> int:
+    """A table benchmark's ``main``: parse ``argv`` (``parser`` and ``--json FILE``), run,
+    print the table, and write the figures as JSON where ``--json`` says."""
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    figures = run(args)
+    print(table(figures))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(figures, out, indent=2)
+    return 0
 
 
 def machine() -> dict[str, Any]:

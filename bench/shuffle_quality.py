@@ -27,7 +27,6 @@ and shuffle functions, default block size, canonical nodes = physical nodes).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from itertools import accumulate
@@ -36,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.infra import table_main
 from shardcache._datasets.epoch_split import EpochSplit
 from shardcache._datasets.resume_plan import RandomDraws
 from shardcache._datasets.shuffle_buffer import ShuffleBuffer
@@ -246,18 +246,11 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--buffers", type=int, nargs="+", default=[0, 1000])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the figures here")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = main_parser().parse_args(argv)
-    report = run(args)
-    print(table(report))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
-    return 0
+    return table_main(main_parser(), run, table, argv)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from ._base.dirs import NOT_YET_ERRNOS, ensure_dir
 from ._base.errors import WaitTimeout
@@ -130,6 +131,21 @@ def barrier() -> bool:
         return False
     dist.barrier()
     return True
+
+
+def gather_objects(value: object) -> list[Any] | None:
+    """Every rank's ``value`` (picklable), in rank order, through the default process group
+    (``all_gather_object``; bounded by the group's timeout); None if none is initialised.
+
+    A collective: every rank of the default group must call it. Not in a DataLoader
+    worker: a forked worker inherits the group's Python state, not a working group.
+    """
+    dist = _initialised_dist()
+    if dist is None:
+        return None
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def makedirs(path: Path | str, mode: int = 0o755, timeout: float = 30.0) -> Path:

@@ -1,21 +1,26 @@
-"""Which cache owns which samples: whole shards handed out so that a change in the number
-of caches moves as few shards as it can, then evened out to equal sample counts.
+"""Which cache owns which samples: whole shards handed out by count so that a change in
+the number of caches moves as few shards as it can, then evened out to equal sample counts.
 
-*Whole shards, nested by cache count.* With one cache, it holds every shard (in the
-order given). The hand-out for ``k + 1`` caches is the one for ``k`` plus a new cache,
-which takes whole shards, one at a time, each from the end of the list of the cache that
-holds most samples, until it holds about ``T / (k + 1)`` of the ``T`` samples. Only the
-new cache receives, so going from ``U`` to ``U + 1`` caches moves only the shards the new
-cache takes (about ``1 / (U + 1)`` of them, the least any balanced hand-out can move), and
-going from ``U`` to ``U - 1`` only the last cache's shards (about ``1 / U``); old caches
-keep everything else. Greedy taking from the fullest keeps every cache within about one
-shard of ``T / U``.
+*Whole shards, by count, nested by cache count.* The hand-out needs nothing read: each
+cache learns the sample offsets of its own whole shards only (one read of each shard
+across the job, :mod:`shardcache._datasets.job_index`), and the real counts are then used
+to even out. With one cache, it holds every shard (in the order given). The hand-out for
+``k + 1`` caches is the one for ``k`` plus a new cache, which takes whole shards, one at a
+time, each from the end of the list of the cache that holds most shards, until it holds
+about ``S / (k + 1)`` of the ``S`` shards. Only the new cache receives, so going from
+``U`` to ``U + 1`` caches moves only the shards the new cache takes (about
+``1 / (U + 1)`` of them, the least any balanced hand-out can move), and going from ``U``
+to ``U - 1`` only the last cache's shards (about ``1 / U``); old caches keep everything
+else. Every cache holds ``floor(S / U)`` or ``ceil(S / U)`` shards.
 
-*Equal samples.* Each cache's quota is ``floor(T / U)`` or ``ceil(T / U)`` (the fuller
-caches get the larger ones). A cache above its quota gives the samples past it, from the
-end of its list (a shard it keeps the start of is then read by two caches); the caches
-below theirs take those samples in cache order. At most ``U - 1`` shards are split so,
-as in any split of samples into equal spans. These hand-overs, unlike the whole shards,
+*Equal samples.* Each cache's quota is ``floor(T / U)`` or ``ceil(T / U)`` of the ``T``
+samples (the fuller caches get the larger ones). A cache above its quota gives the samples
+past it, from the end of its list (a shard it keeps the start of is then read by two
+caches); the caches below theirs take those samples in cache order. Shards of about equal
+sample counts (what ``webdataset.ShardWriter(maxcount=...)`` writes; within 10 %) leave
+every cache within about one shard of its quota: the job reads at most ``caches`` shards
+besides each cache's own. Shards of very unequal counts cost more (counts spread from 40
+to 157: about 2.5 shards of others per cache). These hand-overs, unlike the whole shards,
 are redrawn when the cache count changes: from ``U`` to ``U + 1`` caches every old cache
 must hand on about ``T / (U (U + 1))`` samples anyway, here each to a cache that did not
 read that shard, so about one shard per cache is fetched again besides the new cache's
@@ -43,10 +48,13 @@ class Run:
         return self.stop - self.first
 
 
-def cache_shares(shards: Sequence[Run], caches: int) -> list[list[Run]]:
-    """The samples each of ``caches`` owns: ``shards`` (whole, in a stable order) handed
-    out nested by cache count, then evened out to ``floor``/``ceil`` of the mean."""
-    held = whole_shards(shards, caches)
+def cache_shares(shards: Sequence[int], counts: Sequence[int], caches: int) -> list[list[Run]]:
+    """The samples each of ``caches`` owns: ``shards`` (indices, in a stable order) handed
+    out whole by count, nested by cache count, then evened out with their sample
+    ``counts`` (by shard index) to ``floor``/``ceil`` of the mean."""
+    held = [
+        [Run(s, 0, counts[s]) for s in mine if counts[s]] for mine in whole_shards(shards, caches)
+    ]
     loads = [_samples(runs) for runs in held]
     return even_out(held, quotas(sum(loads), loads))
 
@@ -98,28 +106,23 @@ def owners(shares: Sequence[Sequence[Run]], shard_count: int) -> list[int]:
     return [unit for _, unit in best]
 
 
-def whole_shards(shards: Sequence[Run], caches: int) -> list[list[Run]]:
-    """``shards`` handed out whole to ``caches``, nested: the hand-out for ``k + 1`` caches
-    is the one for ``k`` with some shards moved to the new cache, and only to it."""
-    total = _samples(shards)
+def whole_shards(shards: Sequence[int], caches: int) -> list[list[int]]:
+    """``shards`` handed out whole to ``caches`` by count, nested: the hand-out for
+    ``k + 1`` caches is the one for ``k`` with some shards moved to the new cache, and only
+    to it. Needs no sample count: what each cache indexes before any count is known."""
+    total = len(shards)
     held = [list(shards)]
-    loads = [total]
-    fullest = [(-total, 0)]  # a heap of (-load, cache)
+    fullest = [(-total, 0)]  # a heap of (-shards held, cache)
     for new in range(1, caches):
-        mine: list[Run] = []
-        load = 0
+        mine: list[int] = []
         while held[fullest[0][1]]:
             donor = fullest[0][1]
-            size = len(held[donor][-1])
-            if (new + 1) * (2 * load + size) >= 2 * total:  # no nearer T/(new+1) with it
+            if (new + 1) * (2 * len(mine) + 1) >= 2 * total:  # no nearer S/(new+1) with it
                 break
             mine.append(held[donor].pop())
-            load += size
-            loads[donor] -= size
-            heapq.heapreplace(fullest, (-loads[donor], donor))
+            heapq.heapreplace(fullest, (-len(held[donor]), donor))
         held.append(mine)
-        loads.append(load)
-        heapq.heappush(fullest, (-load, new))
+        heapq.heappush(fullest, (-len(mine), new))
     return held
 
 

@@ -11,11 +11,13 @@ of batches whatever the batch size.
 
 Stable across epochs (what keeps later epochs in the cache): the shards, in an order drawn
 from the seed alone, are handed out to the units by :func:`~shardcache._datasets.cache_shares.
-cache_shares` (whole shards, nested by unit count so that another unit count moves few of
-them, then evened out to equal sample counts). Changing with the epoch: the order of the
-unit's shards (drawn from seed and epoch), which of its samples repeat or are dropped (the
-ends of that order), and so which consumer reads what. A unit that owns no sample at all
-(fewer samples than units) repeats samples of the whole sequence.
+cache_shares` (whole shards by count, nested by unit count so that another unit count moves
+few of them, then evened out to equal sample counts). The whole shards need no sample
+count (:func:`indexing_shares`): each unit learns the offsets of its own only. Changing
+with the epoch: the order of the unit's shards (drawn from seed and epoch), which of its
+samples repeat or are dropped (the ends of that order), and so which consumer reads what.
+A unit that owns no sample at all (fewer samples than units) repeats samples of the whole
+sequence.
 
 An elastic resume hands the samples left undelivered to the units owning their shards in
 the new layout, evened out the same way, then deals each unit's part to its consumers.
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from .._base.errors import ConfigError, SampleIndexError
-from .cache_shares import Run, cache_shares, even_out, owners, quotas
+from .cache_shares import Run, cache_shares, even_out, owners, quotas, whole_shards
 from .resume_plan import Piece, epoch_order
 
 REMAINDERS = ("pad", "drop")
@@ -79,7 +81,8 @@ class EpochSplit:
                 "sharing a key, name.suffix)",
                 shards=len(starts),
             )
-        order = epoch_order(len(starts), seed, -1, shuffle=shuffle)  # -1: not an epoch's
+        self._order = _stable_order(len(starts), seed, shuffle)
+        order = self._order
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
         self._shares: dict[int, list[list[Run]]] = {}
         self._last_order: tuple[tuple[int, ...] | None, list[Run]] = (None, [])
@@ -172,7 +175,7 @@ class EpochSplit:
     def unit_shares(self, units: int) -> list[list[Run]]:
         """The samples each of ``units`` owns in every fresh epoch (computed once)."""
         if units not in self._shares:
-            self._shares[units] = cache_shares(self._base, units)
+            self._shares[units] = cache_shares(self._order, self.counts, units)
         return self._shares[units]
 
     def shard_units(self, units: int) -> list[list[int]]:
@@ -212,6 +215,17 @@ class EpochSplit:
 
     def _pieces(self, runs: Iterator[Run]) -> list[Piece]:
         return [Piece(r.shard, self.starts[r.shard][r.first], len(r)) for r in runs]
+
+
+def indexing_shares(shards: int, seed: int, shuffle: bool, units: int) -> list[list[int]]:
+    """The whole shards each of ``units`` holds before any sample count is known (what it
+    indexes): the hand-out :meth:`EpochSplit.unit_shares` then evens out."""
+    return whole_shards(_stable_order(shards, seed, shuffle), units)
+
+
+def _stable_order(shards: int, seed: int, shuffle: bool) -> list[int]:
+    """The shards in the order of the hand-out, drawn from the seed alone."""
+    return list(epoch_order(shards, seed, -1, shuffle=shuffle))  # -1: not an epoch's
 
 
 def _take(runs: Sequence[Run], start: int, count: int) -> Iterator[Run]:

@@ -12,11 +12,12 @@ every rank computing the same split (:mod:`shardcache._datasets.epoch_split`): e
 the same number of samples (the remainder padded by repeats, or dropped), so every rank
 yields the same number of batches, and each shard is read by the same cache (rank, or
 node) in every epoch while the order changes (:meth:`set_epoch`). The split needs each
-shard's sample offsets: an index file (``index=``, made by ``shardcache index``) or
-learned by fetching the shards through the cache before the first sample
-(:mod:`shardcache._datasets.sample_index`). Each consumer reads its pieces through the WebDataset
-cache stage (:class:`~shardcache._datasets.wds.CacheStage`: prefetch threads, reading while
-downloading, the handler) and, optionally, a seeded shuffle buffer.
+shard's sample offsets: an index file (``index=``, made by ``shardcache index``), or
+learned before the first sample with one read of each shard across the job, each cache
+indexing its own shards, and kept for the next job (:mod:`shardcache._datasets.job_index`).
+Each consumer reads its pieces through the WebDataset cache stage
+(:class:`~shardcache._datasets.wds.CacheStage`: prefetch threads, reading while downloading,
+the handler) and, optionally, a seeded shuffle buffer.
 
 :meth:`state_dict` says exactly which samples left the dataset: the piece and byte offset
 the next sample starts at, the samples in the shuffle buffer (shard, offset, key) and the
@@ -37,6 +38,7 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch.distributed as dist
 import torch.utils.data
 import webdataset as wds
 
@@ -46,9 +48,11 @@ from .._cache.shard_cache import ShardCache
 from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
-from .epoch_split import EpochSplit
+from .epoch_split import EpochSplit, indexing_shares
+from .job_index import job_index
 from .resume_options import (
     flag,
+    index_keeping,
     index_location,
     rank_and_world_size,
     remainder_rule,
@@ -59,7 +63,7 @@ from .resume_pieces import advance, piece_samples, visits
 from .resume_plan import RandomDraws
 from .resume_start import check_layout, check_same_consumer, finished, plan_for, start_progress
 from .resume_state import DatasetIdentity, Progress, State, job_state, leftover, start_state
-from .sample_index import SampleIndex, learn, load_index
+from .sample_index import SampleIndex, load_index
 from .shuffle_buffer import ShuffleBuffer, restore_ranged, seeked
 from .urls import Spec
 from .wds import CacheStage, Handler
@@ -80,7 +84,10 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     many samples an epoch has: fewer than the shards hold, and the next epochs deliver the
     rest first (each cache cycles through its own); more, and samples repeat.
     ``index`` is a sample index file (path or URL) made by
-    ``shardcache index``; None learns it through the cache. ``rank`` and ``world_size``
+    ``shardcache index``; None learns it (each cache its own shards, shared through
+    torch.distributed when a process group is initialised: see :meth:`prepare`) and keeps
+    it in the cache root, and also beside the shards with ``keep_index="data"``.
+    ``rank`` and ``world_size``
     default to shardcache's detection (torch.distributed, torchrun, SLURM); DataLoader
     workers are found by ``torch.utils.data.get_worker_info()``. ``handler``, ``cache``,
     ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
@@ -96,6 +103,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         remainder: str = "pad",
         epoch_size: int | None = None,
         index: str | None = None,
+        keep_index: str = "cache",
         handler: Handler = wds.reraise_exception,
         cache: ShardCache | None = None,
         threads: int | None = None,
@@ -112,6 +120,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self.remainder = remainder_rule(remainder)
         self.epoch_size = None if epoch_size is None else whole("epoch_size", epoch_size, low=1)
         self.index = index_location(index)
+        self.keep_index = index_keeping(keep_index)
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.identity = DatasetIdentity.of(
             self.urls, self.seed, shuffle_shards, remainder, self.epoch_size
@@ -150,6 +159,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         has samples to deliver is refused, so the rest of that epoch is not skipped by
         accident."""
         epoch = whole("epoch", epoch, low=0)
+        if self._split is None and self.index is None and self._in_group():
+            self._epoch_split()  # learned with the job's ranks (a collective)
         pending = self._pending
         if pending is not None and pending["epoch"] == epoch:
             self._pending_entered = True
@@ -206,7 +217,12 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     def prepare(self) -> ResumableDataset:
         """Load or learn the shards' sample offsets, and hand the shards out to the
         caches, now, in this process (DataLoader workers forked afterwards inherit both
-        instead of each reading the index and computing the hand-out)."""
+        instead of each reading the index and computing the hand-out).
+
+        Learning with a torch.distributed process group initialised here is a collective
+        (every rank must call it; the first ``set_epoch()`` does it too): each rank
+        indexes its own cache's shards and the offsets are gathered, one read of each
+        shard across the job."""
         _, world_size, local_world_size = self._ranks()
         per_cache = self._ranks_per_cache(world_size, local_world_size)
         self._epoch_split().unit_shares(world_size // per_cache)
@@ -236,15 +252,23 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         if self.index is not None:
             return load_index(self.index, self.urls)
         cache = self._cache()
-        threads = self._threads or cache.settings.threads
-        logger.info(
-            "learning the sample offsets of %d shards through the cache %s (%d threads); "
-            "`shardcache index` makes an index file ahead (index=) to skip this",
-            len(self.urls),
-            cache.layout.scope_dir,
-            threads,
+        rank, world_size, local_world_size = self._ranks()
+        mine = None
+        if self._in_group():  # the ranks share the work: this one indexes its part of its cache's
+            per_cache = self._ranks_per_cache(world_size, local_world_size)
+            units = world_size // per_cache
+            own = indexing_shares(len(self.urls), self.seed, self.shuffle_shards, units)
+            mine = own[rank // per_cache][rank % per_cache :: per_cache]
+        return job_index(
+            self.urls,
+            self.identity.digest,
+            cache,
+            mine=mine,
+            rank=rank,
+            threads=self._threads or cache.settings.threads,
+            handler=self._stage.handler,
+            keep=self.keep_index,
         )
-        return learn(self.urls, cache, threads=threads, handler=self._stage.handler)
 
     def share_taken(self) -> tuple[int, int]:
         """In the process that iterates: the samples this consumer gets in the running
@@ -284,6 +308,18 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             return self.rank, self.world_size, None
         ranks = rank_info()
         return ranks.rank, ranks.world_size, ranks.local_world_size
+
+    def _in_group(self) -> bool:
+        """Whether this process can share work with the job's other ranks: a
+        torch.distributed process group of this dataset's ranks is initialised here, and
+        this is no DataLoader worker (a forked worker inherits the group's state, not a
+        working group)."""
+        if torch.utils.data.get_worker_info() is not None:
+            return False
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        rank, world_size, _ = self._ranks()
+        return world_size > 1 and (rank, world_size) == (dist.get_rank(), dist.get_world_size())
 
     def _ranks_per_cache(self, world_size: int, local_world_size: int | None) -> int:
         """How many ranks share a cache: a node's at node scope (when the node's size is

@@ -9,6 +9,7 @@ from typing import Any
 
 from .._base.errors import ConfigError
 from .epoch_split import REMAINDERS
+from .job_index import KEEPS
 from .urls import Spec, expand_urls
 from .wds import STDIN_URL
 
@@ -60,6 +61,19 @@ def index_location(index: Any) -> str | None:
     return os.fspath(index)
 
 
+def index_keeping(keep: Any) -> str:
+    """``keep_index`` if it is one of :data:`KEEPS`, else a ConfigError saying what each does."""
+    if keep not in KEEPS:
+        raise ConfigError(
+            f"keep_index must be one of {KEEPS}, not {keep!r}: 'cache' keeps a learned "
+            "sample index in the cache root, 'data' also beside the shards (where the store "
+            "is writable) for every cache that reads them",
+            name="keep_index",
+            value=keep,
+        )
+    return str(keep)
+
+
 def rank_and_world_size(rank: Any, world_size: Any) -> tuple[int | None, int | None]:
     """Both given (rank below world size), or neither (None, None: detected later)."""
     if (rank is None) != (world_size is None):
@@ -91,6 +105,7 @@ def whole(name: str, value: Any, *, low: int) -> int:
 
 __all__ = [
     "flag",
+    "index_keeping",
     "index_location",
     "rank_and_world_size",
     "remainder_rule",

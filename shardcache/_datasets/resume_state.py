@@ -28,7 +28,7 @@ from .resume_plan import Piece
 FORMAT = "shardcache.resume"
 MIXTURE_FORMAT = "shardcache.mixture"  # a MixtureDataset's state: one of these per source
 MIXTURE_VERSION = 1
-VERSION = 3  # 3: caches own shards as _cache_shares hands them out; 2: contiguous spans
+VERSION = 4  # 4: whole shards handed out by count; 3: by samples; 2: contiguous spans
 State = dict[str, Any]
 # A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.
 PlanFor = Callable[[int, int, int], list[Piece]]

@@ -12,9 +12,11 @@ whole archive once (:func:`scan`), from one of two places:
   end where the record ends: otherwise the shard changed and :class:`SampleIndexError`
   says to index again);
 * **learned** (the default, nothing prepared): each shard is fetched through the cache
-  and scanned; the result is kept beside the cached copy in ``<scope>/.samples/`` and
-  reused while that copy (its inode and size) is the one cached, so other processes and
-  later epochs read a small record instead of scanning again.
+  and scanned (:func:`learn`; which shards each rank learns, and how the job shares them
+  and keeps the whole index, is :mod:`shardcache._datasets.job_index`); the result is
+  kept beside the cached copy in ``<scope>/.samples/`` and reused while that copy (its
+  inode and size) is the one cached, so other processes and later epochs read a small
+  record instead of scanning again.
 """
 
 from __future__ import annotations
@@ -148,6 +150,11 @@ def load_index(source: str, urls: Sequence[str]) -> SampleIndex:
         raise SampleIndexError(
             f"cannot read the sample index {source}: {exc}", path=source
         ) from None
+    return index_records(document, source, urls)
+
+
+def index_records(document: Any, source: str, urls: Sequence[str]) -> SampleIndex:
+    """The records of ``urls`` in the index document ``document`` read from ``source``."""
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         seen = document.get("format") if isinstance(document, dict) else type(document).__name__
         raise SampleIndexError(
@@ -293,7 +300,8 @@ def stale(url: str, expected: object, seen: object) -> SampleIndexError:
     return SampleIndexError(
         f"{url} does not match its sample index: expected {expected}, found {seen}. The "
         "shard changed since it was indexed: make the index again (shardcache index), or "
-        "leave index= unset to learn it",
+        "leave index= unset to learn it (an index a job learned is kept in the cache "
+        "root's .indexes/ and, with keep_index='data', beside the shards: delete it)",
         url=url,
         expected=expected,
         seen=seen,

@@ -20,7 +20,9 @@ takes its ranks, local world size and cache scope from the same variables
 (``SHARDCACHE_SCOPE=node``: one cache per node).
 
 ``--index FILE`` gives the dataset a sample index made ahead (``shardcache index``); without
-it the dataset learns the sample offsets through the cache.
+it the dataset learns the sample offsets (at the first ``set_epoch``, each rank its own
+cache's shards, gathered through the process group) and keeps them (``--keep-index``:
+``cache`` or ``data``). ``--log-info`` shows shardcache's INFO lines on stderr.
 
 ``--mark-epochs URL`` (a bucket URL on the S3 server): after each epoch, once every rank
 has passed the epoch's barrier, rank 0 sends ``HEAD <URL>/epoch-<e>``; the server's
@@ -34,6 +36,7 @@ import argparse
 import datetime
 import http.client
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +99,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout (s)")
     parser.add_argument("--mark-epochs", default=None, metavar="URL")
     parser.add_argument("--index", default=None, metavar="FILE", help="a sample index file")
+    parser.add_argument("--keep-index", default="cache", choices=("cache", "data"))
+    parser.add_argument("--log-info", action="store_true", help="shardcache's INFO on stderr")
     return parser.parse_args()
 
 
@@ -111,6 +116,9 @@ def init_process_group(timeout: float) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.log_info:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("shardcache").setLevel(logging.INFO)
     init_process_group(args.timeout)
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -124,6 +132,7 @@ def main() -> int:
         remainder=args.remainder,
         epoch_size=args.epoch_size,
         index=args.index,
+        keep_index=args.keep_index,
         cache=shardcache.ShardCache(args.cache),
     ).compose(key_and_features)
     loader = StatefulDataLoader(

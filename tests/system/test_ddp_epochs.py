@@ -229,21 +229,27 @@ def test_fewer_shards_than_consumers(tmp_path: Path) -> None:
         assert (sizes["per_consumer"], sizes["repeated"]) == (5, 3)
 
 
+def shard_gets(gets: Counter[str], tars: dict[str, bytes]) -> Counter[str]:
+    """The GETs of shards (not of a kept index beside them)."""
+    return Counter({key: n for key, n in gets.items() if key in tars})
+
+
+def learned_records(cache: Path) -> list[Path]:
+    """The sample records a cache wrote while learning offsets (``<scope>/.samples/``)."""
+    return sorted(cache.glob("*/.samples/*/*.json"))
+
+
 def test_later_epochs_make_no_get_at_rank_scope(s3, tmp_path: Path) -> None:
-    """One job of 3 epochs over the S3 server; rank 0 marks each epoch's end in the
-    server's log, which splits the GETs by epoch."""
+    """One job of 3 epochs over the S3 server, no index given; rank 0 marks each epoch's
+    end in the server's log, which splits the GETs by epoch. Learning the offsets reads
+    each shard once across the job (each rank its own cache's shards), evening out at most
+    one more a cache; then a second job finds the index the first kept and learns nothing."""
     tars = shard_tars(UNEQUAL)
     s3.put_objects(BUCKET, tars)
     s3.clear_requests()
     spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
-    run_job(
-        tmp_path,
-        spec,
-        "--epochs=3",
-        "--batch-size=8",
-        f"--mark-epochs={s3.endpoint_url}/{MARK_BUCKET}",
-        env=s3.env(),
-    )
+    marks = f"--mark-epochs={s3.endpoint_url}/{MARK_BUCKET}"
+    run_job(tmp_path, spec, "--epochs=3", "--batch-size=8", "--log-info", marks, env=s3.env())
     logged = records(tmp_path)
     for epoch in (0, 1, 2):
         check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder="pad")
@@ -251,13 +257,107 @@ def test_later_epochs_make_no_get_at_rank_scope(s3, tmp_path: Path) -> None:
     gets, methods = requests_by_epoch(s3)
     assert len(gets) == 4, "the job did not mark the end of each of its 3 epochs"
     first, second, third, after = gets
-    # Epoch 0 fetches every shard into the caches: at most once per rank's cache.
+    # Epoch 0 learns the offsets and reads: every shard, at most shards + caches GETs.
     assert set(first) == set(tars)
-    assert max(first.values()) <= RANKS, first
+    assert first.total() <= len(tars) + RANKS, first
     assert not second, f"epoch 1 made GETs: {dict(second)}"
     assert not third, f"epoch 2 made GETs: {dict(third)}"
     assert not after
     print(f"requests by epoch: {[dict(m) for m in methods[:3]]}")
+    stderr = (tmp_path / "torchrun.stderr").read_text()
+    assert f"learned the sample offsets of {len(tars)} shards once across the job's 2 ranks" in (
+        stderr
+    ), stderr[-3000:]
+    kept = list((tmp_path / "cache" / ".indexes").glob("*.json"))
+    assert len(kept) == 1, kept
+
+    # The next job: the kept index, nothing learned (no sample record made), no request.
+    for record in learned_records(tmp_path / "cache"):
+        record.unlink()
+    (tmp_path / "out").rename(tmp_path / "out-1")
+    s3.clear_requests()
+    run_job(tmp_path, spec, "--epochs=1", "--batch-size=8", "--log-info", marks, env=s3.env())
+    check_epoch(records(tmp_path), 0, all_keys(UNEQUAL), batch_size=8, remainder="pad")
+    assert f"sample offsets of {len(tars)} shards: the index kept at {kept[0]}" in (
+        (tmp_path / "torchrun.stderr").read_text()
+    )
+    assert not learned_records(tmp_path / "cache")
+    assert not [r for r in s3.requests() if r.bucket == BUCKET and r.method == "GET"]
+
+
+def test_an_index_kept_beside_the_data_serves_a_job_with_new_caches(s3, tmp_path: Path) -> None:
+    """keep_index="data": the first job keeps the learned index beside the shards; a job
+    with new caches reads it there, learns nothing and reads each of its shards once."""
+    tars = shard_tars(UNEQUAL)
+    s3.put_objects(BUCKET, tars)
+    spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
+    job = ("--epochs=1", "--batch-size=8", "--keep-index=data", "--log-info")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_job(tmp_path / "a", spec, *job, env=s3.env())
+    beside = [key for key in s3.boto3_client().list_objects_v2(Bucket=BUCKET)["Contents"]]
+    index_keys = [o["Key"] for o in beside if o["Key"] not in tars]
+    assert len(index_keys) == 1 and index_keys[0].startswith(".shardcache-index-"), index_keys
+
+    s3.clear_requests()
+    run_job(tmp_path / "b", spec, *job, env=s3.env())
+    check_epoch(records(tmp_path / "b"), 0, all_keys(UNEQUAL), batch_size=8, remainder="pad")
+    stderr = (tmp_path / "b" / "torchrun.stderr").read_text()
+    assert f"the index kept at s3://{BUCKET}/{index_keys[0]}" in stderr, stderr[-3000:]
+    assert not learned_records(tmp_path / "b" / "cache")
+    gets = Counter(r.key for r in s3.requests() if r.method == "GET" and r.bucket == BUCKET)
+    assert set(shard_gets(gets, tars)) == set(tars)
+    assert shard_gets(gets, tars).total() <= len(tars) + RANKS, gets
+    assert gets[index_keys[0]] <= RANKS  # one look beside the data a rank
+
+
+def test_at_node_scope_the_ranks_of_a_cache_share_its_shards(s3, tmp_path: Path) -> None:
+    """SHARDCACHE_SCOPE=node: both ranks read through one cache and share learning its
+    shards' offsets (each rank a part, gathered); every shard is fetched once in the job
+    and scanned once."""
+    tars = shard_tars(UNEQUAL)
+    s3.put_objects(BUCKET, tars)
+    s3.clear_requests()
+    spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
+    run_job(
+        tmp_path,
+        spec,
+        "--epochs=1",
+        "--batch-size=8",
+        "--log-info",
+        env={**s3.env(), "SHARDCACHE_SCOPE": "node"},
+    )
+    check_epoch(records(tmp_path), 0, all_keys(UNEQUAL), batch_size=8, remainder="pad")
+    gets = Counter(r.key for r in s3.requests() if r.method == "GET" and r.bucket == BUCKET)
+    assert gets == Counter(tars.keys()), gets
+    assert "once across the job's 2 ranks" in (tmp_path / "torchrun.stderr").read_text()
+    assert len(list((tmp_path / "cache" / "node" / ".samples").glob("*/*.json"))) == len(tars)
+
+
+def test_a_shard_one_rank_cannot_learn_stops_every_rank_at_once(s3, tmp_path: Path) -> None:
+    """A shard missing from the store: the rank learning it fails, and the other rank,
+    waiting for its offsets, raises the same error (not the process group's error when
+    its peer is gone, nor a wait for the collective timeout)."""
+    tars = shard_tars(UNEQUAL)
+    del tars["train-000007.tar"]
+    s3.put_objects(BUCKET, tars)
+    spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
+    command = torchrun(
+        RANKS, JOB, f"--spec={spec}", f"--cache={tmp_path / 'cache'}", f"--out={tmp_path}"
+    )
+    done = subprocess.run(
+        command,
+        env=job_env(**s3.env()),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode != 0
+    failed = [line for line in done.stderr.splitlines() if "could not learn" in line]
+    assert {line.split(":", 1)[0] for line in failed} == {"[rank0]", "[rank1]"}, done.stderr[-4000:]
+    assert all("rank 1 could not learn" in line for line in failed), failed
+    assert "train-000007.tar does not exist" in failed[0]
 
 
 def shardcache_cli(*runs: tuple[list[str], dict[str, str]]) -> list[str]:

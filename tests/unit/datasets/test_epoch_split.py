@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcache import ConfigError, SampleIndexError
-from shardcache._datasets.epoch_split import EpochSplit
+from shardcache._datasets.epoch_split import EpochSplit, indexing_shares
 from shardcache._datasets.resume_plan import Piece
 
 
@@ -97,6 +97,29 @@ def test_each_cache_reads_the_same_shards_in_every_epoch(job: dict, remainder: s
                 share = split.fresh(epoch, consumers, per_unit, unit * per_unit + k)
                 read |= {p.shard for p in share.pieces}
             assert read <= set(owned[unit])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 60).flatmap(
+        lambda shards: st.lists(st.integers(90, 110), min_size=shards, max_size=shards)
+    ),
+    st.integers(1, 10),
+    st.integers(0, 2**32),
+    st.booleans(),
+)
+def test_each_cache_indexes_shards_it_reads_and_the_job_reads_at_most_one_more_a_cache(
+    counts: list[int], units: int, seed: int, shuffle: bool
+) -> None:
+    """What learning the index costs: the shards each cache indexes before any count is
+    known (``indexing_shares``, from the shard count alone) are one each across the job,
+    and the split made once the counts are known reads at most ``units`` shards more."""
+    indexed = indexing_shares(len(counts), seed, shuffle, units)
+    assert sorted(s for mine in indexed for s in mine) == list(range(len(counts)))
+    split = EpochSplit(starts_of(counts), seed=seed, shuffle=shuffle, remainder="pad")
+    read = split.shard_units(units)
+    besides = sum(len(set(r) - set(mine)) for r, mine in zip(read, indexed, strict=True))
+    assert besides <= units
 
 
 def test_the_order_within_a_cache_changes_with_the_epoch() -> None:

@@ -1,0 +1,248 @@
+"""A job's sample index without an index file: one read of each shard across the job, kept
+for the next job.
+
+An epoch's split (:mod:`shardcache._datasets.epoch_split`) needs every shard's sample
+offsets before the first sample. Without ``index=``, they come from, cheapest first:
+
+* **a kept index**: what an earlier job over the same shard list (the same URLs in the
+  same order) learned, kept in the cache root (``<root>/.indexes/<digest>.json``) and,
+  where the user allows it (``keep_index="data"``), beside the shards
+  (``<dir>/.shardcache-index-<digest>.json``, for every cache that reads them). Nothing
+  is fetched; a shard changed since is caught when it is read (the index's offsets are
+  checked sample by sample).
+* **the job, sharing the work**: with a torch.distributed process group in this process
+  (the training process after ``init_process_group``, at ``prepare()``, the first
+  ``set_epoch()`` or the first iteration; DataLoader workers have none), each rank learns
+  the offsets of its part of its cache's whole shards (:func:`~shardcache._datasets.
+  epoch_split.indexing_shares`, handed out by count, so known before any offset), which
+  that cache reads in every epoch anyway, through the cache; the records are then
+  gathered from every rank (``all_gather_object``, bounded by the process group's
+  timeout). Each shard is read once across the job, and the read fills the cache the
+  epoch reads from.
+* **this cache alone**: every shard through this process's cache (one read of each shard
+  per cache): no process group to share the work with.
+
+Whatever is learned is kept for the next job. Whole shards were chosen over ranged reads of
+the tar headers: a shard's headers can only be walked one member at a time (each header
+gives the next one's offset), so a ranged walk costs one GET per member (2,000 for 1,000
+samples of two files), and the shard's bytes are wanted in the cache anyway, since each
+cache indexes only shards it reads in every epoch (measured in ``bench/index_reads.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from .._base.errors import SampleIndexError, ShardCacheError
+from .._base.redact import get_logger
+from .._cache.shard_cache import ShardCache
+from .._disk.metadata import write_record
+from ..distributed import gather_objects
+from .sample_index import (
+    SampleIndex,
+    ShardSamples,
+    index_document,
+    index_records,
+    learn,
+    write_index,
+)
+
+logger = get_logger(__name__)
+
+KEEPS = ("cache", "data")  # where a learned index is kept: the cache root, also the data
+
+
+def kept_path(cache: ShardCache, digest: str) -> Path:
+    """Where the cache root keeps the index of the shard list ``digest``."""
+    return cache.layout.root / ".indexes" / f"{digest}.json"
+
+
+def beside_data(urls: Sequence[str], digest: str) -> str | None:
+    """Where an index beside the shards goes: their common directory (None: they have none)."""
+    folders = {url.rsplit("/", 1)[0] for url in urls if "/" in url}
+    if len(folders) != 1:
+        return None
+    return posixpath.join(folders.pop(), f".shardcache-index-{digest}.json")
+
+
+def job_index(
+    urls: Sequence[str],
+    digest: str,
+    cache: ShardCache,
+    *,
+    mine: Sequence[int] | None,
+    rank: int,
+    threads: int,
+    handler: Callable[[BaseException], bool] | None,
+    keep: str,
+) -> SampleIndex:
+    """Every shard's samples: a kept index, else learned (``mine``: the shards this rank
+    learns while the job's other ranks learn theirs; None: no process group, all here)."""
+    say = logger.info if rank == 0 else logger.debug
+    beside = beside_data(urls, digest) if keep == "data" else None
+    kept, where = _find_kept(urls, digest, cache, beside)
+    parts = None
+    if mine is not None:
+        own = [urls[shard] for shard in mine]
+        parts = gather_objects({"digest": digest, **_part(own, kept, cache, threads, handler)})
+    if parts is None:  # no process group in this process
+        if kept is not None:
+            say("sample offsets of %d shards: the index kept at %s", len(urls), where)
+            return kept
+        say(
+            "learning the sample offsets of all %d shards through the cache %s (%d "
+            "threads), to keep at %s for the next job; no torch.distributed process group "
+            "in this process shares the work (call prepare() or set_epoch() in the "
+            "training process after init_process_group)",
+            len(urls),
+            cache.layout.scope_dir,
+            threads,
+            kept_path(cache, digest),
+        )
+        found = learn(urls, cache, threads=threads, handler=handler)
+        _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        return found
+    found = _merged(parts, urls, digest)
+    if all(p.get("kept") for p in parts):
+        say("sample offsets of %d shards: the index kept at %s", len(urls), where)
+        return found
+    say(
+        "learned the sample offsets of %d shards once across the job's %d ranks (each "
+        "indexed its own cache's shards; gathered by torch.distributed); kept at %s%s for "
+        "the next job",
+        len(urls),
+        len(parts),
+        kept_path(cache, digest),
+        f" and {beside}" if beside else "",
+    )
+    if kept is None:
+        _keep(found, urls, digest, cache, beside if rank == 0 else None)
+    return found
+
+
+def _part(
+    own: Sequence[str],
+    kept: SampleIndex | None,
+    cache: ShardCache,
+    threads: int,
+    handler: Callable[[BaseException], bool] | None,
+) -> dict[str, Any]:
+    """What this rank gives the job: its shards' records (from the kept index, or learned),
+    or the error that stopped it (so that every rank raises, none waits)."""
+    if kept is not None:
+        return {"kept": True, "records": {url: kept[url].as_json(url) for url in own}}
+    try:
+        learned = learn(own, cache, threads=threads, handler=handler)
+    except (ShardCacheError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"kept": False, "records": {url: learned[url].as_json(url) for url in own}}
+
+
+def _merged(parts: Sequence[Mapping[str, Any]], urls: Sequence[str], digest: str) -> SampleIndex:
+    """The ranks' parts as one index of ``urls``; a rank's error is raised on every rank."""
+    for rank, part in enumerate(parts):
+        if part.get("error"):
+            raise SampleIndexError(
+                f"rank {rank} could not learn the sample offsets of its shards: "
+                f"{part['error']}. Fix that, or make an index ahead (shardcache index) and "
+                "give it as index=",
+                rank=rank,
+            )
+        if part.get("digest") != digest:
+            raise SampleIndexError(
+                f"rank {rank} has another shard list (digest {part.get('digest')!r}, this "
+                f"rank's {digest!r}): every rank must give the dataset the same shards",
+                rank=rank,
+                expected=digest,
+                seen=part.get("digest"),
+            )
+    records = {url: record for part in parts for url, record in part["records"].items()}
+    missing = [url for url in urls if url not in records]
+    if missing:
+        raise SampleIndexError(
+            f"the ranks learned the sample offsets of all but {len(missing)} of {len(urls)} "
+            f"shards (first: {missing[0]!r}): they disagree on the job's layout (rank, "
+            "world size or cache scope); give every rank the same",
+            missing=len(missing),
+            first_missing=missing[0],
+        )
+    return {url: ShardSamples.from_json(records[url], f"rank records of {url}") for url in urls}
+
+
+def _find_kept(
+    urls: Sequence[str], digest: str, cache: ShardCache, beside: str | None
+) -> tuple[SampleIndex | None, str | None]:
+    """A kept index of ``urls`` and where it was found: the cache root, then beside the
+    data (when allowed); one that cannot be used is learned again (a warning says why)."""
+    path = kept_path(cache, digest)
+    try:
+        size = cache.layout.fs.lstat(path).st_size  # read whole, however large
+        document = json.loads(cache.layout.fs.read_small(path, size + 1))
+    except FileNotFoundError:
+        document = None
+    except (OSError, ValueError) as exc:
+        logger.warning("the kept sample index %s cannot be read (%s): learning it again", path, exc)
+        document = None
+    if document is not None:
+        index = _usable(document, str(path), urls)
+        if index is not None:
+            return index, str(path)
+    if beside is None:
+        return None, None
+    try:
+        with fsspec.open(beside, "r") as stream:
+            document = json.load(stream)
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as exc:
+        logger.warning("the sample index %s cannot be read (%s): learning it", beside, exc)
+        return None, None
+    index = _usable(document, beside, urls)
+    return (index, beside) if index is not None else (None, None)
+
+
+def _usable(document: Any, source: str, urls: Sequence[str]) -> SampleIndex | None:
+    try:
+        return index_records(document, source, urls)
+    except SampleIndexError as exc:
+        logger.warning("the kept sample index is not used: %s", exc)
+        return None
+
+
+def _keep(
+    index: SampleIndex, urls: Sequence[str], digest: str, cache: ShardCache, beside: str | None
+) -> None:
+    """Keep ``index`` in the cache root and, when given, at ``beside`` (beside the data); an
+    index missing shards the handler left out is not kept (they may be readable next time)."""
+    left_out = [url for url in urls if index[url].size == 0 and not index[url].starts]
+    if left_out:
+        logger.info(
+            "the sample index is not kept: %d shards were left out (first: %s)",
+            len(left_out),
+            left_out[0],
+        )
+        return
+    document = index_document(index, urls)
+    path = kept_path(cache, digest)
+    try:
+        write_record(cache.layout, path, document)
+    except OSError as exc:  # only the next job's learning is lost
+        logger.warning("cannot keep the sample index at %s: %s", path, exc)
+    if beside is None:
+        return
+    try:
+        write_index(beside, document)
+    except (ShardCacheError, OSError) as exc:
+        logger.warning(
+            "cannot keep the sample index beside the data at %s (%s); it is kept in the "
+            "cache root at %s",
+            beside,
+            exc,
+            path,
+        )
