@@ -13,14 +13,18 @@
 
 Each source is a :class:`~shardcache._datasets.resumable.ResumableDataset` of its own with the
 epoch size the mixture gives it (``samples=``, or its ``weight``'s share of
-``epoch_size``), so each keeps what that dataset guarantees: a sample-level split with
-every consumer (rank x DataLoader worker) the same number of samples of the source, each
+``epoch_size``), so each keeps what that dataset guarantees: a sample-level split, each
 shard read by the same cache in every epoch, fewer samples than the source holds cycling
-through it over epochs and more repeating it, exact and elastic resume. Each consumer then
-interleaves its sources sample by sample (:func:`next_source`): every prefix of a
-consumer's stream holds each source less than one sample off its proportion, so every
-batch less than two, and a window of ``N`` global batches (``R`` ranks of ``W`` workers)
-less than ``2 * R * min(N, W)``.
+through it over epochs and more repeating it, exact and elastic resume. The sources are
+split between the consumers (rank x DataLoader worker) together
+(:func:`~shardcache._datasets.epoch_split.consumer_counts`): every consumer the same
+total, a source's counts differing by at most one between consumers, exactly the counts
+asked when the consumers divide the epoch. Each consumer then interleaves its sources
+sample by sample (:func:`next_source`) by its own counts: every prefix of its stream holds
+each source less than one sample off its proportion, so every batch less than two, and a
+window of ``N`` global batches (``R`` ranks of ``W`` workers) less than
+``3 * R * min(N, W)`` off the epoch's proportions (a consumer's counts are less than a
+sample a source off its even part).
 
 The state is every source's state; an elastic resume gathers them per source
 (``shardcache.job_state``, in ``_datasets.resume_state``). A state is refused
@@ -45,6 +49,7 @@ from .._base.errors import ConfigError, ResumeError, ShardCacheError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._observe import metrics
+from .epoch_split import Lay
 from .resumable import ResumableDataset, Stage
 from .resume_options import whole
 from .resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State
@@ -239,8 +244,9 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                         world_size=world_size,
                     )
                 )
-        for name, part in zip(self.names, self._parts, strict=True):
+        for i, (name, part) in enumerate(zip(self.names, self._parts, strict=True)):
             part._source = name  # its samples count for the source; the mixture ends epochs
+            part._lay = Lay(tuple(self.counts), i)  # the sources split between consumers together
         self._stages: list[Stage] = []
         self._name_sources()
 

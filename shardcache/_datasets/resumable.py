@@ -46,7 +46,7 @@ from .._cache.shard_cache import ShardCache
 from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
-from .epoch_split import EpochSplit
+from .epoch_split import EpochSplit, Lay
 from .resume_options import (
     flag,
     index_location,
@@ -129,6 +129,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._pending_entered = False  # set_epoch() of the loaded state's epoch was called
         self._progress: Progress | None = None  # the running (or last) iteration's
         self._source: str | None = None  # the mixture source this is (MixtureDataset sets it)
+        self._lay: Lay | None = None  # a mixture's counts, split together (MixtureDataset sets it)
 
     # -- configuration --------------------------------------------------------------
 
@@ -221,6 +222,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 shuffle=self.shuffle_shards,
                 remainder=self.remainder,
                 epoch_size=self.epoch_size,
+                lay=self._lay,
             )
             empty = [url for url in self.urls if self._samples[url].count == 0]
             if empty:

@@ -27,7 +27,7 @@ from .resume_plan import Piece
 
 FORMAT = "shardcache.resume"
 MIXTURE_FORMAT = "shardcache.mixture"  # a MixtureDataset's state: one of these per source
-MIXTURE_VERSION = 1
+MIXTURE_VERSION = 2  # 2: the sources' counts split between consumers together
 VERSION = 3  # 3: caches own shards as _cache_shares hands them out; 2: contiguous spans
 State = dict[str, Any]
 # A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.

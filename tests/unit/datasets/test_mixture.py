@@ -269,14 +269,30 @@ def test_an_unusable_source_is_named(tmp_path: Path, spec_of) -> None:
             cache=ShardCache(tmp_path / "c"),
         )
     assert caught.value.source == "bad"
-    small = MixtureDataset(  # 1 books sample an epoch for 2 consumers
-        [Source(spec_of["web"], samples=10, name="web"), Source(spec_of["books"], samples=1)],
-        cache=ShardCache(tmp_path / "c"),
-        rank=0,
-        world_size=2,
-    )
-    with pytest.raises(ConfigError, match="source 'source-1': epoch_size=1 is smaller"):
-        list(small)
+
+
+def test_a_source_with_fewer_samples_than_consumers_goes_to_some_of_them(
+    tmp_path: Path, spec_of
+) -> None:
+    """12 samples an epoch for 2 consumers: web's 11 give 6 and 5, books' 1 goes to the
+    consumer web gave one fewer; a mixture of fewer samples than consumers is refused."""
+
+    def small(rank: int, world: int, web: int = 11) -> MixtureDataset:
+        return MixtureDataset(
+            [
+                Source(spec_of["web"], samples=web, name="web"),
+                Source(spec_of["books"], samples=1, name="books"),
+            ],
+            cache=ShardCache(tmp_path / "c"),
+            threads=1,
+            rank=rank,
+            world_size=world,
+        )
+
+    got = [Counter(s["__source__"] for s in small(rank, 2)) for rank in range(2)]
+    assert got == [{"web": 6}, {"web": 5, "books": 1}]
+    with pytest.raises(ConfigError, match="epoch_size=3 is smaller than the job's 4 consumers"):
+        list(small(0, 4, web=2))
 
 
 def test_a_stateful_dataloader_with_workers_resumes_a_mixture(tmp_path: Path, spec_of) -> None:
