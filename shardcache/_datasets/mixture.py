@@ -156,18 +156,32 @@ def next_source(taken: Sequence[int], shares: Sequence[int]) -> int:
 ORDER_LIMIT = 1 << 26  # samples of the longest order kept (1 byte each), see picks()
 
 
-def picks(taken: Sequence[int], shares: Sequence[int]) -> Iterator[int]:
+def picks(
+    taken: Sequence[int],
+    shares: Sequence[int],
+    kept: Mapping[tuple[int, ...], bytes] | None = None,
+) -> Iterator[int]:
     """The sources to take the rest of an epoch's samples from, in order: the
     :func:`next_source` picks from ``taken`` on. When ``taken`` is a prefix of the epoch's
-    whole order (a fresh epoch, an exact resume), that order is read from memory: computed
-    once a process for these ``shares`` (one byte a sample) and kept for the next epochs,
-    so mixing costs a lookup a sample, not a schedule step."""
+    whole order (a fresh epoch, an exact resume), that order is read from memory: from
+    ``kept`` (orders computed ahead, by :func:`order`) when it has these ``shares``, else
+    computed once a process (one byte a sample) and kept for the next epochs, so mixing
+    costs a lookup a sample, not a schedule step."""
     step = sum(taken)
     if len(shares) <= 256 and sum(shares) <= ORDER_LIMIT:
-        order = _order(tuple(shares))
+        key = tuple(shares)
+        order = kept[key] if kept is not None and key in kept else _order(key)
         if all(order.count(i, 0, step) == done for i, done in enumerate(taken)):
             return iter(memoryview(order)[step:])
     return _online(list(taken), shares)
+
+
+def order(shares: Sequence[int]) -> bytes | None:
+    """The whole order of an epoch of ``shares`` (a source a byte), if kept (not too long,
+    at most 256 sources)."""
+    if len(shares) <= 256 and sum(shares) <= ORDER_LIMIT:
+        return _order(tuple(shares))
+    return None
 
 
 @functools.lru_cache(maxsize=4)
@@ -248,6 +262,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             part._source = name  # its samples count for the source; the mixture ends epochs
             part._lay = Lay(tuple(self.counts), i)  # the sources split between consumers together
         self._stages: list[Stage] = []
+        self._orders: dict[tuple[int, ...], bytes] = {}  # interleavings made by prepare()
         self._name_sources()
 
     def compose(self, *stages: Stage) -> MixtureDataset:
@@ -264,11 +279,21 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             with _naming(name):
                 part.set_epoch(epoch)
 
-    def prepare(self) -> MixtureDataset:
-        """Every source's :meth:`ResumableDataset.prepare`."""
+    def prepare(self, workers: int | None = None) -> MixtureDataset:
+        """Every source's :meth:`ResumableDataset.prepare`; with ``workers`` (the
+        DataLoader's ``num_workers``) also the interleaving of each of this rank's workers,
+        computed here once and handed to the workers (forked or spawned) with the dataset,
+        instead of computed by every worker every epoch."""
         for name, part in zip(self.names, self._parts, strict=True):
             with _naming(name):
                 part.prepare()
+        if workers is not None:
+            workers = whole("workers", workers, low=0)
+            counts = [part.fresh_counts(workers) for part in self._parts]
+            for shares in zip(*counts, strict=True):
+                kept = order(shares)
+                if kept is not None:
+                    self._orders[shares] = kept
         return self
 
     def cache_urls(self) -> list[str]:
@@ -316,7 +341,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             taken.append(delivered)
         names = self.names
         try:
-            for i in picks(taken, shares):
+            for i in picks(taken, shares, self._orders):
                 sample = next(streams[i], None)
                 if sample is None:  # the handler left a shard out: the source ended early
                     continue

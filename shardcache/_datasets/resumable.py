@@ -213,6 +213,15 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._epoch_split().unit_shares(world_size // per_cache)
         return self
 
+    def fresh_counts(self, workers: int) -> list[int]:
+        """The samples each of this rank's ``workers`` DataLoader workers (0: none, the
+        rank reads) gets in a fresh epoch."""
+        workers = max(1, workers)
+        rank, world_size, local_world_size = self._ranks()
+        per_unit = self._ranks_per_cache(world_size, local_world_size) * workers
+        own = self._epoch_split().own_counts(world_size * workers, per_unit)
+        return own[rank * workers : (rank + 1) * workers]
+
     def _epoch_split(self) -> EpochSplit:
         if self._split is None:
             self._samples = self._sample_index()
