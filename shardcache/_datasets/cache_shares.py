@@ -52,11 +52,17 @@ def cache_shares(shards: Sequence[int], counts: Sequence[int], caches: int) -> l
     """The samples each of ``caches`` owns: ``shards`` (indices, in a stable order) handed
     out whole by count, nested by cache count, then evened out with their sample
     ``counts`` (by shard index) to ``floor``/``ceil`` of the mean."""
-    held = [
-        [Run(s, 0, counts[s]) for s in mine if counts[s]] for mine in whole_shards(shards, caches)
-    ]
+    held = whole_runs(shards, counts, caches)
     loads = [_samples(runs) for runs in held]
     return even_out(held, quotas(sum(loads), loads))
+
+
+def whole_runs(shards: Sequence[int], counts: Sequence[int], caches: int) -> list[list[Run]]:
+    """Each cache's whole shards (:func:`whole_shards`) as runs of their ``counts`` samples;
+    shards without samples left out."""
+    return [
+        [Run(s, 0, counts[s]) for s in mine if counts[s]] for mine in whole_shards(shards, caches)
+    ]
 
 
 def quotas(total: int, loads: Sequence[int]) -> list[int]:

@@ -4,10 +4,22 @@ shard read by the same cache in every epoch.
 *Consumers* are rank x DataLoader worker (slot ``rank * workers + worker``), grouped into
 *units* that share a cache: a rank's workers (rank scope) or a node's ranks and workers
 (node scope, ranks numbered contiguously per node). With ``J`` consumers and ``T``
-samples, each consumer gets ``N = ceil(T / J)`` samples (``remainder="pad"``, the
-``J * N - T`` missing ones repeat samples of the epoch) or ``floor(T / J)`` (``"drop"``:
-``T - J * N`` samples are left out of the epoch), so every rank yields the same number
-of batches whatever the batch size.
+samples an epoch, each consumer gets ``N = T / J`` when ``J`` divides ``T``, else
+``ceil(T / J)`` (``remainder="pad"``, the ``J * N - T`` missing ones repeat samples of the
+epoch) or ``floor(T / J)`` (``"drop"``: ``T - J * N`` samples are left out of the epoch),
+so every rank yields the same number of batches whatever the batch size.
+
+A mixture's sources (:class:`Lay`, :func:`consumer_counts`) are split together: each
+source's count ``c`` gives every consumer ``c // J`` and ``c % J`` consumers one more,
+the sources' extra samples laid one after another round the consumers (the next source's
+starting where the last one's ended; round the units first), so a source's counts differ by
+at most one between consumers (and between units) and every consumer gets the same total:
+``T / J`` exactly when ``J`` divides the mixture's ``T``. Only what cannot be split
+equally in total (``T % J``) is padded (the last source repeats ``J - T % J`` samples) or
+dropped (the last extra samples laid); a source with fewer samples than consumers goes to
+some of them only. A source's units own samples to match: the units its lay gives one
+more own one more (:func:`lay_quotas`), so an epoch of no more samples than the source
+holds repeats none, and one of more leaves none out.
 
 Stable across epochs (what keeps later epochs in the cache): the shards, in an order drawn
 from the seed alone, are handed out to the units by :func:`~shardcache._datasets.cache_shares.
@@ -34,10 +46,53 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from .._base.errors import ConfigError, SampleIndexError
-from .cache_shares import Run, cache_shares, even_out, owners, quotas, whole_shards
+from .cache_shares import Run, cache_shares, even_out, owners, quotas, whole_runs, whole_shards
 from .resume_plan import Piece, epoch_order
 
 REMAINDERS = ("pad", "drop")
+
+
+@dataclass(frozen=True)
+class Lay:
+    """The samples an epoch of every source split together (a mixture's, in its order;
+    a lone dataset is one source), and which of them this split is."""
+
+    counts: tuple[int, ...]
+    index: int = 0
+
+
+def consumer_counts(
+    counts: Sequence[int], consumers: int, remainder: str, per_unit: int = 1
+) -> list[list[int]]:
+    """Each source's samples for each of ``consumers`` (``per_unit`` at a time sharing a
+    cache): ``count // consumers``, plus one for the consumers its extra samples are laid
+    on, each source's from where the previous one's ended. The lay goes round the caches
+    first (the first consumer of every cache, then the second...), so a source's samples
+    also differ by at most one between caches; it is cut (``"drop"``) or the last source's
+    extended (``"pad"``) to whole rounds, so every consumer gets the same total."""
+    total, units = sum(counts), consumers // per_unit
+    rest = total % consumers
+    end = sum(c % consumers for c in counts) - rest  # the extra samples laid, in all
+    if remainder == "pad" and rest:
+        end += consumers
+    padded = max((i for i, c in enumerate(counts) if c), default=len(counts) - 1)
+    place = [(slot % per_unit) * units + slot // per_unit for slot in range(consumers)]
+    out, start = [], 0
+    for i, count in enumerate(counts):
+        stop = start + count % consumers
+        length = max(0, (end if i == padded and remainder == "pad" else min(stop, end)) - start)
+        base, extra = count // consumers + length // consumers, length % consumers
+        out.append([base + ((p - start) % consumers < extra) for p in place])
+        start = stop
+    return out
+
+
+def lay_quotas(total: int, units: int, first: int) -> list[int]:
+    """``total`` split into ``units`` equal parts (to one sample), the larger parts on the
+    units from ``first`` on (round): where :func:`consumer_counts` lays a source's extra
+    samples from, so the caches that read one more of it own one more of it."""
+    each, extra = divmod(total, units)
+    return [each + ((unit - first) % units < extra) for unit in range(units)]
 
 
 @dataclass(frozen=True)
@@ -60,6 +115,7 @@ class EpochSplit:
         shuffle: bool,
         remainder: str,
         epoch_size: int | None = None,
+        lay: Lay | None = None,
     ) -> None:
         if remainder not in REMAINDERS:
             raise ConfigError(
@@ -81,6 +137,9 @@ class EpochSplit:
                 "sharing a key, name.suffix)",
                 shards=len(starts),
             )
+        wanted = self.total if epoch_size is None else epoch_size
+        self.lay = Lay((wanted,)) if lay is None else lay  # a mixture's sources split together
+        self._own: dict[tuple[int, int], list[int]] = {}
         self._order = _stable_order(len(starts), seed, shuffle)
         order = self._order
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
@@ -98,34 +157,51 @@ class EpochSplit:
             return -(-samples // consumers)
         return samples // consumers
 
-    def totals(self, consumers: int) -> dict[str, int]:
-        """The fresh epoch's sizes for a job of ``consumers``: samples in the shards, the
-        epoch size asked for, per consumer, repeated and dropped (job-wide; with an epoch
-        size below the samples, "dropped" ones come first in the next epochs)."""
-        wanted = self.total if self.epoch_size is None else self.epoch_size
-        if self.epoch_size is not None and self.epoch_size < consumers:
+    def own_counts(self, consumers: int, per_unit: int = 1) -> list[int]:
+        """This split's samples for each of ``consumers`` (``per_unit`` a cache) in a fresh
+        epoch (computed once); every consumer's total over the :class:`Lay`'s sources is
+        the same."""
+        key = (consumers, per_unit)
+        if key not in self._own:
+            self._check_sizes(consumers)
+            lay = self.lay
+            self._own[key] = consumer_counts(lay.counts, consumers, self.remainder, per_unit)[
+                lay.index
+            ]
+        return self._own[key]
+
+    def _check_sizes(self, consumers: int) -> None:
+        asked = sum(self.lay.counts)
+        if (self.epoch_size is not None or len(self.lay.counts) > 1) and asked < consumers:
             raise ConfigError(
-                f"epoch_size={self.epoch_size} is smaller than the job's {consumers} "
+                f"epoch_size={asked} is smaller than the job's {consumers} "
                 "consumers (ranks x DataLoader workers): each must yield at least one "
                 "sample an epoch; use a larger epoch_size or fewer ranks or workers",
                 name="epoch_size",
-                value=self.epoch_size,
+                value=asked,
             )
-        each = self.per_consumer(wanted, consumers)
-        if self.remainder == "drop" and each == 0:
+        if self.remainder == "drop" and asked < consumers:
             raise ConfigError(
                 f"remainder='drop' with {consumers} consumers (ranks x DataLoader workers) "
-                f"and {self.total} samples: every sample would be dropped; use "
+                f"and {asked} samples: every sample would be dropped; use "
                 "remainder='pad' (samples repeat) or fewer ranks or workers",
                 name="remainder",
                 value="drop",
             )
+
+    def totals(self, consumers: int, per_unit: int = 1) -> dict[str, int]:
+        """The fresh epoch's sizes for a job of ``consumers``: samples in the shards, the
+        epoch size asked for, per consumer (the most any gets: in a mixture, a source's
+        counts differ by one between consumers), repeated and dropped (job-wide; with an
+        epoch size below the samples, "dropped" ones come first in the next epochs)."""
+        own = self.own_counts(consumers, per_unit)
+        given = sum(own)
         return {
             "samples": self.total,
-            "epoch_size": wanted,
-            "per_consumer": each,
-            "repeated": max(0, each * consumers - self.total),
-            "dropped": max(0, self.total - each * consumers),
+            "epoch_size": self.lay.counts[self.lay.index],
+            "per_consumer": max(own),
+            "repeated": max(0, given - self.total),
+            "dropped": max(0, self.total - given),
         }
 
     # -- plans ----------------------------------------------------------------------
@@ -133,10 +209,11 @@ class EpochSplit:
     def fresh(self, epoch: int, consumers: int, per_unit: int, slot: int) -> Share:
         """Consumer ``slot``'s share of a fresh epoch; consumers ``per_unit`` at a time share
         a cache (``consumers`` is a multiple of ``per_unit``)."""
-        each = self.totals(consumers)["per_consumer"]
-        units = consumers // per_unit
-        runs = self._epoch_runs(epoch, units, slot // per_unit, per_unit * each)
-        return self._deal(runs, self._base, each, per_unit, slot)
+        own = self.own_counts(consumers, per_unit)
+        unit = slot // per_unit
+        wanted = sum(own[unit * per_unit : (unit + 1) * per_unit])
+        runs = self._epoch_runs(epoch, consumers // per_unit, unit, wanted)
+        return self._deal(runs, self._base, own, per_unit, slot)
 
     def _epoch_runs(self, epoch: int, units: int, unit: int, wanted: int) -> list[Run]:
         """The ``wanted`` samples (or all, when more) the unit reads in the epoch, in the
@@ -170,12 +247,18 @@ class EpochSplit:
             held[owner[run.shard]].append(run)
         loads = [sum(len(r) for r in unit) for unit in held]
         mine = even_out(held, quotas(samples, loads))[slot // per_unit]
-        return self._deal(mine, runs, each, per_unit, slot)
+        return self._deal(mine, runs, [each] * consumers, per_unit, slot)
 
     def unit_shares(self, units: int) -> list[list[Run]]:
         """The samples each of ``units`` owns in every fresh epoch (computed once)."""
         if units not in self._shares:
-            self._shares[units] = cache_shares(self._order, self.counts, units)
+            lay = self.lay
+            if len(lay.counts) == 1:
+                self._shares[units] = cache_shares(self._order, self.counts, units)
+            else:  # a mixture's source: the larger shares where its lay starts
+                held = whole_runs(self._order, self.counts, units)
+                first = sum(lay.counts[: lay.index]) % units
+                self._shares[units] = even_out(held, lay_quotas(self.total, units, first))
         return self._shares[units]
 
     def shard_units(self, units: int) -> list[list[int]]:
@@ -184,15 +267,21 @@ class EpochSplit:
         return [sorted({r.shard for r in (runs or self._base)}) for runs in self.unit_shares(units)]
 
     def _deal(
-        self, runs: Sequence[Run], everything: Sequence[Run], each: int, per_unit: int, slot: int
+        self,
+        runs: Sequence[Run],
+        everything: Sequence[Run],
+        counts: Sequence[int],
+        per_unit: int,
+        slot: int,
     ) -> Share:
-        """Consumer ``slot``'s ``each`` samples of its unit's ``runs`` (they repeat when the
-        unit owns fewer than its consumers read); a unit owning nothing repeats samples of
-        ``everything``, from a place of its own."""
-        unit, k = divmod(slot, per_unit)
-        start, owned = k * each, sum(len(r) for r in runs)
+        """Consumer ``slot``'s ``counts[slot]`` samples of its unit's ``runs``, after those
+        of the unit's consumers before it (they repeat when the unit owns fewer than its
+        consumers read); a unit owning nothing repeats samples of ``everything``, from a
+        place of its own."""
+        each = counts[slot]
+        start, owned = sum(counts[slot - slot % per_unit : slot]), sum(len(r) for r in runs)
         if not owned:
-            runs, start = everything, unit * per_unit * each + start
+            runs, start = everything, sum(counts[:slot])
         repeated = max(0, start + each - max(owned, start))
         return Share(self._pieces(_take(runs, start, each)), each, repeated)
 

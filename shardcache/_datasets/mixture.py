@@ -13,14 +13,18 @@
 
 Each source is a :class:`~shardcache._datasets.resumable.ResumableDataset` of its own with the
 epoch size the mixture gives it (``samples=``, or its ``weight``'s share of
-``epoch_size``), so each keeps what that dataset guarantees: a sample-level split with
-every consumer (rank x DataLoader worker) the same number of samples of the source, each
+``epoch_size``), so each keeps what that dataset guarantees: a sample-level split, each
 shard read by the same cache in every epoch, fewer samples than the source holds cycling
-through it over epochs and more repeating it, exact and elastic resume. Each consumer then
-interleaves its sources sample by sample (:func:`next_source`): every prefix of a
-consumer's stream holds each source less than one sample off its proportion, so every
-batch less than two, and a window of ``N`` global batches (``R`` ranks of ``W`` workers)
-less than ``2 * R * min(N, W)``.
+through it over epochs and more repeating it, exact and elastic resume. The sources are
+split between the consumers (rank x DataLoader worker) together
+(:func:`~shardcache._datasets.epoch_split.consumer_counts`): every consumer the same
+total, a source's counts differing by at most one between consumers, exactly the counts
+asked when the consumers divide the epoch. Each consumer then interleaves its sources
+sample by sample (:func:`next_source`) by its own counts: every prefix of its stream holds
+each source less than one sample off its proportion, so every batch less than two, and a
+window of ``N`` global batches (``R`` ranks of ``W`` workers) less than
+``3 * R * min(N, W)`` off the epoch's proportions (a consumer's counts are less than a
+sample a source off its even part).
 
 The state is every source's state; an elastic resume gathers them per source
 (``shardcache.job_state``, in ``_datasets.resume_state``). A state is refused
@@ -45,6 +49,7 @@ from .._base.errors import ConfigError, ResumeError, ShardCacheError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._observe import metrics
+from .epoch_split import Lay
 from .resumable import ResumableDataset, Stage
 from .resume_options import whole
 from .resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State
@@ -151,18 +156,32 @@ def next_source(taken: Sequence[int], shares: Sequence[int]) -> int:
 ORDER_LIMIT = 1 << 26  # samples of the longest order kept (1 byte each), see picks()
 
 
-def picks(taken: Sequence[int], shares: Sequence[int]) -> Iterator[int]:
+def picks(
+    taken: Sequence[int],
+    shares: Sequence[int],
+    kept: Mapping[tuple[int, ...], bytes] | None = None,
+) -> Iterator[int]:
     """The sources to take the rest of an epoch's samples from, in order: the
     :func:`next_source` picks from ``taken`` on. When ``taken`` is a prefix of the epoch's
-    whole order (a fresh epoch, an exact resume), that order is read from memory: computed
-    once a process for these ``shares`` (one byte a sample) and kept for the next epochs,
-    so mixing costs a lookup a sample, not a schedule step."""
+    whole order (a fresh epoch, an exact resume), that order is read from memory: from
+    ``kept`` (orders computed ahead, by :func:`order`) when it has these ``shares``, else
+    computed once a process (one byte a sample) and kept for the next epochs, so mixing
+    costs a lookup a sample, not a schedule step."""
     step = sum(taken)
     if len(shares) <= 256 and sum(shares) <= ORDER_LIMIT:
-        order = _order(tuple(shares))
+        key = tuple(shares)
+        order = kept[key] if kept is not None and key in kept else _order(key)
         if all(order.count(i, 0, step) == done for i, done in enumerate(taken)):
             return iter(memoryview(order)[step:])
     return _online(list(taken), shares)
+
+
+def order(shares: Sequence[int]) -> bytes | None:
+    """The whole order of an epoch of ``shares`` (a source a byte), if kept (not too long,
+    at most 256 sources)."""
+    if len(shares) <= 256 and sum(shares) <= ORDER_LIMIT:
+        return _order(tuple(shares))
+    return None
 
 
 @functools.lru_cache(maxsize=4)
@@ -239,9 +258,11 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                         world_size=world_size,
                     )
                 )
-        for name, part in zip(self.names, self._parts, strict=True):
+        for i, (name, part) in enumerate(zip(self.names, self._parts, strict=True)):
             part._source = name  # its samples count for the source; the mixture ends epochs
+            part._lay = Lay(tuple(self.counts), i)  # the sources split between consumers together
         self._stages: list[Stage] = []
+        self._orders: dict[tuple[int, ...], bytes] = {}  # interleavings made by prepare()
         self._name_sources()
 
     def compose(self, *stages: Stage) -> MixtureDataset:
@@ -258,11 +279,21 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             with _naming(name):
                 part.set_epoch(epoch)
 
-    def prepare(self) -> MixtureDataset:
-        """Every source's :meth:`ResumableDataset.prepare`."""
+    def prepare(self, workers: int | None = None) -> MixtureDataset:
+        """Every source's :meth:`ResumableDataset.prepare`; with ``workers`` (the
+        DataLoader's ``num_workers``) also the interleaving of each of this rank's workers,
+        computed here once and handed to the workers (forked or spawned) with the dataset,
+        instead of computed by every worker every epoch."""
         for name, part in zip(self.names, self._parts, strict=True):
             with _naming(name):
                 part.prepare()
+        if workers is not None:
+            workers = whole("workers", workers, low=0)
+            counts = [part.fresh_counts(workers) for part in self._parts]
+            for shares in zip(*counts, strict=True):
+                kept = order(shares)
+                if kept is not None:
+                    self._orders[shares] = kept
         return self
 
     def cache_urls(self) -> list[str]:
@@ -310,7 +341,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             taken.append(delivered)
         names = self.names
         try:
-            for i in picks(taken, shares):
+            for i in picks(taken, shares, self._orders):
                 sample = next(streams[i], None)
                 if sample is None:  # the handler left a shard out: the source ended early
                     continue

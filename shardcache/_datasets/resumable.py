@@ -48,7 +48,7 @@ from .._cache.shard_cache import ShardCache
 from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
-from .epoch_split import EpochSplit, indexing_shares
+from .epoch_split import EpochSplit, Lay, indexing_shares
 from .job_index import job_index
 from .resume_options import (
     flag,
@@ -138,6 +138,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._pending_entered = False  # set_epoch() of the loaded state's epoch was called
         self._progress: Progress | None = None  # the running (or last) iteration's
         self._source: str | None = None  # the mixture source this is (MixtureDataset sets it)
+        self._lay: Lay | None = None  # a mixture's counts, split together (MixtureDataset sets it)
 
     # -- configuration --------------------------------------------------------------
 
@@ -228,6 +229,15 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._epoch_split().unit_shares(world_size // per_cache)
         return self
 
+    def fresh_counts(self, workers: int) -> list[int]:
+        """The samples each of this rank's ``workers`` DataLoader workers (0: none, the
+        rank reads) gets in a fresh epoch."""
+        workers = max(1, workers)
+        rank, world_size, local_world_size = self._ranks()
+        per_unit = self._ranks_per_cache(world_size, local_world_size) * workers
+        own = self._epoch_split().own_counts(world_size * workers, per_unit)
+        return own[rank * workers : (rank + 1) * workers]
+
     def _epoch_split(self) -> EpochSplit:
         if self._split is None:
             self._samples = self._sample_index()
@@ -237,6 +247,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                 shuffle=self.shuffle_shards,
                 remainder=self.remainder,
                 epoch_size=self.epoch_size,
+                lay=self._lay,
             )
             empty = [url for url in self.urls if self._samples[url].count == 0]
             if empty:

@@ -78,7 +78,7 @@ def start_progress(  # noqa: PLR0917
 ) -> Progress:
     """The progress of a consumer at the start of ``share`` (``carried``: the digest of the
     leftover it was cut from, when resumed elastically)."""
-    sizes = split.totals(consumers) if carried is None else {}
+    sizes = split.totals(consumers, per_unit) if carried is None else {}
     sizes.update(own=share.samples, own_repeated=share.repeated)
     return Progress(
         epoch,

@@ -27,7 +27,7 @@ from .resume_plan import Piece
 
 FORMAT = "shardcache.resume"
 MIXTURE_FORMAT = "shardcache.mixture"  # a MixtureDataset's state: one of these per source
-MIXTURE_VERSION = 1
+MIXTURE_VERSION = 2  # 2: the sources' counts split between consumers together
 VERSION = 4  # 4: whole shards handed out by count; 3: by samples; 2: contiguous spans
 State = dict[str, Any]
 # A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.

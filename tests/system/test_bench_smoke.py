@@ -280,6 +280,9 @@ def test_b14_mixture_tiny_reports_both_readers_and_their_ratio(tmp_path: Path) -
         assert row["samples_s"] > 0 and row["wall_s"] > 0 and row["cpu_us_per_sample"] >= 0, row
     assert len(res["ratios"]) == SIZES["tiny"]["reps"] and res["ratio"] > 0, res
     assert res["cpu_ratio"] > 0 and math.isfinite(res["mixing_cpu_us_per_sample"]), res
+    with_workers = res["workers"]["cpu_us_per_sample"]
+    assert set(with_workers) == {ONE, "mixture", "mixture, prepared"}, res["workers"]
+    assert all(v > 0 for v in with_workers.values()), res["workers"]
     assert "| B14 |" in (tmp_path / "results.md").read_text()
 
 

@@ -321,3 +321,68 @@ def test_a_sigkilled_mixture_resumes_exactly_and_elastically(s3, tmp_path: Path)
         "code": 36,
         "books": 12,
     }
+
+
+EXACT_BUCKET = "torchrun-exact"
+EXACT_SOURCES = {  # weight, samples of each shard (unequal shards)
+    "web": (0.5, (31, 17, 40, 22, 9, 35)),  # 154: 150 an epoch, none twice
+    "code": (0.3, (20, 13, 29, 7)),  # 69: 90 an epoch, every sample and 21 repeats
+    "books": (0.2, (25, 11, 30)),  # 66: 60 an epoch, none twice
+}
+EXACT_EPOCH = 300  # 75 for each of 2 ranks x 2 workers: 25 batches of 3 each, 50 a rank
+
+
+def test_a_mixture_epoch_holds_exactly_the_samples_asked(s3, tmp_path: Path) -> None:
+    """A MixtureDataset of 0.5 / 0.3 / 0.2 and epoch_size=300 under torchrun (2 ranks x 2
+    workers, a DDP model stepping once a batch, collectives bounded to 30 s): 300 samples
+    an epoch, 150 / 90 / 60, each consumer 75 with a source's counts differing by at most
+    one between consumers, and a resume from the JSON states taken in the middle of epoch 1
+    gives exactly the uninterrupted run's batches."""
+    objects, every, shard = {}, {}, 0
+    specs = []
+    for name, (weight, sizes) in EXACT_SOURCES.items():
+        every[name] = set()
+        for size in sizes:
+            objects[f"{name}-{shard:06d}.tar"] = tar_bytes(shard_samples(shard, size))
+            every[name] |= {f"{name}/{key}" for key, _ in shard_samples(shard, size)}
+            shard += 1
+        first = shard - len(sizes)
+        specs.append(
+            f"{name}={weight}=s3://{EXACT_BUCKET}/{name}-{{{first:06d}..{shard - 1:06d}}}.tar"
+        )
+    s3.put_objects(EXACT_BUCKET, objects)
+    job = Job(
+        s3,
+        tmp_path,
+        ",".join(specs),
+        f"--mixture-epoch-size={EXACT_EPOCH}",
+        "--model",
+        "--timeout=30",
+    )
+    step = 70  # the middle of epoch 1 (batches 51..100 of each rank)
+    job.run("full", 2, 2, f"--checkpoint-at={step}")
+    reference = {rank: job.batches("full", rank) for rank in (0, 1)}
+    assert [len(reference[r]) for r in (0, 1)] == [100, 100]  # 2 epochs x 2 workers x 25
+    for epoch in (0, 1):
+        consumers = []  # a rank's DataLoader takes its 2 workers' batches in turn
+        for rank in (0, 1):
+            batches = [ks for e, ks in reference[rank] if e == epoch]
+            for worker in (0, 1):
+                keys = [k for ks in batches[worker::2] for k in ks]
+                consumers.append(Counter(k.split("/")[0] for k in keys))
+        assert [c.total() for c in consumers] == [75] * 4
+        for name in EXACT_SOURCES:
+            assert max(c[name] for c in consumers) - min(c[name] for c in consumers) <= 1
+        keys = Counter(k for r in (0, 1) for e, ks in reference[r] if e == epoch for k in ks)
+        by_source = {
+            n: Counter({k: c for k, c in keys.items() if k.startswith(f"{n}/")})
+            for n in EXACT_SOURCES
+        }
+        assert {n: c.total() for n, c in by_source.items()} == {"web": 150, "code": 90, "books": 60}
+        for name in ("web", "books"):  # down-sampled: none twice
+            assert max(by_source[name].values()) == 1 and set(by_source[name]) <= every[name]
+        assert set(by_source["code"]) == every["code"]  # up-sampled: every sample
+
+    job.run("exact", 2, 2, f"--resume={job.out / f'ckpt-{step}'}")
+    for rank in (0, 1):
+        assert reference[rank][:step] + job.batches("exact", rank) == reference[rank], rank

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcache import ConfigError, SampleIndexError
-from shardcache._datasets.epoch_split import EpochSplit, indexing_shares
+from shardcache._datasets.epoch_split import EpochSplit, Lay, consumer_counts, indexing_shares
 from shardcache._datasets.resume_plan import Piece
 
 
@@ -275,3 +275,88 @@ def test_an_epoch_size_is_part_of_the_bad_input_checks() -> None:
     split = EpochSplit(starts_of([5, 5]), seed=0, shuffle=True, remainder="pad", epoch_size=3)
     with pytest.raises(ConfigError, match="smaller than the job's 4 consumers"):
         split.fresh(0, 4, 2, 0)
+
+
+# -- a mixture's sources split together -------------------------------------------------
+
+
+def test_a_mixture_of_300_splits_150_90_60_between_4_consumers_exactly() -> None:
+    assert consumer_counts([150, 90, 60], 4, "pad") == [
+        [38, 38, 37, 37],
+        [22, 22, 23, 23],  # laid on from where web's extra samples ended
+        [15, 15, 15, 15],
+    ]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.sampled_from(["pad", "drop"]),
+)
+def test_sources_split_together_give_every_consumer_the_same_total(
+    counts: list[int], units: int, per_unit: int, remainder: str
+) -> None:
+    """The same total each; a source's counts differ by at most one between consumers and
+    between caches; exactly the counts asked when the consumers divide the total, else
+    only the total's remainder padded or dropped."""
+    total, consumers = sum(counts), units * per_unit
+    got = consumer_counts(counts, consumers, remainder, per_unit)
+    for row in got:
+        by_unit = [sum(row[u * per_unit : (u + 1) * per_unit]) for u in range(units)]
+        assert max(by_unit) - min(by_unit) <= 1
+    each = -(-total // consumers) if remainder == "pad" else total // consumers
+    assert all(len(row) == consumers for row in got)
+    assert {sum(row[j] for row in got) for j in range(consumers)} == {each}
+    assert all(max(row) - min(row) <= 1 for row in got)
+    job = [sum(row) for row in got]
+    if total % consumers == 0:
+        assert job == counts
+    assert sum(abs(g - c) for g, c in zip(job, counts, strict=True)) == abs(
+        each * consumers - total
+    )
+    assert all(
+        (g >= c) if remainder == "pad" else (g <= c) for g, c in zip(job, counts, strict=True)
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(layouts(), min_size=2, max_size=4),
+    st.sampled_from(["pad", "drop"]),
+    st.integers(0, 3),
+    st.data(),
+)
+def test_each_source_of_a_lay_reads_its_consumers_counts_and_cycles_over_epochs(
+    sources: list[dict], remainder: str, epoch: int, data: st.DataObject
+) -> None:
+    """Each source's split, given the mixture's counts, deals every consumer its count of
+    that source (the same consumers and caches for every source); no more than the source
+    holds: none twice in an epoch; more: every sample."""
+    per_unit = sources[0]["per_unit"]
+    consumers = sources[0]["consumers"]
+    counts = tuple(data.draw(st.integers(0, 2 * sum(s["counts"]))) for s in sources)
+    if sum(counts) < consumers:
+        counts = (counts[0] + consumers - sum(counts), *counts[1:])
+    want = consumer_counts(counts, consumers, remainder, per_unit)
+    for index, job in enumerate(sources):
+        split = EpochSplit(
+            starts_of(job["counts"]),
+            seed=job["seed"],
+            shuffle=job["shuffle"],
+            remainder=remainder,
+            epoch_size=counts[index] or None,
+            lay=Lay(counts, index),
+        )
+        seen: Counter[tuple[int, int]] = Counter()
+        for slot in range(consumers):
+            share = split.fresh(epoch, consumers, per_unit, slot)
+            samples = delivered(split, share.pieces)
+            assert len(samples) == share.samples == want[index][slot]
+            seen.update(samples)
+        if seen.total() <= sum(job["counts"]):
+            assert not seen or max(seen.values()) == 1
+        else:
+            assert len(seen) == sum(job["counts"])
+        assert split.totals(consumers, per_unit)["per_consumer"] == max(want[index])

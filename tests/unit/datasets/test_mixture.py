@@ -269,14 +269,30 @@ def test_an_unusable_source_is_named(tmp_path: Path, spec_of) -> None:
             cache=ShardCache(tmp_path / "c"),
         )
     assert caught.value.source == "bad"
-    small = MixtureDataset(  # 1 books sample an epoch for 2 consumers
-        [Source(spec_of["web"], samples=10, name="web"), Source(spec_of["books"], samples=1)],
-        cache=ShardCache(tmp_path / "c"),
-        rank=0,
-        world_size=2,
-    )
-    with pytest.raises(ConfigError, match="source 'source-1': epoch_size=1 is smaller"):
-        list(small)
+
+
+def test_a_source_with_fewer_samples_than_consumers_goes_to_some_of_them(
+    tmp_path: Path, spec_of
+) -> None:
+    """12 samples an epoch for 2 consumers: web's 11 give 6 and 5, books' 1 goes to the
+    consumer web gave one fewer; a mixture of fewer samples than consumers is refused."""
+
+    def small(rank: int, world: int, web: int = 11) -> MixtureDataset:
+        return MixtureDataset(
+            [
+                Source(spec_of["web"], samples=web, name="web"),
+                Source(spec_of["books"], samples=1, name="books"),
+            ],
+            cache=ShardCache(tmp_path / "c"),
+            threads=1,
+            rank=rank,
+            world_size=world,
+        )
+
+    got = [Counter(s["__source__"] for s in small(rank, 2)) for rank in range(2)]
+    assert got == [{"web": 6}, {"web": 5, "books": 1}]
+    with pytest.raises(ConfigError, match="epoch_size=3 is smaller than the job's 4 consumers"):
+        list(small(0, 4, web=2))
 
 
 def test_a_stateful_dataloader_with_workers_resumes_a_mixture(tmp_path: Path, spec_of) -> None:
@@ -356,3 +372,53 @@ def test_the_loader_report_counts_each_source(tmp_path: Path, spec_of, caplog) -
     report = shardcache.log_epoch_summary(1)
     assert {n: c["samples"] for n, c in report["sources"].items()} == got
     assert got.total() == 60 and all(c["misses"] == 0 for c in report["sources"].values())
+
+
+def _no_interleaving_here(_worker_id: int) -> None:
+    """A DataLoader worker that must not compute an interleaving (prepare() handed it)."""
+    import shardcache._datasets.mixture as mixture_module
+
+    def refuse(*_args: object) -> None:
+        raise AssertionError("a DataLoader worker computed the interleaving")
+
+    mixture_module._online = refuse
+
+
+def test_prepare_hands_each_worker_its_interleaving(tmp_path: Path, spec_of) -> None:
+    """prepare(workers=2) computes the interleavings of rank 1's 2 workers (of 2 ranks:
+    their counts differ) in the training process; the workers, forked (every epoch) or
+    spawned, read the same batches as workers that compute their own, without computing
+    one. Without it they compute their own."""
+    from shardcache._datasets.mixture import _order
+
+    def loader_of(dataset: MixtureDataset, refuse: bool = True, how: str = "fork"):
+        return StatefulDataLoader(
+            dataset,
+            batch_size=4,
+            num_workers=2,
+            collate_fn=_pairs,
+            timeout=60,
+            worker_init_fn=_no_interleaving_here if refuse else None,
+            multiprocessing_context=how,
+        )
+
+    def dataset_of() -> MixtureDataset:
+        return mixture(tmp_path, spec_of, 1, 2, epoch_size=62)  # 64 a worker: 31 / 19 / 12 + 2
+
+    expected, got = [], []
+    reference, prepared = dataset_of(), dataset_of()
+    for epoch in (0, 1):
+        reference.set_epoch(epoch)
+        expected.append(list(loader_of(reference, refuse=False)))
+    _order.cache_clear()  # nothing inherited from this process
+    prepared.prepare(workers=2)
+    assert len(prepared._orders) == 2  # the two workers' counts differ
+    for epoch in (0, 1):
+        prepared.set_epoch(epoch)
+        got.append(list(loader_of(prepared)))
+    assert got == expected
+    assert list(loader_of(prepared, how="spawn")) == expected[1]  # handed over by pickle
+
+    _order.cache_clear()
+    with pytest.raises(AssertionError, match="a DataLoader worker computed the interleaving"):
+        list(loader_of(dataset_of().prepare()))

@@ -9,12 +9,14 @@ world_size=R*W`` (as tests/unit/datasets/test_resume_properties.py does); a rank
 DataLoader takes its workers' batches in turn and a global batch is every rank's batch of
 one step. Checked:
 
-- every consumer gets ``ceil`` (``"pad"``) or ``floor`` (``"drop"``) of its part of each
-  source's epoch count, each sample of the right source, every prefix of its stream within
-  Tijdeman's bound, every rank the same number of batches, and in every window of ``N``
-  global batches each source less than ``2 * R * min(N, W)`` samples off its proportion
-  (the bound of shardcache/_datasets/mixture.py's docstring; the proportion is that of the
-  consumers' shares, which rounding to whole shares can move off the weights);
+- every consumer gets the same total, each source's count differing by at most one between
+  consumers (a source with fewer samples than consumers reaching only some); the epoch
+  holds exactly each source's count when the consumers divide the mixture's total, else
+  only the total's remainder is padded (``"pad"``) or dropped (``"drop"``); each sample of
+  the right source, every prefix of a consumer's stream within Tijdeman's bound of its own
+  counts, every rank the same number of batches, and in every window of ``N`` global
+  batches each source less than ``3 * R * min(N, W)`` samples off the epoch's proportion
+  (the bound of shardcache/_datasets/mixture.py's docstring);
 - a consumer stopped anywhere resumes exactly from its own state and from the job's
   (through JSON), and its next epoch is the uninterrupted next epoch;
 - the job's state resumed onto another consumer count delivers, per source, every
@@ -54,7 +56,7 @@ Pair = tuple[str, str]  # (source, key)
 def mixtures(draw: st.DrawFn) -> dict:
     ranks, workers = draw(st.sampled_from(LAYOUTS))
     other = draw(st.sampled_from([(r, w) for r, w in LAYOUTS if r * w != ranks * workers]))
-    most = max(ranks * workers, other[0] * other[1])  # each live source's count >= this
+    most = max(ranks * workers, other[0] * other[1])  # the mixture's total >= this
     k = draw(st.integers(2, 4))
     shards = [draw(st.lists(st.integers(0, 8), min_size=1, max_size=3)) for _ in range(k)]
     for counts in shards:
@@ -63,18 +65,19 @@ def mixtures(draw: st.DrawFn) -> dict:
     amounts: list[float | int] = []
     for i, kind in enumerate(kinds):
         if kind == "samples":
-            amounts.append(draw(st.integers(most, 30)))
+            amounts.append(draw(st.integers(1, 30)))
         elif "weight" not in kinds[:i]:  # the first weight > 0, others maybe 0
             amounts.append(draw(st.integers(1, 3) | st.floats(0.5, 1.5)))
         else:
             amounts.append(draw(st.integers(0, 3) | st.floats(0.5, 1.5)))
     fixed = sum(a for a, kind in zip(amounts, kinds, strict=True) if kind == "samples")
     weights = [a for a, kind in zip(amounts, kinds, strict=True) if kind == "weight"]
-    if weights:  # every positive weight's share at least ``most`` samples
-        least = math.ceil(most * sum(weights) / min(w for w in weights if w > 0)) + k
-        epoch_size = fixed + draw(st.integers(least, least + 20))
+    if weights:  # sources with fewer samples than consumers too
+        epoch_size = max(most, fixed + draw(st.integers(0, 30)))
     else:
-        epoch_size = draw(st.sampled_from([None, fixed]))
+        if fixed < most:
+            amounts[0] += most - fixed
+        epoch_size = draw(st.sampled_from([None, max(fixed, most)]))
     return {
         "shards": shards,
         "kinds": kinds,
@@ -159,31 +162,52 @@ def pairs(samples) -> list[Pair]:
 
 
 def check_epoch(
-    mix: Mix, layout: tuple[int, int], names: list[str], shares: list[int], runs: list[list[Pair]]
+    mix: Mix,
+    layout: tuple[int, int],
+    names: list[str],
+    runs: list[list[Pair]],
+    asked: list[int] | None = None,
 ) -> None:
-    """Consumers of ``layout`` (ranks, workers) reading ``shares`` of ``names``: equal
-    shares, each sample of its source, every consumer's prefixes within Tijdeman's bound,
-    every rank the same number of batches, and every window of global batches within
-    ``2 * R * min(N, W)``."""
-    total, live = sum(shares), sum(1 for share in shares if share)
-    tijdeman = 1 - Fraction(1, 2 * live - 2) if live > 1 else Fraction(0)
-    for run in runs:
-        assert Counter(s for s, _ in run) == {n: c for n, c in zip(names, shares, strict=True) if c}
+    """Consumers of ``layout`` (ranks, workers) reading ``names``: the same total each, a
+    source's count differing by at most one between consumers, the ``asked`` counts of a
+    fresh epoch exactly (only the total's remainder padded or dropped), each sample of its
+    source, every consumer's prefixes within Tijdeman's bound of its own counts, every rank
+    the same number of batches, and every window of global batches within
+    ``3 * R * min(N, W)`` of the epoch's proportion."""
+    own = [[Counter(s for s, _ in run)[name] for name in names] for run in runs]
+    assert len({sum(counts) for counts in own}) == 1  # the same total each
+    for i in range(len(names)):
+        assert max(c[i] for c in own) - min(c[i] for c in own) <= 1
+    job = [sum(c[i] for c in own) for i in range(len(names))]
+    if asked is not None:
+        consumers, total = len(runs), sum(asked)
+        each = mix.per_consumer(total, consumers)
+        assert sum(job) == consumers * each
+        off = sum(abs(got - count) for got, count in zip(job, asked, strict=True))
+        assert off == abs(consumers * each - total)  # only the total's remainder
+        if mix.spec["remainder"] == "pad":
+            assert all(got >= count for got, count in zip(job, asked, strict=True))
+        else:
+            assert all(got <= count for got, count in zip(job, asked, strict=True))
+    for run, shares in zip(runs, own, strict=True):
         assert all(key in mix.keys[source] for source, key in run)
+        total, live = sum(shares), sum(1 for share in shares if share)
+        tijdeman = 1 - Fraction(1, 2 * live - 2) if live > 1 else Fraction(0)
         seen = Counter()
         for t, (source, _) in enumerate(run, 1):
             seen[source] += 1
             for name, share in zip(names, shares, strict=True):
                 assert abs(seen[name] * total - t * share) <= tijdeman * total
     ranks, workers = layout
+    total = sum(job)
     if not total:  # an elastic resume after every sample was delivered
         return
     batches = global_batches(runs, ranks, workers, mix.spec["batch"])
-    window, bound = mix.spec["window"], 2 * ranks * min(mix.spec["window"], workers)
+    window, bound = mix.spec["window"], 3 * ranks * min(mix.spec["window"], workers)
     for start in range(max(1, len(batches) - window + 1)):
         inside = Counter(s for batch in batches[start : start + window] for s, _ in batch)
         size = inside.total()
-        for name, share in zip(names, shares, strict=True):
+        for name, share in zip(names, job, strict=True):
             assert abs(inside[name] * total - size * share) < bound * total, (start, name)
 
 
@@ -215,16 +239,13 @@ def test_every_window_of_global_batches_holds_each_source_near_its_proportion(
         first = mix.dataset(0, consumers)
         names, counts = first.names, first.counts
         runs = mix.run(consumers)
-        check_epoch(
-            mix, spec["layout"], names, [mix.per_consumer(c, consumers) for c in counts], runs
-        )
-        for name, count in zip(names, counts, strict=True):
+        check_epoch(mix, spec["layout"], names, runs, counts)
+        for name in names:
             every = Counter(key for run in runs for s, key in run if s == name)
             if every.total() >= len(mix.keys[name]):  # all of it, the rest repeats
                 assert set(every) == mix.keys[name]
-            else:  # down-sampled: none twice
+            elif every:  # down-sampled: none twice
                 assert max(every.values()) == 1
-            assert every.total() == consumers * mix.per_consumer(count, consumers)
 
 
 @SETTINGS
@@ -268,24 +289,20 @@ def test_another_layout_delivers_every_undelivered_sample_of_every_source(spec: 
         rests = [pairs(dataset) for dataset in resumed]
         got = Counter(p for rest in rests for p in rest)
         names = resumed[0].names
-        shares = []
         for name in names:
             left_of = Counter({p: n for p, n in left.items() if p[0] == name})
             got_of = Counter({p: n for p, n in got.items() if p[0] == name})
             each = mix.per_consumer(left_of.total(), resumed_with)
-            shares.append(each)
+            assert all(Counter(s for s, _ in rest)[name] == each for rest in rests), name
             assert got_of.total() == resumed_with * each, name
             if spec["remainder"] == "pad":  # all that was left, the rest repeats of it
                 assert not left_of - got_of and set(got_of) == set(left_of), name
             else:  # none of it twice, nothing delivered before
                 assert not got_of - left_of, name
-        check_epoch(mix, spec["other"], names, shares, rests)
+        check_epoch(mix, spec["other"], names, rests)
 
         for slot, dataset in enumerate(resumed):  # the next epoch: the new layout's fresh one
             dataset.set_epoch(spec["epoch"] + 1)
             rests[slot] = pairs(dataset)
         assert rests == mix.run(resumed_with, spec["epoch"] + 1)
-        counts = resumed[0].counts
-        check_epoch(
-            mix, spec["other"], names, [mix.per_consumer(c, resumed_with) for c in counts], rests
-        )
+        check_epoch(mix, spec["other"], names, rests, resumed[0].counts)
