@@ -34,6 +34,7 @@ class ShuffleBuffer:
         self._draws = draws
         # Samples of a restored state are read again; None until their shard is opened.
         self._held: list[dict[str, Any] | None] = [None] * len(progress.buffer)
+        self.out: tuple[int, int, str] | None = None  # the position of the last sample out
 
     def restore(
         self,
@@ -65,6 +66,7 @@ class ShuffleBuffer:
     def add(self, item: dict[str, Any]) -> dict[str, Any] | None:
         progress = self._progress
         if progress.buffer_size == 0:
+            self.out = item["position"]
             return item["sample"]
         if len(self._held) < progress.buffer_size:
             self._held.append(item["sample"])
@@ -72,6 +74,7 @@ class ShuffleBuffer:
             return None
         index = self._draws.below(progress.buffer_size)
         out = self._held[index]
+        self.out = progress.buffer[index]
         self._held[index] = item["sample"]
         progress.buffer[index] = item["position"]
         progress.draws = self._draws.draws
@@ -84,7 +87,7 @@ class ShuffleBuffer:
         held, positions = self._held, self._progress.buffer
         held[index], held[last] = held[last], held[index]
         positions[index], positions[last] = positions[last], positions[index]
-        positions.pop()
+        self.out = positions.pop()
         self._progress.draws = self._draws.draws
         return held.pop()
 
