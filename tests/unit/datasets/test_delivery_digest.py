@@ -3,10 +3,10 @@ every single change seen; the vectorised hashing against a plain-Python referenc
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import pytest
+from delivery_reference import tally
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,17 +21,8 @@ STARTS = [[512 * 3 * k for k in range(40)] for _ in URLS]  # 40 samples a shard
 
 def reference(epoch: int, source: str | None, samples: list[tuple[int, int]]) -> Tally:
     """The documented hash, one sample at a time with Python integers."""
-    total = 0
-    for shard, index in samples:
-        name = f"{epoch}\x1f{source or ''}\x1f{URLS[shard]}".encode()
-        key = int.from_bytes(
-            hashlib.blake2b(name, digest_size=8, person=b"shardcache-dlv1").digest(), "little"
-        )
-        x = (key + index * 0x9E3779B97F4A7C15) & MASK
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
-        total += x ^ (x >> 31)
-    return Tally(total & MASK, len(samples))
+    digest, count = tally(epoch, source, [(URLS[shard], index) for shard, index in samples])
+    return Tally(int(digest, 16), count)
 
 
 def samples_of(runs: list[Run]) -> list[tuple[int, int]]:
