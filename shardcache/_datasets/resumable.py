@@ -47,7 +47,7 @@ from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
 from .delivery_check import Checker, DeliveryCheck, carried, mode_of
-from .delivery_digest import Recorder, SampleHasher, Tally
+from .delivery_digest import BATCH, Recorder, SampleHasher, Tally
 from .epoch_split import EpochSplit
 from .resume_options import (
     flag,
@@ -370,7 +370,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             draws=progress.draws,
         )
         shuffler = ShuffleBuffer(progress, draws)
-        record = recorder.add
+        record = recorder.positions.append
         metrics.set_epoch(progress.epoch)
         if progress.item == 0 and progress.taken == 0 and not progress.buffer:
             _log_sizes(progress)
@@ -417,6 +417,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     advance(progress, item + 1)
                 # Counted once a piece, not once a sample.
                 metrics.count(samples=progress.delivered - delivered, source=self._source)
+                recorder.fold(at_least=BATCH)
                 delivered = progress.delivered
             shuffler.drop_unrestored()
             advance(progress, len(progress.plan))

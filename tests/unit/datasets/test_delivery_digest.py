@@ -103,26 +103,27 @@ def test_long_runs_are_hashed_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @settings(max_examples=40, deadline=None)
-@given(runs=runs_lists, seed=st.integers(0, 2**32), batch=st.integers(1, 9))
-def test_the_recorder_folds_positions_as_the_runs_hash(runs, seed: int, batch: int) -> None:
+@given(runs=runs_lists, seed=st.integers(0, 2**32), every=st.integers(1, 9))
+def test_the_recorder_folds_positions_as_the_runs_hash(runs, seed: int, every: int) -> None:
     order = samples_of(runs)
     random.Random(seed).shuffle(order)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(delivery_digest, "_BATCH", batch)
-        recorder = Recorder(SampleHasher(URLS, 2, None), STARTS)
-        taken = Tally()
-        for n, (shard, index) in enumerate(order):
-            recorder.add((shard, STARTS[shard][index], f"key{index}"))
-            if n % 5 == 4:
-                taken += recorder.take()
-        taken += recorder.take()
+    recorder = Recorder(SampleHasher(URLS, 2, None), STARTS)
+    record = recorder.positions.append  # as the reading loop holds it
+    taken = Tally()
+    for n, (shard, index) in enumerate(order):
+        record((shard, STARTS[shard][index], f"key{index}"))
+        if n % every == every - 1:
+            recorder.fold()
+        if n % 7 == 6:
+            taken += recorder.take()
+    taken += recorder.take()
     assert taken == reference(2, None, order)
     assert recorder.take() == Tally()
 
 
 def test_a_position_the_index_does_not_list_is_refused() -> None:
     recorder = Recorder(SampleHasher(URLS, 0, None), STARTS)
-    recorder.add((1, 100, "k"))  # not a sample's first byte
+    recorder.positions.append((1, 100, "k"))  # not a sample's first byte
     with pytest.raises(SampleIndexError, match=r"train-000001\.tar") as caught:
         recorder.take()
     assert caught.value.seen == 100
