@@ -52,7 +52,8 @@ logger = get_logger(__name__)
 @dataclass(frozen=True)
 class DeliveryCheck:
     """One check: ``seen`` and ``expected`` as (count, digest), where it was made
-    (``at``: "resume", "end of share", "checkpoint", "end of epoch"), and whether every
+    (``at``: "checkpoint", "end of epoch", "elastic resume", "resume of consumer 3 (of 4)",
+    "end of the share of consumer 3 (of 4)"), and whether every
     consumer had reached its plan's end (``complete``)."""
 
     epoch: int
@@ -157,7 +158,7 @@ class Checker:
     def resumed(self, progress: Progress) -> Progress:
         """A consumer resumed exactly: its state's tally against its plan."""
         if self.mode != "off":
-            self.settle(self.consumer(progress, "resume"))
+            self.settle(self.consumer(progress, f"resume of {_consumer(progress)}"))
         return progress
 
     def elastic(self, job: Mapping[str, Any], *, loud: bool) -> DeliveryCheck | None:
@@ -170,7 +171,7 @@ class Checker:
         """A consumer at the end of its share: its tally against its whole plan."""
         if self.mode == "off":
             return None
-        return self.settle(self.consumer(progress, "end of the share of a consumer"))
+        return self.settle(self.consumer(progress, f"end of the share of {_consumer(progress)}"))
 
     def settle(self, check: DeliveryCheck | None, *, loud: bool = True) -> DeliveryCheck | None:
         """Count ``check`` and act on a mismatch: raise, warn (``loud``: at WARNING, else
@@ -193,6 +194,10 @@ class Checker:
             raise error
         (logger.warning if loud else logger.debug)("%s", error.message)
         return check
+
+
+def _consumer(progress: Progress) -> str:
+    return f"consumer {progress.slot} (of {progress.consumers})"
 
 
 def mode_of(given: str | None, default: str) -> str:
@@ -219,7 +224,7 @@ def mismatch(check: DeliveryCheck) -> DeliveryMismatchError:
     else:
         what = "as many samples as planned, but not the planned ones"
     return DeliveryMismatchError(
-        f"epoch {check.epoch}{source}, {check.at}: the job delivered {seen}, its plan says "
+        f"epoch {check.epoch}{source}, {check.at}: delivered {seen}, the plan says "
         f"{expected}: {what}. Samples were skipped or repeated: states gathered from "
         "different steps, an edited or stale state, a handler that skipped shards, a "
         "consumer stopped before its plan's end, or a bug (please report it with the "

@@ -463,5 +463,8 @@ def test_a_mixture_killed_again_and_again_proves_what_it_delivered(s3, tmp_path:
     (forged / "loader-rank0.json").write_text(json.dumps(state))
     stderr = job.fails("forged", 2, 2, f"--resume={forged}")
     # The batch of 3 samples, of one or two sources: the first source checked says so.
-    found = r"DeliveryMismatchError: epoch \d \(source '\w+'\), resume: .* [123] samples fewer"
+    found = (
+        r"DeliveryMismatchError: epoch \d \(source '\w+'\), resume of consumer [01] \(of 4\): "
+        r".* [123] samples fewer"
+    )
     assert re.search(found, stderr), stderr[-3000:]

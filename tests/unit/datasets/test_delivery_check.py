@@ -186,7 +186,9 @@ def test_a_skipped_batch_is_caught_on_resume_and_by_the_job_check(tmp_path: Path
 
     resumed = shards.dataset(1, 2)  # the consumer itself, exactly
     resumed.load_state_dict(states[1])
-    with pytest.raises(DeliveryMismatchError, match="epoch 0, resume: the job delivered 4"):
+    with pytest.raises(
+        DeliveryMismatchError, match=r"epoch 0, resume of consumer 1 \(of 2\): delivered 4 samples"
+    ):
         next(iter(resumed))
     # Elastically, every new consumer checks the whole job state; exactly, the skipping
     # consumer checks its own part of it.
