@@ -34,15 +34,16 @@ counts in the metrics (``delivery_checks``, ``delivery_mismatches``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._base.errors import ConfigError, DeliveryMismatchError, ResumeError
 from .._base.redact import get_logger
 from .._observe import metrics
-from .delivery_digest import SampleHasher, Tally
+from .delivery_digest import Recorder, SampleHasher, Tally
 from .epoch_split import EpochSplit
+from .resume_plan import Piece
 from .resume_start import plan_for
 from .resume_state import Progress, leftover
 
@@ -51,7 +52,8 @@ logger = get_logger(__name__)
 
 @dataclass(frozen=True)
 class DeliveryCheck:
-    """One check: ``seen`` and ``expected`` as (count, digest), where it was made
+    """One check: ``seen``, ``skipped`` (samples of the plan a handler gave up on) and
+    ``expected`` as tallies (count, digest), where it was made
     (``at``: "checkpoint", "end of epoch", "elastic resume", "resume of consumer 3 (of 4)",
     "end of the share of consumer 3 (of 4)"), and whether every
     consumer had reached its plan's end (``complete``)."""
@@ -62,10 +64,11 @@ class DeliveryCheck:
     seen: Tally
     expected: Tally
     complete: bool
+    skipped: Tally = field(default_factory=Tally)  # of the plan, by a handler: not delivered
 
     @property
     def ok(self) -> bool:
-        return self.seen == self.expected
+        return self.seen + self.skipped == self.expected
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +78,7 @@ class DeliveryCheck:
             "ok": self.ok,
             "complete": self.complete,
             "seen": self.seen.as_json(),
+            "skipped": self.skipped.as_json(),
             "expected": self.expected.as_json(),
         }
 
@@ -101,7 +105,9 @@ class Checker:
         whole = hasher.runs(run_of(p) for p in progress.plan)
         left = progress.left()
         expected = whole - hasher.runs(run_of(p) for p in left)
-        return DeliveryCheck(progress.epoch, self.source, at, progress.seen, expected, not left)
+        return DeliveryCheck(
+            progress.epoch, self.source, at, progress.seen, expected, not left, progress.skipped
+        )
 
     def job(self, job: Mapping[str, Any], at: str, *, epoch_end: bool) -> DeliveryCheck | None:
         """A job state's tallies against the plan: up to each consumer's position, or
@@ -130,6 +136,7 @@ class Checker:
             )
         prior = parts[0].get("prior") or {}
         seen = Tally.from_json(prior["seen"]) if prior else Tally()
+        skipped = Tally.from_json(prior["skipped"]) if prior else Tally()
         whole = Tally.from_json(prior["expected"]) if prior else Tally()
         plans = plan_for(self.split, epoch)
         hasher = self.hasher(epoch)
@@ -142,11 +149,15 @@ class Checker:
             if state is None:  # delivered nothing of a fresh epoch: its plan is all left
                 plan = plans(consumers, per_unit, slot)
             else:
-                plan = Progress.from_json(state, plans).plan
-                seen += Tally.from_json(state["seen"])
+                progress = Progress.from_json(state, plans)
+                plan, seen, skipped = (
+                    progress.plan,
+                    seen + progress.seen,
+                    skipped + progress.skipped,
+                )
             whole += hasher.runs(run_of(p) for p in plan)
         expected = whole if epoch_end else whole - hasher.runs(run_of(p) for p in left)
-        return DeliveryCheck(epoch, self.source, at, seen, expected, not left)
+        return DeliveryCheck(epoch, self.source, at, seen, expected, not left, skipped)
 
     # -- the checks, acted on -------------------------------------------------------
 
@@ -216,20 +227,23 @@ def mode_of(given: str | None, default: str) -> str:
 def mismatch(check: DeliveryCheck) -> DeliveryMismatchError:
     seen, expected = check.seen, check.expected
     source = "" if check.source is None else f" (source {check.source!r})"
-    if seen.count != expected.count:
+    accounted = seen + check.skipped
+    if accounted.count != expected.count:
         what = (
-            f"{abs(seen.count - expected.count)} samples "
-            f"{'fewer' if seen.count < expected.count else 'more'} than planned"
+            f"{abs(accounted.count - expected.count)} samples "
+            f"{'fewer' if accounted.count < expected.count else 'more'} than planned"
         )
     else:
         what = "as many samples as planned, but not the planned ones"
     return DeliveryMismatchError(
-        f"epoch {check.epoch}{source}, {check.at}: delivered {seen}, the plan says "
+        f"epoch {check.epoch}{source}, {check.at}: delivered {seen}"
+        + (f" and skipped {check.skipped} (the handler)" if check.skipped.count else "")
+        + f", the plan says "
         f"{expected}: {what}. Samples were skipped or repeated: states gathered from "
-        "different steps, an edited or stale state, a handler that skipped shards, a "
-        "consumer stopped before its plan's end, or a bug (please report it with the "
-        "states). SHARDCACHE_DELIVERY_CHECK=warn logs this instead; resuming from an "
-        "earlier checkpoint, or starting the epoch again, delivers the plan",
+        "different steps, an edited or stale state, a consumer stopped before its plan's "
+        "end, or a bug (please report it with the states). SHARDCACHE_DELIVERY_CHECK=warn "
+        "logs this instead; resuming from an earlier checkpoint, or starting the epoch "
+        "again, delivers the plan",
         epoch=check.epoch,
         source=check.source,
         at=check.at,
@@ -242,7 +256,25 @@ def carried(check: DeliveryCheck | None) -> dict[str, Any] | None:
     """What an elastic resume carries on of the job state it was dealt from."""
     if check is None:
         return None
-    return {"seen": check.seen.as_json(), "expected": check.expected.as_json()}
+    return {
+        "seen": check.seen.as_json(),
+        "skipped": check.skipped.as_json(),
+        "expected": check.expected.as_json(),
+    }
 
 
-__all__ = ["Checker", "DeliveryCheck", "carried", "mismatch", "mode_of"]
+def skipper(
+    progress: Progress, recorder: Recorder, split: EpochSplit
+) -> Callable[[int, Sequence[tuple[int, int, str]]], None]:
+    """``skip(upto, lost)``: count as skipped (a handler's doing) the samples from
+    ``progress``'s position to piece ``upto`` and the buffered samples ``lost``."""
+
+    def skip(upto: int, lost: Sequence[tuple[int, int, str]]) -> None:
+        pieces = progress.ahead(upto) + [Piece(shard, offset, 1) for shard, offset, _ in lost]
+        if pieces:
+            progress.skipped += recorder.hasher.runs(split.run_of(p) for p in pieces)
+
+    return skip
+
+
+__all__ = ["Checker", "DeliveryCheck", "carried", "mismatch", "mode_of", "skipper"]

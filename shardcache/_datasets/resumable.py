@@ -46,7 +46,7 @@ from .._cache.shard_cache import ShardCache
 from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
-from .delivery_check import Checker, DeliveryCheck, carried, mode_of
+from .delivery_check import Checker, DeliveryCheck, carried, mode_of, skipper
 from .delivery_digest import BATCH, Recorder, SampleHasher, Tally
 from .epoch_split import EpochSplit
 from .resume_options import (
@@ -371,6 +371,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         )
         shuffler = ShuffleBuffer(progress, draws)
         record = recorder.positions.append
+        skip = skipper(progress, recorder, self._epoch_split())
         metrics.set_epoch(progress.epoch)
         if progress.item == 0 and progress.taken == 0 and not progress.buffer:
             _log_sizes(progress)
@@ -392,8 +393,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                         lambda offset, stream=stream: seeked(stream, offset),
                     )
                     continue
-                shuffler.drop_unrestored()
                 item = detail
+                skip(item, shuffler.drop_unrestored())
                 if progress.item < item:  # the handler skipped the pieces in between
                     logger.warning(
                         "pieces %d..%d of consumer %d were skipped by the handler",
@@ -414,12 +415,13 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     if not self._stage.handler(exn):
                         return
                 if progress.item == item:  # an empty piece, or one the handler gave up on
+                    skip(item + 1, [])
                     advance(progress, item + 1)
                 # Counted once a piece, not once a sample.
                 metrics.count(samples=progress.delivered - delivered, source=self._source)
                 recorder.fold(at_least=BATCH)
                 delivered = progress.delivered
-            shuffler.drop_unrestored()
+            skip(len(progress.plan), shuffler.drop_unrestored())
             advance(progress, len(progress.plan))
             while (out := shuffler.drain_one()) is not None:
                 progress.delivered += 1

@@ -52,16 +52,19 @@ class ShuffleBuffer:
                 raise changed(url, offset, key, None if sample is None else sample.key)
             self._held[index] = sample.as_dict(url, local_path)
 
-    def drop_unrestored(self) -> None:
-        """Buffered samples whose shard the handler skipped are lost, as in webdataset."""
+    def drop_unrestored(self) -> list[tuple[int, int, str]]:
+        """Buffered samples whose shard the handler skipped are lost, as in webdataset;
+        returns their positions."""
         if None not in self._held:
-            return
+            return []
         keep = [i for i, sample in enumerate(self._held) if sample is not None]
         logger.warning(
             "%d buffered samples were lost with their shards", len(self._held) - len(keep)
         )
+        lost = [p for i, p in enumerate(self._progress.buffer) if self._held[i] is None]
         self._held = [self._held[i] for i in keep]
         self._progress.buffer = [self._progress.buffer[i] for i in keep]
+        return lost
 
     def add(self, item: dict[str, Any]) -> dict[str, Any] | None:
         progress = self._progress

@@ -328,3 +328,24 @@ def test_a_mixture_is_checked_per_source(tmp_path: Path) -> None:
         final.append(dataset.state_dict())
     checks = mixture(0, 1).check_delivery(final, epoch_end=True)
     assert all(c is not None and c.ok and c.complete for c in checks.values())
+
+
+def test_samples_a_handler_skips_are_accounted_not_a_mismatch(tmp_path: Path) -> None:
+    """A shard missing after its index was made, left out by the handler mid-epoch: its
+    samples count as skipped; the checks match, and the tally of what was delivered says
+    how many were skipped."""
+    from shardcache._datasets.sample_index import index_document, learn, write_index
+
+    shards = _shards(tmp_path, shuffle_buffer=4)
+    cache = ShardCache(tmp_path / "cache")
+    index = str(tmp_path / "index.json")
+    write_index(index, index_document(learn(shards.urls, cache, threads=1), shards.urls))
+    Path(shards.urls[2]).unlink()  # 11 samples
+    shards.options.update(index=index, handler=lambda exn: True)
+    dataset = shards.dataset(0, 1)
+    delivered = list(dataset)
+    state = dataset.state_dict()
+    assert len(delivered) == 13 + 9 + 7
+    assert state["skipped"][1] == 11 and state["seen"][1] == 29
+    check = shards.dataset(0, 1).check_delivery([state], epoch_end=True)
+    assert check.ok and check.skipped.count == 11 and check.expected.count == 40
