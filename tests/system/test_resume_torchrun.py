@@ -65,8 +65,8 @@ class Job:
             *extra,
         )
 
-    def run(self, run: str, ranks: int = 2, workers: int = 2, *extra: str) -> None:
-        done = subprocess.run(
+    def _ran(self, run: str, ranks: int, workers: int, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
             self.command(run, ranks, workers, *extra),
             env=self.env,
             capture_output=True,
@@ -74,6 +74,9 @@ class Job:
             timeout=RUN_TIMEOUT,
             check=False,
         )
+
+    def run(self, run: str, ranks: int = 2, workers: int = 2, *extra: str) -> None:
+        done = self._ran(run, ranks, workers, *extra)
         assert done.returncode == 0, _tracebacks(done.stderr)
 
     def run_and_kill(self, run: str, *extra: str, ranks: int = 2, workers: int = 2) -> None:
@@ -102,14 +105,7 @@ class Job:
 
     def fails(self, run: str, ranks: int, workers: int, *extra: str) -> str:
         """Run, expecting the job to fail; its stderr."""
-        done = subprocess.run(
-            self.command(run, ranks, workers, *extra),
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT,
-            check=False,
-        )
+        done = self._ran(run, ranks, workers, *extra)
         assert done.returncode != 0, done.stderr[-4000:]
         return done.stderr
 

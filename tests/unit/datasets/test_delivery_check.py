@@ -23,10 +23,8 @@ from tars import shard_samples, tar_bytes
 
 from shardcache import (
     DeliveryMismatchError,
-    MixtureDataset,
     ResumableDataset,
     ShardCache,
-    Source,
     job_state,
 )
 from shardcache._observe import metrics
@@ -274,60 +272,6 @@ def caplog_line(report: dict) -> str:
     from shardcache._observe.summary import format_line
 
     return format_line(report)
-
-
-def test_a_mixture_is_checked_per_source(tmp_path: Path) -> None:
-    urls: dict[str, list[str]] = {}
-    shard = 0
-    for name, counts in {"web": (12, 9), "code": (6, 5), "books": (4,)}.items():
-        urls[name] = []
-        for count in counts:
-            path = tmp_path / name / f"{shard:04d}.tar"
-            path.parent.mkdir(exist_ok=True)
-            path.write_bytes(tar_bytes(shard_samples(shard, count, size=8)))
-            urls[name].append(str(path))
-            shard += 1
-
-    def mixture(slot: int, consumers: int) -> MixtureDataset:
-        return MixtureDataset(
-            [Source(urls[n], weight=w, name=n) for n, w in (("web", 5), ("code", 3), ("books", 2))],
-            epoch_size=40,
-            seed=1,
-            shuffle_buffer=3,
-            cache=ShardCache(tmp_path / "cache"),
-            threads=1,
-            rank=slot,
-            world_size=consumers,
-        )
-
-    states = []
-    for slot in range(2):
-        dataset = mixture(slot, 2)
-        iterator = iter(dataset)
-        for _ in range(7 + slot):
-            next(iterator)
-        states.append(json.loads(json.dumps(dataset.state_dict())))
-        iterator.close()
-    checks = mixture(0, 2).check_delivery(states)
-    assert set(checks) == {"web", "code", "books"}
-    assert all(c is not None and c.ok for c in checks.values())
-    assert sum(c.seen.count for c in checks.values() if c is not None) == 15
-
-    forged = copy.deepcopy(states)
-    forged[1]["states"][0]["seen"] = states[0]["states"][0]["seen"]  # web's tally of another
-    with pytest.raises(DeliveryMismatchError, match="source 'web'") as caught:
-        mixture(0, 2).check_delivery(forged)
-    assert caught.value.source == "web"
-
-    final = []  # elastically into 3 consumers, to the epoch's end: whole
-    for slot in range(3):
-        dataset = mixture(slot, 3)
-        dataset.load_state_dict(job_state(states))
-        rest = list(dataset)
-        assert rest
-        final.append(dataset.state_dict())
-    checks = mixture(0, 1).check_delivery(final, epoch_end=True)
-    assert all(c is not None and c.ok and c.complete for c in checks.values())
 
 
 def test_samples_a_handler_skips_are_accounted_not_a_mismatch(tmp_path: Path) -> None:
