@@ -334,7 +334,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                 yield sample
             for name, part in zip(names, self._parts, strict=True):
                 with _naming(name):
-                    part.check_share_end()
+                    part._check_share_end()
         finally:
             for stream in streams:  # each counts the samples it delivered
                 close = getattr(stream, "close", None)

@@ -430,7 +430,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         finally:  # what was yielded since the last count (a mixture stops at its share)
             metrics.count(samples=progress.delivered - delivered, source=self._source)
         if self._source is None:  # a mixture's source: the mixture closes the epoch
-            self.check_share_end()
+            self._check_share_end()
             metrics.end_epoch(progress.epoch)
 
     # -- the delivery check (shardcache._datasets.delivery_check) -------------------------
@@ -450,7 +450,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self.identity.check(job)
         return self._checker(on_mismatch).job_check(job, epoch_end=epoch_end)
 
-    def check_share_end(self) -> DeliveryCheck | None:
+    def _check_share_end(self) -> DeliveryCheck | None:
         """In the iterating process: this consumer's tally against its whole plan (run
         when its share of the epoch ends; a mixture runs it for its sources)."""
         if self._progress is None:
