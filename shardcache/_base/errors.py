@@ -21,6 +21,7 @@
     │   └── LockFileError(OSError)        a lock file cannot be created (path, errno)
     ├── ShardFormatError(ValueError)      a shard is not a readable tar (where, what was seen)
     ├── ResumeError(ValueError)           a resume state does not fit this dataset (what differs)
+    │   └── DeliveryMismatchError         what a job delivered is not what its plan says
     ├── SampleIndexError(ValueError)      an index of sample offsets unusable (missing, stale)
     ├── MetricsError(ValueError)          metrics files cannot be reported (newer version, none)
     ├── MissingExtraError(ImportError)    an optional extra is missing (says what to pip install)
@@ -159,6 +160,12 @@ class ShardFormatError(ShardCacheError, ValueError):
 class ResumeError(ShardCacheError, ValueError):
     """A resume state cannot be used here: another format version, dataset, shard list,
     seed or job layout; names what differs, both values and what to do."""
+
+
+class DeliveryMismatchError(ResumeError):
+    """The samples a job delivered of an epoch (their digest and count, kept in the resume
+    state) are not the ones its plan says it delivered up to there: samples were skipped or
+    repeated. Names the epoch, source, where it was checked, expected and seen."""
 
 
 class SampleIndexError(ShardCacheError, ValueError):

@@ -65,6 +65,7 @@ class Settings:
     manifest_pipes: str = SPECS["manifest_pipes"].default
     metrics: str | None = SPECS["metrics"].default
     metrics_interval: float = SPECS["metrics_interval"].default
+    delivery_check: str = SPECS["delivery_check"].default
     storage_options: dict[str, Any] = field(default_factory=dict)
     rank: int = SPECS["rank"].default
     local_rank: int = SPECS["local_rank"].default

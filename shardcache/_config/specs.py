@@ -265,6 +265,14 @@ SPECS: dict[str, SettingSpec] = {
         0.001,
         86400,
     ),
+    "delivery_check": SettingSpec(
+        "SHARDCACHE_DELIVERY_CHECK",
+        one_of("raise", "warn", "off"),
+        "raise",
+        "ResumableDataset / MixtureDataset: what a job delivered of an epoch (a digest and "
+        "count in the resume state) against its plan, on resume and at each consumer's end "
+        "of epoch; raise: DeliveryMismatchError; warn: a warning; off: not checked",
+    ),
     "storage_options": SettingSpec(
         "SHARDCACHE_STORAGE_OPTIONS",
         parse_json_object,

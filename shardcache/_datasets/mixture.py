@@ -49,10 +49,11 @@ from .._base.errors import ConfigError, ResumeError, ShardCacheError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._observe import metrics
+from .delivery_check import DeliveryCheck
 from .epoch_split import Lay
 from .resumable import ResumableDataset, Stage
 from .resume_options import whole
-from .resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State
+from .resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State, job_state
 from .urls import Spec
 from .wds import Handler
 
@@ -309,6 +310,21 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             "states": [part.state_dict() for part in self._parts],
         }
 
+    def check_delivery(
+        self, *states: Any, epoch_end: bool = False, on_mismatch: str | None = None
+    ) -> dict[str, DeliveryCheck | None]:
+        """Every source's :meth:`ResumableDataset.check_delivery` over ``states`` (every
+        rank's ``StatefulDataLoader.state_dict()``, gathered), by source name."""
+        job = job_state(*states)
+        sources = _source_states(job, self.names)
+        checks = {}
+        for name, part, part_state in zip(self.names, self._parts, sources, strict=True):
+            with _naming(name):
+                checks[name] = part.check_delivery(
+                    part_state, epoch_end=epoch_end, on_mismatch=on_mismatch
+                )
+        return checks
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume every source from ``state`` (a consumer's, or ``shardcache.job_state``'s)."""
         states = _source_states(state, self.names)
@@ -347,6 +363,9 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                     continue
                 sample["__source__"] = names[i]
                 yield sample
+            for name, part in zip(names, self._parts, strict=True):
+                with _naming(name):
+                    part._check_share_end()
         finally:
             for stream in streams:  # each counts the samples it delivered
                 close = getattr(stream, "close", None)

@@ -48,6 +48,8 @@ from .._cache.shard_cache import ShardCache
 from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
+from .delivery_check import Checker, DeliveryCheck, carried, mode_of, skipper
+from .delivery_digest import BATCH, Recorder, SampleHasher, Tally
 from .epoch_split import EpochSplit, Lay, indexing_shares
 from .job_index import job_index
 from .resume_options import (
@@ -139,6 +141,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._progress: Progress | None = None  # the running (or last) iteration's
         self._source: str | None = None  # the mixture source this is (MixtureDataset sets it)
         self._lay: Lay | None = None  # a mixture's counts, split together (MixtureDataset sets it)
+        self._recorder: Recorder | None = None  # the running iteration's delivered samples
 
     # -- configuration --------------------------------------------------------------
 
@@ -186,6 +189,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         """This consumer's state (plain JSON). In the process that iterates: where the
         iteration stands; before it: the loaded state, or the start of the epoch."""
         if self._progress is not None:
+            self._take_tally()
             return self._progress.as_json(self.identity)
         if self._pending is not None:
             return copy.deepcopy(self._pending)
@@ -307,7 +311,9 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         pending, self._pending = self._pending, None
         progress = self._progress_for(pending, slot, consumers, per_unit)
         self._progress = progress
-        stream: Iterator[Any] = self._delivered(progress)
+        hasher = SampleHasher(self.urls, progress.epoch, self._source)
+        self._recorder = recorder = Recorder(hasher, self._epoch_split().starts)
+        stream: Iterator[Any] = self._delivered(progress, recorder)
         for stage in self._stages:
             stream = stage(stream)
         return iter(stream)
@@ -359,15 +365,16 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             check_layout(pending, split)
         if pending is not None and pending["kind"] == "consumer":
             check_same_consumer(pending, consumers, per_unit, slot)
-            return Progress.from_json(pending, plan)
+            return self._checker().resumed(Progress.from_json(pending, plan))
         if pending is not None and pending["kind"] == "job":
             parts = {p["slot"]: p for p in pending["parts"] if p["kind"] == "consumer"}
             same_layout = all(
                 (p["consumers"], p["per_unit"]) == (consumers, per_unit) for p in parts.values()
             )
             if parts and same_layout and len(parts) == consumers:  # every consumer: exact
-                return Progress.from_json(parts[slot], plan)
+                return self._checker().resumed(Progress.from_json(parts[slot], plan))
             if parts:
+                before = self._checker().elastic(pending, loud=slot == 0)
                 pieces, digest = leftover(pending, plan)
                 share = split.share(pieces, consumers, per_unit, slot)
                 logger.info(
@@ -380,7 +387,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     slot,
                     share.repeated,
                 )
-                return start_progress(
+                progress = start_progress(
                     split,
                     epoch,
                     consumers,
@@ -390,13 +397,17 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     buffer_size=self.shuffle_buffer,
                     carried=digest,
                 )
+                progress.prior = carried(before)
+                progress.seen = None if before is None else Tally()
+                return progress
         share = split.fresh(epoch, consumers, per_unit, slot)
         return start_progress(
             split, epoch, consumers, per_unit, slot, share, buffer_size=self.shuffle_buffer
         )
 
-    def _delivered(self, progress: Progress) -> Iterator[dict[str, Any]]:
-        """The consumer's samples in order; ``progress`` is kept true at every yield."""
+    def _delivered(self, progress: Progress, recorder: Recorder) -> Iterator[dict[str, Any]]:
+        """The consumer's samples in order; ``progress`` is kept true at every yield, and
+        ``recorder`` records each sample that leaves."""
         draws = RandomDraws(
             self.seed,
             progress.epoch,
@@ -406,6 +417,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             draws=progress.draws,
         )
         shuffler = ShuffleBuffer(progress, draws)
+        record = recorder.positions.append
+        skip = skipper(progress, recorder, self._epoch_split())
         metrics.set_epoch(progress.epoch)
         if progress.item == 0 and progress.taken == 0 and not progress.buffer:
             _log_sizes(progress)
@@ -427,8 +440,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                         lambda offset, stream=stream: seeked(stream, offset),
                     )
                     continue
-                shuffler.drop_unrestored()
                 item = detail
+                skip(item, shuffler.drop_unrestored())
                 if progress.item < item:  # the handler skipped the pieces in between
                     logger.warning(
                         "pieces %d..%d of consumer %d were skipped by the handler",
@@ -443,24 +456,65 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     ):
                         if (out := shuffler.add(sample)) is not None:
                             progress.delivered += 1
+                            record(shuffler.out)
                             yield out
                 except ShardFormatError as exn:
                     if not self._stage.handler(exn):
                         return
                 if progress.item == item:  # an empty piece, or one the handler gave up on
+                    skip(item + 1, [])
                     advance(progress, item + 1)
                 # Counted once a piece, not once a sample.
                 metrics.count(samples=progress.delivered - delivered, source=self._source)
+                recorder.fold(at_least=BATCH)
                 delivered = progress.delivered
-            shuffler.drop_unrestored()
+            skip(len(progress.plan), shuffler.drop_unrestored())
             advance(progress, len(progress.plan))
             while (out := shuffler.drain_one()) is not None:
                 progress.delivered += 1
+                record(shuffler.out)
                 yield out
         finally:  # what was yielded since the last count (a mixture stops at its share)
             metrics.count(samples=progress.delivered - delivered, source=self._source)
         if self._source is None:  # a mixture's source: the mixture closes the epoch
+            self._check_share_end()
             metrics.end_epoch(progress.epoch)
+
+    # -- the delivery check (shardcache._datasets.delivery_check) -------------------------
+
+    def check_delivery(
+        self, *states: Any, epoch_end: bool = False, on_mismatch: str | None = None
+    ) -> DeliveryCheck | None:
+        """Check what the job delivered of its epoch against the plan: ``states`` are every
+        rank's states (what :func:`job_state` takes: each rank's
+        ``StatefulDataLoader.state_dict()``, gathered), at a checkpoint (against the plan
+        up to each consumer's position) or, with ``epoch_end``, after the epoch's last
+        batch (against the whole epoch's plan). A mismatch raises
+        :class:`DeliveryMismatchError` or warns (``on_mismatch``: "raise", "warn"; None:
+        ``SHARDCACHE_DELIVERY_CHECK``). Returns the check (seen, expected), None for
+        states written before shardcache kept tallies."""
+        job = job_state(*states)
+        self.identity.check(job)
+        return self._checker(on_mismatch).job_check(job, epoch_end=epoch_end)
+
+    def _check_share_end(self) -> DeliveryCheck | None:
+        """In the iterating process: this consumer's tally against its whole plan (run
+        when its share of the epoch ends; a mixture runs it for its sources)."""
+        if self._progress is None:
+            return None
+        self._take_tally()
+        return self._checker().share_end(self._progress)
+
+    def _take_tally(self) -> None:
+        progress, recorder = self._progress, self._recorder
+        if progress is not None and recorder is not None:
+            folded = recorder.take()
+            progress.seen = None if progress.seen is None else progress.seen + folded
+
+    def _checker(self, on_mismatch: str | None = None) -> Checker:
+        cache = self._stage.cache
+        mode = (cache.settings if cache is not None else Settings.resolve()).delivery_check
+        return Checker(self._epoch_split(), self.urls, self._source, mode_of(on_mismatch, mode))
 
     def _cache(self) -> ShardCache:
         return self._stage.cache if self._stage.cache is not None else ShardCache.from_env()

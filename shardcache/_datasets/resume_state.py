@@ -5,7 +5,11 @@ share a cache, and whether the epoch was itself resumed from leftovers), the con
 slot and plan, where in the plan the next sample starts (piece, samples of it taken, byte
 offset, key), the shuffle buffer's samples (by shard, offset and key: their bytes are read
 again on resume) and its draw counter, and the epoch's sizes (samples per consumer,
-repeated and dropped). A sample
+repeated and dropped), and what it delivered as a tally (``seen``: a digest and a count,
+:mod:`shardcache._datasets.delivery_digest`; a state written before tallies existed has
+none, and its epoch is not checked), the tally of the samples of its plan a handler
+skipped (``skipped``) and, after an elastic resume, the job's tallies of the epoch before
+it (``prior``: seen, skipped and expected, the same in every consumer). A sample
 counts as delivered once it left the dataset's iterator; samples in the shuffle buffer,
 or read ahead anywhere else, do not.
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._base.errors import ResumeError
+from .delivery_digest import Tally
 from .resume_plan import Piece
 
 FORMAT = "shardcache.resume"
@@ -135,6 +140,9 @@ class Progress:
     buffer_size: int = 0
     draws: int = 0
     delivered: int = 0
+    seen: Tally | None = field(default_factory=Tally)  # None: unknown (an older state)
+    skipped: Tally = field(default_factory=Tally)  # samples of the plan the handler skipped
+    prior: dict[str, Any] | None = None  # the job's tallies before an elastic resume
 
     def as_json(self, identity: DatasetIdentity) -> State:
         return {
@@ -159,6 +167,9 @@ class Progress:
             "buffer_size": self.buffer_size,
             "draws": self.draws,
             "delivered": self.delivered,
+            "seen": None if self.seen is None else self.seen.as_json(),
+            "skipped": self.skipped.as_json(),
+            "prior": self.prior,
         }
 
     @classmethod
@@ -186,18 +197,25 @@ class Progress:
             buffer_size=int(state.get("buffer_size", 0)),
             draws=int(state.get("draws", 0)),
             delivered=int(state.get("delivered", 0)),
+            seen=None if state.get("seen") is None else Tally.from_json(state["seen"]),
+            skipped=Tally.from_json(state["skipped"]) if state.get("skipped") else Tally(),
+            prior=state.get("prior"),
         )
 
     def left(self) -> list[Piece]:
         """What this consumer had not delivered: buffered samples, then the rest of the
         piece being read, then the pieces after it."""
         pieces = [Piece(shard, offset, 1) for shard, offset, _ in self.buffer]
-        if self.item < len(self.plan):
-            current = self.plan[self.item]
-            count = None if current.count is None else current.count - self.taken
-            pieces.append(Piece(current.shard, self.offset, count))
-            pieces += self.plan[self.item + 1 :]
-        return pieces
+        return pieces + self.ahead(len(self.plan))
+
+    def ahead(self, upto: int) -> list[Piece]:
+        """The samples from the position to piece ``upto``: the rest of the piece being
+        read, then the pieces after it."""
+        if self.item >= min(upto, len(self.plan)):
+            return []
+        current = self.plan[self.item]
+        count = None if current.count is None else current.count - self.taken
+        return [Piece(current.shard, self.offset, count), *self.plan[self.item + 1 : upto]]
 
 
 def start_state(identity: DatasetIdentity, epoch: int) -> State:

@@ -34,6 +34,7 @@ class ShuffleBuffer:
         self._draws = draws
         # Samples of a restored state are read again; None until their shard is opened.
         self._held: list[dict[str, Any] | None] = [None] * len(progress.buffer)
+        self.out: tuple[int, int, str] | None = None  # the position of the last sample out
 
     def restore(
         self,
@@ -51,20 +52,24 @@ class ShuffleBuffer:
                 raise changed(url, offset, key, None if sample is None else sample.key)
             self._held[index] = sample.as_dict(url, local_path)
 
-    def drop_unrestored(self) -> None:
-        """Buffered samples whose shard the handler skipped are lost, as in webdataset."""
+    def drop_unrestored(self) -> list[tuple[int, int, str]]:
+        """Buffered samples whose shard the handler skipped are lost, as in webdataset;
+        returns their positions."""
         if None not in self._held:
-            return
+            return []
         keep = [i for i, sample in enumerate(self._held) if sample is not None]
         logger.warning(
             "%d buffered samples were lost with their shards", len(self._held) - len(keep)
         )
+        lost = [p for i, p in enumerate(self._progress.buffer) if self._held[i] is None]
         self._held = [self._held[i] for i in keep]
         self._progress.buffer = [self._progress.buffer[i] for i in keep]
+        return lost
 
     def add(self, item: dict[str, Any]) -> dict[str, Any] | None:
         progress = self._progress
         if progress.buffer_size == 0:
+            self.out = item["position"]
             return item["sample"]
         if len(self._held) < progress.buffer_size:
             self._held.append(item["sample"])
@@ -72,6 +77,7 @@ class ShuffleBuffer:
             return None
         index = self._draws.below(progress.buffer_size)
         out = self._held[index]
+        self.out = progress.buffer[index]
         self._held[index] = item["sample"]
         progress.buffer[index] = item["position"]
         progress.draws = self._draws.draws
@@ -84,7 +90,7 @@ class ShuffleBuffer:
         held, positions = self._held, self._progress.buffer
         held[index], held[last] = held[last], held[index]
         positions[index], positions[last] = positions[last], positions[index]
-        positions.pop()
+        self.out = positions.pop()
         self._progress.draws = self._draws.draws
         return held.pop()
 

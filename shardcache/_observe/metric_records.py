@@ -32,6 +32,8 @@ COUNTS = (
     "integrity_redownloads",
     "stall_warnings",
     "stall_errors",
+    "delivery_checks",
+    "delivery_mismatches",
 )
 RETRY_CAUSES = ("reset", "5xx", "slowdown", "truncated", "other")
 # How a downloaded shard was verified (a record's ``verified``: method -> shards): a checksum

@@ -45,6 +45,14 @@ _COUNTERS = {
     "data_wait_seconds": ("data_wait_s", "Time the consumer waited for data."),
     "stall_warnings": ("stall_warnings", "Warnings that loading cannot keep up."),
     "stall_errors": ("stall_errors", "StallErrors raised."),
+    "delivery_checks": (
+        "delivery_checks",
+        "Checks of the samples delivered against the resumable dataset's plan.",
+    ),
+    "delivery_mismatches": (
+        "delivery_mismatches",
+        "Delivery checks that found samples skipped or repeated.",
+    ),
 }
 
 
@@ -78,7 +86,9 @@ class PrometheusSink:
     ``shardcache_lock_wait_seconds_total``, ``shardcache_data_wait_seconds_total``,
     ``shardcache_recorded_seconds_total`` (time covered by records carrying a data wait:
     ``rate(data_wait) / rate(recorded)`` is the share over any window),
-    ``shardcache_stall_warnings_total``, ``shardcache_stall_errors_total``. Gauges, from
+    ``shardcache_stall_warnings_total``, ``shardcache_stall_errors_total``,
+    ``shardcache_delivery_checks_total``, ``shardcache_delivery_mismatches_total`` (checks
+    of what a resumable dataset delivered against its plan, and those that failed). Gauges, from
     the latest record: ``shardcache_data_wait_share`` (0..1),
     ``shardcache_samples_per_second``, ``shardcache_last_record_timestamp_seconds``.
 

@@ -136,6 +136,16 @@ def _body(r: dict[str, Any]) -> str:
         parts.append("lock waits 0")
     parts.append(f"waited for data {100 * r['data_wait_share']:.0f} % of {r['consumer_s']:.0f} s")
     parts.append(f"stalls {r['stall_warnings']} warnings / {r['stall_errors']} errors")
+    if r.get("delivery_checks"):
+        mismatches = r.get("delivery_mismatches", 0)
+        parts.append(
+            f"delivery checks {r['delivery_checks']}, "
+            + (
+                f"{mismatches} MISMATCHED (samples skipped or repeated)"
+                if mismatches
+                else "all matched"
+            )
+        )
     if r["slowest_shards"]:
         slowest = r["slowest_shards"][0]
         parts.append(f"slowest {slowest['url']} {slowest['seconds']:.1f} s")

@@ -24,6 +24,7 @@ _DELTAS = {
     "integrity_redownloads": "integrity_redownloads",
     "stall_warnings": "stall_warnings",
     "stall_errors": "stall_errors",
+    "delivery_mismatches": "delivery_mismatches",
 }
 
 
@@ -39,7 +40,8 @@ class TensorBoardSink:
     wait), ``samples_per_s``, ``download_bytes_per_s``, ``hit_rate`` (when shards were
     fetched), and the period's ``hits``, ``misses``, ``shared``, ``bytes_downloaded``,
     ``bytes_served``, ``gets``, ``retries`` (all causes), ``integrity_redownloads``,
-    ``lock_wait_s``, ``stall_warnings``, ``stall_errors``, and ``verified_<method>`` (shards
+    ``lock_wait_s``, ``stall_warnings``, ``stall_errors``, ``delivery_mismatches``, and
+    ``verified_<method>`` (shards
     downloaded verified by ``method``: ``md5``, ``md5-parts``, ``size``, ...; for the methods
     a record counts). The walltime is the record's ``time``. The step is ``step()`` when
     given (e.g. ``lambda: trainer.global_step``, to line the scalars up with the training

@@ -74,6 +74,8 @@ class RankSummary:
     lock_worst_holder: str | None = None
     stall_warnings: float = 0
     stall_errors: float = 0
+    delivery_checks: float = 0
+    delivery_mismatches: float = 0
     # data wait: (waited, covered, carried) for main-process and worker records
     main_wait: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     worker_wait: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
@@ -97,6 +99,8 @@ class RankSummary:
         self.integrity_redownloads += n(record, "integrity_redownloads")
         self.stall_warnings += n(record, "stall_warnings")
         self.stall_errors += n(record, "stall_errors")
+        self.delivery_checks += n(record, "delivery_checks")
+        self.delivery_mismatches += n(record, "delivery_mismatches")
         self.requests.update(mr.counts(record, "requests"))
         self.verified.update(mr.counts(record, "verified"))  # none in records before it
         self.retries.update(mr.counts(record, "retries"))
@@ -219,6 +223,8 @@ class RankSummary:
             "data_wait_source": self.data_wait_source,
             "stall_warnings": int(self.stall_warnings),
             "stall_errors": int(self.stall_errors),
+            "delivery_checks": int(self.delivery_checks),
+            "delivery_mismatches": int(self.delivery_mismatches),
             "slowest_shards": self.slowest_shards(),
             "sources": {
                 name: {key: int(counts[key]) for key in mr.SOURCE_COUNTS}

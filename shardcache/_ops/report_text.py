@@ -82,6 +82,7 @@ def _job_lines(job: JobReport, top: int) -> list[str]:
     lines += _wait_note(job)
     lines += _verified_lines(total)
     lines += _source_lines(total)
+    lines += _delivery_lines(total)
     details = [line for rank in shown for line in _details(rank)]
     if details:
         lines += ["worst ranks in detail:", *details]
@@ -141,6 +142,19 @@ def _source_lines(total: RankSummary) -> list[str]:
     return lines
 
 
+def _delivery_lines(total: RankSummary) -> list[str]:
+    """The job's delivery checks (resumable datasets), if any were made."""
+    if not total.delivery_checks:
+        return []
+    checks, bad = total.delivery_checks, total.delivery_mismatches
+    if not bad:
+        return [f"delivery checks: {checks:.0f}, all matched the plan"]
+    return [
+        f"delivery checks: {checks:.0f}, {bad:.0f} MISMATCHED the plan (samples skipped or "
+        "repeated; the DeliveryMismatchError or warning says where)"
+    ]
+
+
 def _hosts(count: int) -> str:
     return f"{count} host" if count == 1 else f"{count} hosts"
 
@@ -181,6 +195,11 @@ def _details(rank: RankSummary) -> list[str]:
         )
     if rank.stall_warnings or rank.stall_errors:
         parts.append(f"stalls {rank.stall_warnings:.0f} warnings, {rank.stall_errors:.0f} errors")
+    if rank.delivery_mismatches:
+        parts.append(
+            f"DELIVERY MISMATCHES {rank.delivery_mismatches:.0f} of "
+            f"{rank.delivery_checks:.0f} checks (samples skipped or repeated)"
+        )
     if not parts:
         return []
     host = ",".join(sorted(rank.hosts))

@@ -9,9 +9,13 @@ checkpoints the way docs/guides/resume.md shows:
 - ``shardcache.job_state`` of every rank's state, gathered over torch.distributed
   (``job.json``): the elastic resume, with another world size or worker count.
 
-``--checkpoint-at STEP ...`` saves ``<out>/ckpt-<STEP>/`` after that many batches (of this
-run, counted over epochs). ``--then-wait`` makes the last one a kill point: every rank writes
-``killable-rank<r>`` and waits (bounded) to be SIGKILLed. ``--checkpoint-on-signal``
+``--checkpoint-at STEP ...`` saves ``<out>/ckpt-<STEP>/`` (``--ckpt-prefix`` replaces
+``ckpt-``) after that many batches (of this run, counted over epochs). ``--then-wait`` makes
+the last one a kill point: every rank writes ``killable-<run>-rank<r>`` and waits (bounded)
+to be SIGKILLed. ``--check-delivery`` checks what the job delivered against the plan
+(``dataset.check_delivery``, rank 0, over every rank's state) at each checkpoint and after
+each epoch's last batch, and appends each check to ``delivery-<run>.jsonl``; a mismatch
+fails the job with DeliveryMismatchError. ``--checkpoint-on-signal``
 saves ``<out>/ckpt-signal`` after the batch during which SIGUSR1 arrived (SLURM's
 ``--signal``), writes ``signalled-<run>-rank<r>.json`` (when the signal arrived, the step it
 checkpointed after, whether it had been waiting for it), then requeues the job
@@ -73,22 +77,42 @@ def write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def gathered(state: Any, world_size: int) -> list[Any]:
+    """Every rank's ``state``."""
+    states: list[Any] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(states, state)
+    else:
+        states = [state]
+    return states
+
+
+def check_delivery(dataset: Any, states: list[Any], log: Path, **facts: Any) -> None:
+    """Rank 0: the job's delivery against the plan (raises on a mismatch), logged."""
+    epoch_end = facts["at"] == "end of epoch"
+    found = dataset.check_delivery(states, epoch_end=epoch_end)
+    checks = found if isinstance(found, dict) else {"": found}
+    record = {**facts, "checks": {name: c.as_json() for name, c in checks.items()}}
+    with log.open("a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
 def save(
     directory: Path,
     loader: StatefulDataLoader,
     rank: int,
     world_size: int,
     meta: dict[str, Any],
+    delivery: Any = None,
 ) -> None:
+    """A checkpoint; ``delivery`` (dataset, log path, facts): checked first."""
     directory.mkdir(parents=True, exist_ok=True)
     state = loader.state_dict()
     write_json(directory / f"loader-rank{rank}.json", state)
-    states: list[Any] = [None] * world_size
-    if world_size > 1:
-        dist.all_gather_object(states, state)
-    else:
-        states = [state]
+    states = gathered(state, world_size)
     if rank == 0:
+        if delivery is not None:
+            check_delivery(delivery[0], states, delivery[1], at="checkpoint", **delivery[2])
         write_json(directory / "job.json", shardcache.job_state(states))
         write_json(directory / "meta.json", meta)  # last: the checkpoint is complete
     if world_size > 1:
@@ -241,6 +265,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shuffle-buffer", type=int, default=5)
     parser.add_argument("--checkpoint-at", type=int, nargs="*", default=[])
     parser.add_argument("--then-wait", action="store_true")
+    parser.add_argument("--ckpt-prefix", default="ckpt-")
+    parser.add_argument("--check-delivery", action="store_true")
     parser.add_argument("--checkpoint-on-signal", action="store_true")
     parser.add_argument("--wait-for-signal-at", type=int, default=None)
     parser.add_argument("--resume", type=Path, default=None)
@@ -263,6 +289,28 @@ def resume(
     else:  # elastic: every consumer's state, dealt out to the new layout
         dataset.load_state_dict(json.loads((args.resume / "job.json").read_text()))
     return int(meta["epoch"])
+
+
+def end_epoch(
+    args: argparse.Namespace,
+    dataset: Any,
+    loader: StatefulDataLoader,
+    run: str,
+    epoch: int,
+    step: int,
+) -> None:
+    """After an epoch's last batch: the delivery check over every rank's state, the report."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if args.check_delivery:
+        states = gathered(loader.state_dict(), world_size)
+        if rank == 0:
+            log = args.out / f"delivery-{run}.jsonl"
+            check_delivery(dataset, states, log, at="end of epoch", epoch=epoch, step=step)
+    if args.report:
+        report = shardcache.log_epoch_summary(epoch)
+        if rank == 0:
+            write_json(args.out / f"report-{run}-epoch{epoch}.json", report)
 
 
 def _watched(loader: StatefulDataLoader) -> Iterator[Any]:
@@ -294,6 +342,7 @@ def main() -> int:
 
     run = args.run.format(restart=os.environ.get("SLURM_RESTART_COUNT", "0"))
     log = (args.out / f"keys-{run}-rank{rank}.jsonl").open("a")
+    checks = args.out / f"delivery-{run}.jsonl"
     step, waited = 0, False
     for epoch in range(epoch, args.epochs):  # noqa: B020 (resumes the loop variable)
         dataset.set_epoch(epoch)
@@ -305,9 +354,17 @@ def main() -> int:
             log.flush()
             meta = {"epoch": epoch, "world_size": world_size, "workers": args.workers}
             if step in args.checkpoint_at:
-                save(args.out / f"ckpt-{step}", loader, rank, world_size, meta)
+                delivery = (dataset, checks, {"epoch": epoch, "step": step})
+                save(
+                    args.out / f"{args.ckpt_prefix}{step}",
+                    loader,
+                    rank,
+                    world_size,
+                    meta,
+                    delivery if args.check_delivery else None,
+                )
                 if args.then_wait and step == max(args.checkpoint_at):
-                    (args.out / f"killable-rank{rank}").write_text(str(os.getpid()))
+                    (args.out / f"killable-{run}-rank{rank}").write_text(str(os.getpid()))
                     threading.Event().wait(KILL_WAIT)
                     print("kill point: not killed in time", file=sys.stderr)
                     return 3
@@ -326,10 +383,7 @@ def main() -> int:
                 job = os.environ["SLURM_JOB_ID"]
                 subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
                 return 0
-        if args.report:
-            report = shardcache.log_epoch_summary(epoch)
-            if rank == 0:
-                write_json(args.out / f"report-{run}-epoch{epoch}.json", report)
+        end_epoch(args, dataset, loader, run, epoch, step)
     (args.out / f"done-{run}-rank{rank}").write_text(str(step))
     if world_size > 1:
         del step_model  # the DDP model holds the process group: see end_process_group

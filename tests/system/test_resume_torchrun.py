@@ -18,16 +18,20 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
+from delivery_reference import tally as reference_tally
 from processes import job_env, torchrun
 from repo import SUPPORT
 from tars import shard_samples, tar_bytes
+from torture.torture_scale import scale
 
 BUCKET = "torchrun"
 SHARDS = 8
@@ -61,8 +65,8 @@ class Job:
             *extra,
         )
 
-    def run(self, run: str, ranks: int = 2, workers: int = 2, *extra: str) -> None:
-        done = subprocess.run(
+    def _ran(self, run: str, ranks: int, workers: int, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
             self.command(run, ranks, workers, *extra),
             env=self.env,
             capture_output=True,
@@ -70,31 +74,40 @@ class Job:
             timeout=RUN_TIMEOUT,
             check=False,
         )
+
+    def run(self, run: str, ranks: int = 2, workers: int = 2, *extra: str) -> None:
+        done = self._ran(run, ranks, workers, *extra)
         assert done.returncode == 0, _tracebacks(done.stderr)
 
-    def run_and_kill(self, run: str, *extra: str) -> None:
+    def run_and_kill(self, run: str, *extra: str, ranks: int = 2, workers: int = 2) -> None:
         """Run until every rank waits at its kill point, then SIGKILL the whole job: the
         torchrun agent, its ranks (each in a session of its own) and their workers."""
         proc = subprocess.Popen(
-            self.command(run, 2, 2, *extra),
+            self.command(run, ranks, workers, *extra),
             env=self.env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + RUN_TIMEOUT
-        markers = [self.out / f"killable-rank{rank}" for rank in (0, 1)]
+        markers = [self.out / f"killable-{run}-rank{rank}" for rank in range(ranks)]
         while not all(m.exists() for m in markers):
             assert proc.poll() is None, proc.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
             assert time.monotonic() < deadline, "the job never reached its kill point"
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(0.05)  # a bounded poll for the markers, not a synchronisation
         job = _descendants(proc.pid)
-        assert len(job) >= 2 + 2 * 2  # the ranks and their DataLoader workers
+        assert len(job) >= ranks + ranks * workers  # the ranks and their DataLoader workers
         for pid in [proc.pid, *job]:
             os.kill(pid, signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL
         proc.stderr.close()  # type: ignore[union-attr]
         _wait_gone(job, time.monotonic() + 30)
+
+    def fails(self, run: str, ranks: int, workers: int, *extra: str) -> str:
+        """Run, expecting the job to fail; its stderr."""
+        done = self._ran(run, ranks, workers, *extra)
+        assert done.returncode != 0, done.stderr[-4000:]
+        return done.stderr
 
     def batches(self, run: str, rank: int) -> list[tuple[int, list[str]]]:
         path = self.out / f"keys-{run}-rank{rank}.jsonl"
@@ -213,6 +226,30 @@ MIX_EPOCH = 120  # web 72 of its 104 samples, code 36 of 36, books 12 of 10 (2 r
 MIX_CHECKPOINTS = (4, 13, 27)  # batches of each rank; 20 per epoch (2 workers x 10)
 
 
+MIX_FIRST = {"web": 0, "code": 8, "books": 12}  # each source's first shard number
+
+
+def _shards_of(name: str) -> range:
+    return range(MIX_FIRST[name], MIX_FIRST[name] + MIX_SOURCES[name][1])
+
+
+def _put_mixture(s3) -> str:
+    """Each source's shards on the server; the job's ``--spec``."""
+    s3.put_objects(
+        MIX_BUCKET,
+        {
+            f"{name}-{shard:06d}.tar": tar_bytes(shard_samples(shard, per_shard))
+            for name, (_weight, _shards, per_shard) in MIX_SOURCES.items()
+            for shard in _shards_of(name)
+        },
+    )
+    return ",".join(
+        f"{name}={weight}=s3://{MIX_BUCKET}/{name}-{{{MIX_FIRST[name]:06d}.."
+        f"{MIX_FIRST[name] + shards - 1:06d}}}.tar"
+        for name, (weight, shards, _) in MIX_SOURCES.items()
+    )
+
+
 def _gets_by_source(s3) -> Counter[str]:
     return Counter(r.key.split("-")[0] for r in s3.requests("GET") if r.bucket == MIX_BUCKET)
 
@@ -248,18 +285,11 @@ def test_a_sigkilled_mixture_resumes_exactly_and_elastically(s3, tmp_path: Path)
     reached its worker_init_fn within 30 s of being forked from a rank whose gloo threads
     were running; 60 runs here never reproduced it. resume_job.py dumps a stuck worker's
     Python and native stacks.)"""
-    objects, every, first = {}, {}, 0
-    for name, (_weight, shards, per_shard) in MIX_SOURCES.items():
-        every[name] = set()
-        for shard in range(first, first + shards):
-            objects[f"{name}-{shard:06d}.tar"] = tar_bytes(shard_samples(shard, per_shard))
-            every[name] |= {f"{name}/{key}" for key, _ in shard_samples(shard, per_shard)}
-        first += shards
-    s3.put_objects(MIX_BUCKET, objects)
-    spec = ",".join(
-        f"{name}={weight}=s3://{MIX_BUCKET}/{name}-{{{start:06d}..{start + shards - 1:06d}}}.tar"
-        for (name, (weight, shards, _)), start in zip(MIX_SOURCES.items(), (0, 8, 12), strict=True)
-    )
+    spec = _put_mixture(s3)
+    every = {
+        name: {f"{name}/{key}" for shard in _shards_of(name) for key, _ in shard_samples(shard, n)}
+        for name, (_w, _s, n) in MIX_SOURCES.items()
+    }
     s3.clear_requests()
     job = Job(
         s3,
@@ -386,3 +416,117 @@ def test_a_mixture_epoch_holds_exactly_the_samples_asked(s3, tmp_path: Path) -> 
     job.run("exact", 2, 2, f"--resume={job.out / f'ckpt-{step}'}")
     for rank in (0, 1):
         assert reference[rank][:step] + job.batches("exact", rank) == reference[rank], rank
+
+
+# The layouts (ranks, workers) of a chain of killed runs, in turn: each resumes the previous
+# one's last checkpoint, exactly when the layout stays, elastically when it changes.
+CHAIN = ((2, 2), (2, 2), (3, 1), (2, 1), (1, 2), (3, 2))
+
+
+def _sample_of(key: str) -> tuple[str, str, int]:
+    """``"code/s0009_00004"`` -> (source, shard URL, index in the shard)."""
+    name, sample = key.split("/")
+    shard, index = sample[1:].split("_")
+    return name, f"s3://{MIX_BUCKET}/{name}-{int(shard):06d}.tar", int(index)
+
+
+def _tallies(epoch: int, keys: list[str]) -> dict[str, list]:
+    """Each source's tally (the documented hash) of the samples ``keys``, as a state keeps it."""
+    samples = [_sample_of(key) for key in keys]
+    return {
+        name: reference_tally(epoch, name, [(u, i) for n, u, i in samples if n == name])
+        for name in MIX_SOURCES
+    }
+
+
+def _with_tallies_of(later: Any, earlier: Any) -> None:
+    """Every consumer state inside ``later`` gets the tally of its twin in ``earlier``."""
+    if isinstance(later, dict):
+        if later.get("format") == "shardcache.resume" and "seen" in later:
+            later["seen"] = earlier["seen"]
+            return
+        for key, value in later.items():
+            _with_tallies_of(value, earlier[key])
+    elif isinstance(later, list):
+        for value, twin in zip(later, earlier, strict=True):
+            _with_tallies_of(value, twin)
+
+
+@pytest.mark.slow
+def test_a_mixture_killed_again_and_again_proves_what_it_delivered(s3, tmp_path: Path) -> None:
+    """A 3-source MixtureDataset under torchrun, a DDP model stepping once a batch, SIGKILLed
+    at a checkpoint and resumed from it again and again (exactly, then elastically into
+    other layouts: CHAIN), checking what the job delivered against the plan at every
+    checkpoint and after every epoch (rank 0, over every rank's state). Each check must
+    match, and its tallies must be the documented hash of exactly the samples the trainer
+    logged in that epoch up to there, over the whole chain. Then a resume from a checkpoint
+    whose state was advanced past one batch that it did not deliver stops with
+    DeliveryMismatchError. (CI: 3 kills; SHARDCACHE_TORTURE=full: 12.)"""
+    kills = scale(3, 12)
+    epochs = 2 + kills // 3
+    job = Job(
+        s3,
+        tmp_path,
+        _put_mixture(s3),
+        f"--mixture-epoch-size={MIX_EPOCH}",
+        f"--epochs={epochs}",
+        "--check-delivery",
+        "--model",
+    )
+    runs: list[tuple[str, int]] = []
+    previous: list[str] = []
+    for i in range(kills):
+        ranks, workers = CHAIN[i % len(CHAIN)]
+        run, at = f"k{i}", 3 + 2 * (i % 2)  # checkpoints at batches `at` and `at + 1`
+        points = ["--checkpoint-at", str(at), str(at + 1), "--then-wait"]
+        job.run_and_kill(
+            run, *previous, f"--ckpt-prefix={run}-", *points, ranks=ranks, workers=workers
+        )
+        runs.append((run, ranks))
+        previous = [f"--resume={job.out / f'{run}-{at + 1}'}"]
+    job.run("last", 2, 2, *previous, "--checkpoint-at", "2")
+    runs.append(("last", 2))
+
+    # Every check matched, and its tallies are those of the samples the trainer logged.
+    logged: dict[int, list[str]] = {epoch: [] for epoch in range(epochs)}
+    ends = []
+    for run, ranks in runs:
+        batches = {rank: job.batches(run, rank) for rank in range(ranks)}
+        checks = [json.loads(line) for line in (job.out / f"delivery-{run}.jsonl").open()]
+        assert checks, run
+        for check in checks:
+            epoch = check["epoch"]
+            upto = check["step"]
+            keys = logged[epoch] + [
+                k for r in range(ranks) for e, ks in batches[r][:upto] if e == epoch for k in ks
+            ]
+            assert all(c["ok"] for c in check["checks"].values()), (run, check)
+            seen = {name: c["seen"] for name, c in check["checks"].items()}
+            assert seen == _tallies(epoch, keys), (run, check)
+            if check["at"] == "end of epoch":
+                ends.append(epoch)
+                assert all(c["complete"] for c in check["checks"].values())
+        for epoch in logged:
+            logged[epoch] += [
+                k for r in range(ranks) for e, ks in batches[r] if e == epoch for k in ks
+            ]
+        assert sum(c["at"] == "checkpoint" for c in checks) == (1 if run == "last" else 2), run
+    assert sorted(ends) == list(range(epochs))  # each epoch's end checked once, in one run
+    for epoch in range(epochs):  # the planned counts of each source, repeats of padding only
+        by_source = Counter(key.split("/")[0] for key in logged[epoch])
+        assert by_source["web"] >= 72 and by_source["code"] >= 36 and by_source["books"] >= 12
+
+    # A checkpoint whose state moved past one batch that was never delivered (rank 0's
+    # state of the batch after it, with the tallies of the batch before) is refused.
+    forged, kept = job.out / "forged", job.out / "k1-6"
+    shutil.copytree(kept, forged)
+    state = json.loads((forged / "loader-rank0.json").read_text())
+    _with_tallies_of(state, json.loads((job.out / "k1-5" / "loader-rank0.json").read_text()))
+    (forged / "loader-rank0.json").write_text(json.dumps(state))
+    stderr = job.fails("forged", 2, 2, f"--resume={forged}")
+    # The batch of 3 samples, of one or two sources: the first source checked says so.
+    found = (
+        r"DeliveryMismatchError: epoch \d \(source '\w+'\), resume of consumer [01] \(of 4\): "
+        r".* [123] samples fewer"
+    )
+    assert re.search(found, stderr), stderr[-3000:]

@@ -3,6 +3,7 @@ over local shards (the schedule's bounds as properties of the pure functions).""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections import Counter
@@ -332,6 +333,40 @@ def _pairs(samples: list[dict]) -> list[tuple[str, str]]:
 
 
 # -- per-source counts ------------------------------------------------------------------
+
+
+def test_delivery_is_checked_per_source(tmp_path: Path, spec_of) -> None:
+    """Each source's tally against its plan (tests/unit/datasets/test_delivery_check.py
+    checks the tallies themselves): at a checkpoint, forged, and at the end of an epoch
+    resumed elastically."""
+    states = []
+    for slot in range(2):
+        dataset = mixture(tmp_path, spec_of, slot, 2, shuffle_buffer=3)
+        iterator = iter(dataset)
+        _take(iterator, 7 + slot)
+        states.append(json.loads(json.dumps(dataset.state_dict())))
+        iterator.close()
+    checks = mixture(tmp_path, spec_of, 0, 2, shuffle_buffer=3).check_delivery(states)
+    assert set(checks) == {"web", "code", "books"}
+    assert all(c is not None and c.ok for c in checks.values())
+    assert sum(c.seen.count for c in checks.values() if c is not None) == 15
+
+    forged = copy.deepcopy(states)
+    forged[1]["states"][0]["seen"] = states[0]["states"][0]["seen"]  # web's tally of another
+    with pytest.raises(shardcache.DeliveryMismatchError, match="source 'web'") as caught:
+        mixture(tmp_path, spec_of, 0, 2, shuffle_buffer=3).check_delivery(forged)
+    assert caught.value.source == "web"
+
+    final = []  # elastically into 3 consumers, to the epoch's end: whole
+    for slot in range(3):
+        dataset = mixture(tmp_path, spec_of, slot, 3, shuffle_buffer=3)
+        dataset.load_state_dict(shardcache.job_state(states))
+        assert run(dataset)
+        final.append(dataset.state_dict())
+    checks = mixture(tmp_path, spec_of, 0, 1, shuffle_buffer=3).check_delivery(
+        final, epoch_end=True
+    )
+    assert all(c is not None and c.ok and c.complete for c in checks.values())
 
 
 def test_the_loader_report_counts_each_source(tmp_path: Path, spec_of, caplog) -> None:

@@ -258,3 +258,15 @@ def test_every_method_a_download_is_verified_by_has_a_label_of_its_own() -> None
         if a != "crc64nvme"  # S3 keeps CRC64NVME of the full object only
     }
     assert methods | {SIZE_ONLY} == set(VERIFIED_METHODS)
+
+
+def test_prometheus_counts_delivery_checks_and_mismatches() -> None:
+    from prometheus_client import generate_latest
+
+    base = {"rank": 3, "host": "scnode2", "job_id": "77"}
+    with PrometheusSink() as sink:
+        sink(record(**base, delivery_checks=2))
+        sink(record(**base, delivery_checks=1, delivery_mismatches=1))
+        values = _parse(generate_latest(sink.registry).decode())
+    assert values[("shardcache_delivery_checks_total", _labels())] == 3
+    assert values[("shardcache_delivery_mismatches_total", _labels())] == 1

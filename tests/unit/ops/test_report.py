@@ -222,3 +222,22 @@ def test_counts_per_mixture_source_are_summed_over_ranks(tmp_path, capsys) -> No
     assert main(["report", str(root)]) == 0
     text = capsys.readouterr().out
     assert "by mixture source:" in text and "  web: 60 samples, 2 hits, 4 misses" in text
+
+
+def test_delivery_checks_and_mismatches_are_reported(tmp_path, capsys) -> None:
+    root = tmp_path / "metrics"
+    write_records(root / "r0.jsonl", [record(rank=0, world_size=2, delivery_checks=3)])
+    write_records(root / "r1.jsonl", [record(rank=1, world_size=2, delivery_checks=2)])
+    assert main(["report", str(root)]) == 0
+    assert "delivery checks: 5, all matched the plan" in capsys.readouterr().out
+    write_records(
+        root / "r1b.jsonl",
+        [record(rank=1, world_size=2, delivery_checks=1, delivery_mismatches=1)],
+    )
+    assert main(["report", str(root), "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)["jobs"][0]["total"]
+    assert (total["delivery_checks"], total["delivery_mismatches"]) == (6, 1)
+    assert main(["report", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert "delivery checks: 6, 1 MISMATCHED the plan" in text
+    assert "rank 1 (" in text and "DELIVERY MISMATCHES 1 of 3 checks" in text
