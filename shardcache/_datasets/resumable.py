@@ -47,6 +47,7 @@ from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
 from .epoch_split import EpochSplit
+from .lock_check import LockUse
 from .resume_options import (
     flag,
     index_location,
@@ -84,6 +85,12 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     default to shardcache's detection (torch.distributed, torchrun, SLURM); DataLoader
     workers are found by ``torch.utils.data.get_worker_info()``. ``handler``, ``cache``,
     ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
+    ``lock`` is a dataset lockfile (path or URL; made from what the cache holds when it
+    does not exist yet): every state records its digest, and the shards are checked
+    against it before they are read (:mod:`shardcache._datasets.lock_check`); a shard
+    that changed is read at its recorded version where the store keeps it, and otherwise
+    raises :class:`~shardcache.DatasetChangedError` (``shards_changed="error"``) or is
+    read as it is now with a warning (``"warn"``).
     """
 
     def __init__(
@@ -103,6 +110,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         stall_timeout: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        lock: str | None = None,
+        shards_changed: str = "error",
     ) -> None:
         super().__init__()
         self.urls = resumable_urls(urls)
@@ -121,7 +130,9 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             handler, cache=cache, threads=threads, depth=depth, stall_timeout=stall_timeout
         )
         self._threads = threads
-        self._samples: SampleIndex | None = None  # the shards' sample offsets, once known
+        self._lock = LockUse(lock, shards_changed)
+        self._read_urls = self.urls  # the URLs read: a changed shard's pinned to its version
+        self._samples: SampleIndex | None = None  # by read URL, once known
         self._split: EpochSplit | None = None
         self._stages: list[Stage] = []
         self._epoch_chosen = False  # set_epoch() was called: a loaded state must agree
@@ -174,10 +185,10 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         """This consumer's state (plain JSON). In the process that iterates: where the
         iteration stands; before it: the loaded state, or the start of the epoch."""
         if self._progress is not None:
-            return self._progress.as_json(self.identity)
+            return self._lock.stamp(self._progress.as_json(self.identity))
         if self._pending is not None:
             return copy.deepcopy(self._pending)
-        return start_state(self.identity, self.epoch)
+        return self._lock.stamp(start_state(self.identity, self.epoch))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state`` when iteration next starts: a consumer state (the same
@@ -185,6 +196,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         same layout: exact; another: elastic). Raises :class:`ResumeError` for a state of
         another format version, dataset, shard list or seed."""
         self.identity.check(state)
+        self._lock.check_state(state)
         if state.get("kind") == "job":
             state = job_state(state)  # checks that its parts agree
             for part in state["parts"]:
@@ -216,13 +228,13 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         if self._split is None:
             self._samples = self._sample_index()
             self._split = EpochSplit(
-                [self._samples[url].starts for url in self.urls],
+                [self._samples[url].starts for url in self._read_urls],
                 seed=self.seed,
                 shuffle=self.shuffle_shards,
                 remainder=self.remainder,
                 epoch_size=self.epoch_size,
             )
-            empty = [url for url in self.urls if self._samples[url].count == 0]
+            empty = [url for url in self._read_urls if self._samples[url].count == 0]
             if empty:
                 logger.warning(
                     "%d of %d shards hold no sample and are left out (first: %s)",
@@ -233,18 +245,30 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         return self._split
 
     def _sample_index(self) -> SampleIndex:
-        if self.index is not None:
-            return load_index(self.index, self.urls)
+        """The shards' sample offsets by the URLs they are read by, the lockfile (when
+        given) checked first, or made once the shards were read to learn them."""
         cache = self._cache()
         threads = self._threads or cache.settings.threads
+        read = self._lock.read_urls(self.urls, cache, threads=threads)
+        samples = self._offsets(read or self.urls, cache, threads)
+        if read is None:  # no lockfile yet: made of the copies just read
+            read = self._lock.record(self.urls, cache, threads=threads)
+            if read != self.urls:  # another process's lock won and pins some shards
+                samples = self._offsets(read, cache, threads)
+        self._read_urls = read
+        return samples
+
+    def _offsets(self, urls: list[str], cache: ShardCache, threads: int) -> SampleIndex:
+        if self.index is not None:  # the index file names the shards' plain URLs
+            return dict(zip(urls, load_index(self.index, self.urls).values(), strict=True))
         logger.info(
             "learning the sample offsets of %d shards through the cache %s (%d threads); "
             "`shardcache index` makes an index file ahead (index=) to skip this",
-            len(self.urls),
+            len(urls),
             cache.layout.scope_dir,
             threads,
         )
-        return learn(self.urls, cache, threads=threads, handler=self._stage.handler)
+        return learn(urls, cache, threads=threads, handler=self._stage.handler)
 
     def share_taken(self) -> tuple[int, int]:
         """In the process that iterates: the samples this consumer gets in the running
@@ -260,7 +284,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         rank, world_size, local_world_size = self._ranks()
         per_node = self._ranks_per_cache(world_size, local_world_size)
         owned = self._epoch_split().shard_units(world_size // per_node)[rank // per_node]
-        return [self.urls[shard] for shard in owned]
+        return [self._read_urls[shard] for shard in owned]
 
     # -- iteration ------------------------------------------------------------------
 
@@ -367,9 +391,9 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             ranged: set[int] = set()
             if progress.buffer and self._samples is not None:  # a resumed shuffle buffer
                 ranged = restore_ranged(
-                    progress, shuffler, self.urls, self._samples, self._cache(), self._threads
+                    progress, shuffler, self._read_urls, self._samples, self._cache(), self._threads
                 )
-            for opened in self._stage.opened(visits(self.urls, progress, ranged)):
+            for opened in self._stage.opened(visits(self._read_urls, progress, ranged)):
                 kind, detail = opened["visit"]
                 if kind == "buffer":
                     stream = opened["stream"]
