@@ -57,6 +57,7 @@ def add(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.diff is not None:
         return _diff(args)
+    from .._base.url_kinds import LOCAL_PROTOCOLS, url_protocol
     from .._datasets.dataset_lock import identities, make_lock_of, write_lock
     from .._datasets.urls import expand_urls
 
@@ -64,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
     cache = common.cache_for(args)
     now, asked = identities(urls, cache, threads=args.threads or cache.settings.threads)
     lock = write_lock(args.output, make_lock_of(now))
+    remote = sum(1 for url in urls if url_protocol(url) not in LOCAL_PROTOCOLS)
     summary = {
         "lock": args.output,
         "shards": len(urls),
         "digest": lock.digest,
-        "from_cache": len(urls) - asked,
+        "from_cache": remote - asked,
         "requests": asked,
     }
     if args.json:
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(
             f"lock: {len(urls)} shards written to {args.output} (digest {lock.digest}; "
-            f"{len(urls) - asked} described by the cache, {asked} asked with HEAD)\n"
+            f"{remote - asked} described by the cache, {asked} asked with HEAD)\n"
         )
     return common.EXIT_OK
 

@@ -92,7 +92,9 @@ class ShardIdentity:
         ]
 
     def describe(self, fields: Iterable[str]) -> str:
-        return ", ".join(f"{name} {getattr(self, name)}" for name in fields)
+        """``fields`` with their values, and the version where known."""
+        text = ", ".join(f"{name} {getattr(self, name)}" for name in fields)
+        return f"{text} (version {self.version_id})" if self.version_id else text
 
 
 @dataclass(frozen=True)
@@ -306,6 +308,7 @@ def write_lock(location: str, lock: DatasetLock, *, exclusive: bool = False) -> 
     path = Path(location.removeprefix("file://"))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(data)
         if not exclusive:
             os.replace(tmp, path)
