@@ -7,8 +7,9 @@ every state and checked in a loaded one.
 Where the lock lives: the lockfile is written once per job, beside the checkpoint (the
 first process to write it wins), and each consumer state carries only its digest and
 location, so a state stays small whatever the shard count. The check costs a metadata
-read per shard the cache holds and one ``HEAD`` per shard it does not, once per process
-that prepares the dataset.
+read per shard the cache holds and one ``HEAD`` per shard it does not (none for a shard
+whose S3 version the lock records: that version is read as it is), once per process that
+prepares the dataset.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from .._cache.shard_cache import ShardCache
 from .dataset_lock import (
     Change,
     DatasetLock,
+    ShardIdentity,
+    cached_identity,
     changes,
     identities,
     make_lock_of,
@@ -109,7 +112,20 @@ class LockUse:
                 missing=len(missing),
                 first_missing=missing[0],
             )
-        now, self.requests = identities(urls, cache, threads=threads)
+        # A recorded version not in the cache is read as it is: no request to compare it.
+        direct = {
+            url: pin_version(url, version)
+            for url in urls
+            if (version := _version(lock, url)) and cached_identity(cache, url) is None
+        }
+        if direct:
+            logger.info(
+                "%d shards not in the cache are read at the versions the dataset lock %s records",
+                len(direct),
+                self.location,
+            )
+        asked = [url for url in urls if url not in direct]
+        now, self.requests = identities(asked, cache, threads=threads)
         changed = changes(lock, now)
         pinned = {c.url: pin_version(c.url, c.expected.version_id) for c in changed if _pins(c)}
         unpinned = [c for c in changed if c.url not in pinned]
@@ -127,6 +143,7 @@ class LockUse:
                 raise error
             logger.warning("%s; reading them as they are now (shards_changed='warn')", error)
         self.lock = lock
+        pinned.update(direct)
         return [pinned.get(url, url) for url in urls]
 
     def stamp(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -194,12 +211,19 @@ def changed_error(location: str, changed: Sequence[Change], total: int) -> Datas
 def _pins(change: Change) -> bool:
     """Whether ``change``'s recorded bytes can be read back: a version id on a versioned
     store, of a shard still there."""
-    version = change.expected.version_id
-    return (
-        change.seen is not None
-        and version not in (None, "null")
-        and url_protocol(change.url) in _VERSIONED
-    )
+    return change.seen is not None and _version_of(change.url, change.expected) is not None
+
+
+def _version(lock: DatasetLock, url: str) -> str | None:
+    return _version_of(url, lock.shards[url])
+
+
+def _version_of(url: str, identity: ShardIdentity) -> str | None:
+    """The version ``identity`` records that ``url``'s store can read back, else None."""
+    version = identity.version_id
+    if version in (None, "null") or url_protocol(url) not in _VERSIONED:
+        return None
+    return version
 
 
 def _state_lock(state: Mapping[str, Any]) -> Mapping[str, Any] | None:

@@ -79,7 +79,9 @@ def _resumed(cache_dir: Path, lock: Path, state: dict, **options: Any) -> list:
     return [_sample(sample) for sample in dataset]
 
 
-def test_with_versioning_the_resume_reads_the_recorded_versions(s3, tmp_path: Path) -> None:
+def test_with_versioning_the_resume_reads_the_recorded_versions(
+    s3, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     _bucket(s3, versioning=True)
     lock = tmp_path / "dataset.lock.json"
     at = 61
@@ -88,9 +90,13 @@ def test_with_versioning_the_resume_reads_the_recorded_versions(s3, tmp_path: Pa
     assert recorded is not None and state["lock"]["digest"] == recorded.digest
     assert all(recorded.shards[url].version_id for url in URLS)
     _rewrite(s3)
+    # Another node, whose cache got the rewritten shards' new bytes meanwhile.
+    for shard in REWRITTEN:
+        ShardCache(tmp_path / "other-node").fetch(URLS[shard])
     s3.clear_requests()
-    # Another node (an empty cache): the rewritten shards exist only as old versions.
-    assert _resumed(tmp_path / "other-node", lock, state) == samples[at:]
+    with caplog.at_level(logging.WARNING, logger="shardcache"):
+        assert _resumed(tmp_path / "other-node", lock, state) == samples[at:]
+    assert any("2 shards changed since the dataset lock" in r.getMessage() for r in caplog.records)
     for shard in REWRITTEN:
         gets = s3.requests("GET", f"/{BUCKET}/train-{shard:06d}.tar")
         assert gets and all("versionId=" in r.query for r in gets), gets
@@ -162,7 +168,20 @@ def test_the_same_cache_records_and_checks_without_a_request(s3, tmp_path: Path)
     _dataset(tmp_path / "cache", lock).prepare()  # checked against the cached copies
     assert s3.count(bucket=BUCKET) == 0
     s3.clear_requests()
-    _dataset(tmp_path / "cold", lock, index=None).prepare()  # a cold cache asks
+    # A cold cache reads the recorded versions as they are: no HEAD to compare them.
+    dataset = _dataset(tmp_path / "cold", lock)
+    dataset.prepare()
+    assert s3.count("HEAD", BUCKET) == 0
+    assert all("versionId=" in r.query for r in s3.requests("GET", f"/{BUCKET}/"))
+    assert len(s3.requests("GET", f"/{BUCKET}/")) == SHARDS
+
+
+def test_without_versioning_a_cold_cache_asks_each_shard_once(s3, tmp_path: Path) -> None:
+    _bucket(s3, versioning=False)
+    lock = tmp_path / "dataset.lock.json"
+    _dataset(tmp_path / "cache", lock).prepare()
+    s3.clear_requests()
+    _dataset(tmp_path / "cold", lock).prepare()
     assert s3.count("HEAD", BUCKET) == SHARDS
 
 
