@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 from tars import shard_samples, tar_bytes
 
-from shardcache import DatasetChangedError, ResumableDataset, ResumeError, ShardCache
+from shardcache import (
+    DatasetChangedError,
+    PermanentFetchError,
+    ResumableDataset,
+    ResumeError,
+    ShardCache,
+)
 from shardcache._datasets.dataset_lock import read_lock
 
 BUCKET = "locked"
@@ -197,3 +203,15 @@ def test_a_state_under_a_lock_needs_that_lock(s3, tmp_path: Path) -> None:
         _dataset(tmp_path / "first", other).load_state_dict(state)
     with pytest.raises(ResumeError, match="does not exist"):
         _dataset(tmp_path / "first", tmp_path / "gone.json").load_state_dict(state)
+
+
+def test_a_store_that_ignores_the_version_asked_is_never_served_as_that_version(
+    seaweedfs, tmp_path: Path
+) -> None:
+    # SeaweedFS answers a GET of ?versionId= of an unversioned bucket with the current object.
+    seaweedfs.put_objects(BUCKET, {"train-000000.tar": _shard(0)})
+    cache = ShardCache(tmp_path / "cache")
+    with pytest.raises(PermanentFetchError, match="answered version None for a GET of version"):
+        cache.fetch(f"{URLS[0]}?versionId=recorded")
+    assert not cache.contains(f"{URLS[0]}?versionId=recorded")
+    assert cache.fetch(URLS[0]).read_bytes() == _shard(0)
