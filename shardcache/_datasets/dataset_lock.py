@@ -21,7 +21,7 @@ import concurrent.futures as cf
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,23 +206,26 @@ def cached_identity(cache: ShardCache, url: str) -> ShardIdentity | None:
 
 
 def identities(
-    urls: Sequence[str], cache: ShardCache, *, threads: int, from_cache: bool = True
+    urls: Sequence[str],
+    cache: ShardCache,
+    *,
+    threads: int,
+    from_cache: bool = True,
+    ask: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, ShardIdentity | None], int]:
     """Each URL's identity now (None: gone from the store) and how many the store was asked
     for: a cached copy's from its record (unless not ``from_cache``), a local file's from
-    ``stat``, others by one ``HEAD`` each (``threads`` at a time)."""
+    ``stat``, others by one ``HEAD`` each (``threads`` at a time), except those ``ask``
+    says not to ask for (left out of the result)."""
     found: dict[str, ShardIdentity | None] = {}
-    ask: list[str] = []
+    asked: list[str] = []
     for url in urls:
-        known = (
-            cached_identity(cache, url)
-            if from_cache and url_protocol(url) not in LOCAL_PROTOCOLS
-            else None
-        )
-        if known is None:
-            ask.append(url)
-        else:
+        local = url_protocol(url) in LOCAL_PROTOCOLS
+        known = cached_identity(cache, url) if from_cache and not local else None
+        if known is not None:
             found[url] = known
+        elif local or ask is None or ask(url):
+            asked.append(url)
 
     def stat(url: str) -> ShardIdentity | None:
         try:
@@ -240,10 +243,10 @@ def identities(
         )
 
     with cf.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for url, identity in zip(ask, pool.map(stat, ask), strict=True):
+        for url, identity in zip(asked, pool.map(stat, asked), strict=True):
             found[url] = identity
-    requests = sum(1 for url in ask if url_protocol(url) not in LOCAL_PROTOCOLS)
-    return {url: found[url] for url in urls}, requests
+    requests = sum(1 for url in asked if url_protocol(url) not in LOCAL_PROTOCOLS)
+    return {url: found[url] for url in urls if url in found}, requests
 
 
 def make_lock(urls: Sequence[str], cache: ShardCache, *, threads: int) -> DatasetLock:

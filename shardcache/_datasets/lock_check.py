@@ -25,7 +25,6 @@ from .dataset_lock import (
     Change,
     DatasetLock,
     ShardIdentity,
-    cached_identity,
     changes,
     identities,
     make_lock_of,
@@ -113,10 +112,13 @@ class LockUse:
                 first_missing=missing[0],
             )
         # A recorded version not in the cache is read as it is: no request to compare it.
+        now, self.requests = identities(
+            urls, cache, threads=threads, ask=lambda url: _version(lock, url) is None
+        )
         direct = {
             url: pin_version(url, version)
             for url in urls
-            if (version := _version(lock, url)) and cached_identity(cache, url) is None
+            if url not in now and (version := _version(lock, url))
         }
         if direct:
             logger.info(
@@ -124,8 +126,6 @@ class LockUse:
                 len(direct),
                 self.location,
             )
-        asked = [url for url in urls if url not in direct]
-        now, self.requests = identities(asked, cache, threads=threads)
         changed = changes(lock, now)
         pinned = {c.url: pin_version(c.url, c.expected.version_id) for c in changed if _pins(c)}
         unpinned = [c for c in changed if c.url not in pinned]
