@@ -301,13 +301,17 @@ def read_lock(location: str) -> DatasetLock | None:
 
 def write_lock(location: str, lock: DatasetLock, *, exclusive: bool = False) -> DatasetLock:
     """Write ``lock`` to ``location`` (a local path atomically, or an fsspec URL) and return
-    the lock the file holds: with ``exclusive`` a local file already there is kept (the
-    first writer wins) and returned instead."""
+    the lock the file holds: with ``exclusive`` a lock already there is kept (the first
+    writer wins) and returned instead."""
     data = json.dumps(lock.document(), indent=1)
     if "://" in location and not location.startswith("file://"):
+        # No create-if-absent in fsspec: an existing lock is kept, and what the object
+        # holds after the write is what every writer uses (equal unless two raced).
+        if exclusive and (theirs := read_lock(location)) is not None:
+            return theirs
         with fsspec.open(location, "w") as out:
             out.write(data)
-        return lock
+        return (read_lock(location) or lock) if exclusive else lock
     path = Path(location.removeprefix("file://"))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:

@@ -52,7 +52,7 @@ def _rewrite(s3) -> None:
     s3.put_objects(BUCKET, {f"train-{i:06d}.tar": _shard(i, payload=1) for i in REWRITTEN})
 
 
-def _dataset(cache_dir: Path, lock: Path | None, **options: Any) -> ResumableDataset:
+def _dataset(cache_dir: Path, lock: Path | str | None, **options: Any) -> ResumableDataset:
     options = {"seed": 5, "shuffle_buffer": 4, "rank": 0, "world_size": 1, **options}
     return ResumableDataset(
         SPEC,
@@ -215,3 +215,18 @@ def test_a_store_that_ignores_the_version_asked_is_never_served_as_that_version(
         cache.fetch(f"{URLS[0]}?versionId=recorded")
     assert not cache.contains(f"{URLS[0]}?versionId=recorded")
     assert cache.fetch(URLS[0]).read_bytes() == _shard(0)
+
+
+def test_a_lockfile_in_the_bucket_is_written_once_and_read_back(s3, tmp_path: Path) -> None:
+    _bucket(s3, versioning=False)
+    where = f"s3://{BUCKET}-locks/dataset.lock.json"
+    s3.boto3_client().create_bucket(Bucket=f"{BUCKET}-locks")
+    _dataset(tmp_path / "a", where).prepare()
+    written = read_lock(where)
+    assert written is not None and list(written.shards) == URLS
+    _rewrite(s3)
+    _dataset(tmp_path / "b", where, shards_changed="warn").prepare()  # does not overwrite it
+    assert read_lock(where) == written
+    with pytest.raises(DatasetChangedError) as caught:
+        _dataset(tmp_path / "c", where).prepare()
+    assert caught.value.changed == [URLS[i] for i in REWRITTEN]
