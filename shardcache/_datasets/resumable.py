@@ -245,22 +245,27 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         return self._split
 
     def _sample_index(self) -> SampleIndex:
-        """The shards' sample offsets by the URLs they are read by, the lockfile (when
+        """The shards' sample offsets by the URLs they are read by: under a lockfile (when
         given) checked first, or made once the shards were read to learn them."""
+        if self._lock.location is None:
+            return self._offsets(self.urls)
         cache = self._cache()
         threads = self._threads or cache.settings.threads
         read = self._lock.read_urls(self.urls, cache, threads=threads)
-        samples = self._offsets(read or self.urls, cache, threads)
+        samples = self._offsets(read or self.urls)
         if read is None:  # no lockfile yet: made of the copies just read
             read = self._lock.record(self.urls, cache, threads=threads)
             if read != self.urls:  # another process's lock won and pins some shards
-                samples = self._offsets(read, cache, threads)
+                samples = self._offsets(read)
         self._read_urls = read
         return samples
 
-    def _offsets(self, urls: list[str], cache: ShardCache, threads: int) -> SampleIndex:
+    def _offsets(self, urls: list[str]) -> SampleIndex:
+        """The sample offsets of ``urls`` (the shards' own, or pinned to versions)."""
         if self.index is not None:  # the index file names the shards' plain URLs
             return dict(zip(urls, load_index(self.index, self.urls).values(), strict=True))
+        cache = self._cache()
+        threads = self._threads or cache.settings.threads
         logger.info(
             "learning the sample offsets of %d shards through the cache %s (%d threads); "
             "`shardcache index` makes an index file ahead (index=) to skip this",
