@@ -41,19 +41,19 @@ _VERSIONED = frozenset({"s3", "s3a"})  # stores a recorded version is read back 
 
 class LockUse:
     """A dataset's lockfile (``location``; None: no lock) and what a changed shard does
-    (``on_change``: ``"error"`` or ``"warn"``). Resolved once per process, when the
-    dataset first needs its shards (:meth:`read_urls`, :meth:`record`); the digest
-    stamped into every state then (:meth:`stamp`) and checked in a loaded one
-    (:meth:`check_state`)."""
+    (``on_change``: ``"error"`` or ``"warn"``; None: the cache's setting,
+    ``SHARDCACHE_SHARDS_CHANGED``). Resolved once per process, when the dataset first
+    needs its shards (:meth:`read_urls`, :meth:`record`); the digest stamped into every
+    state then (:meth:`stamp`) and checked in a loaded one (:meth:`check_state`)."""
 
-    def __init__(self, location: str | None, on_change: str) -> None:
+    def __init__(self, location: str | None, on_change: str | None) -> None:
         if location is not None and not (isinstance(location, str) and location):
             raise ConfigError(
                 f"lock={location!r}: expected the path or URL of a dataset lockfile",
                 name="lock",
                 value=location,
             )
-        if on_change not in ON_CHANGE:
+        if on_change is not None and on_change not in ON_CHANGE:
             raise ConfigError(
                 f"shards_changed={on_change!r}: expected one of {ON_CHANGE}",
                 name="shards_changed",
@@ -139,7 +139,7 @@ class LockUse:
             )
         if unpinned:
             error = changed_error(self.location, unpinned, len(urls))
-            if self.on_change == "error":
+            if (self.on_change or cache.settings.shards_changed) == "error":
                 raise error
             logger.warning("%s; reading them as they are now (shards_changed='warn')", error)
         self.lock = lock

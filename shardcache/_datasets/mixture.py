@@ -200,7 +200,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         stall_timeout: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        shards_changed: str = "error",
+        shards_changed: str | None = None,
     ) -> None:
         super().__init__()
         given = _checked(sources)

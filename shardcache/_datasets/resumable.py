@@ -90,7 +90,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     against it before they are read (:mod:`shardcache._datasets.lock_check`); a shard
     that changed is read at its recorded version where the store keeps it, and otherwise
     raises :class:`~shardcache.DatasetChangedError` (``shards_changed="error"``) or is
-    read as it is now with a warning (``"warn"``).
+    read as it is now with a warning (``"warn"``); None: ``SHARDCACHE_SHARDS_CHANGED``.
     """
 
     def __init__(
@@ -111,7 +111,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         lock: str | None = None,
-        shards_changed: str = "error",
+        shards_changed: str | None = None,
     ) -> None:
         super().__init__()
         self.urls = resumable_urls(urls)

@@ -134,6 +134,22 @@ def test_a_changed_local_shard_is_named_and_warn_reads_it(
     assert any(urls[4] in r.getMessage() and "warn" in r.getMessage() for r in caplog.records)
 
 
+def test_shards_changed_defaults_to_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    urls = _shards(tmp_path / "d", 3)
+    lock = tmp_path / "d.lock.json"
+    _dataset(urls, tmp_path, lock).prepare()
+    _rewrite(urls[1])
+    monkeypatch.setenv("SHARDCACHE_SHARDS_CHANGED", "warn")
+    assert len(list(_dataset(urls, tmp_path, lock))) == 3 * PER_SHARD
+    with pytest.raises(DatasetChangedError):  # the argument wins
+        _dataset(urls, tmp_path, lock, shards_changed="error").prepare()
+    monkeypatch.setenv("SHARDCACHE_SHARDS_CHANGED", "maybe")
+    with pytest.raises(ConfigError, match="SHARDCACHE_SHARDS_CHANGED"):
+        _dataset(urls, tmp_path, lock).prepare()
+
+
 def test_bad_lock_arguments_are_config_errors(tmp_path: Path) -> None:
     urls = _shards(tmp_path / "d", 2)
     with pytest.raises(ConfigError, match="shards_changed='maybe'"):
