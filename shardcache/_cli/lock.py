@@ -58,13 +58,13 @@ def run(args: argparse.Namespace) -> int:
     if args.diff is not None:
         return _diff(args)
     from .._base.url_kinds import LOCAL_PROTOCOLS, url_protocol
-    from .._datasets.dataset_lock import identities, make_lock_of, write_lock
+    from .._datasets.dataset_lock import identities, make_lock, write_lock
     from .._datasets.urls import expand_urls
 
     urls = expand_urls(common.specs_of(args))
     cache = common.cache_for(args)
     now, asked = identities(urls, cache, threads=args.threads or cache.settings.threads)
-    lock = write_lock(args.output, make_lock_of(now))
+    lock = write_lock(args.output, make_lock(now))
     remote = sum(1 for url in urls if url_protocol(url) not in LOCAL_PROTOCOLS)
     summary = {
         "lock": args.output,

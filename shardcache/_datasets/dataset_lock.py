@@ -249,12 +249,7 @@ def identities(
     return {url: found[url] for url in urls if url in found}, requests
 
 
-def make_lock(urls: Sequence[str], cache: ShardCache, *, threads: int) -> DatasetLock:
-    """The lock of ``urls`` as they are now (:func:`identities`)."""
-    return make_lock_of(identities(urls, cache, threads=threads)[0])
-
-
-def make_lock_of(now: Mapping[str, ShardIdentity | None]) -> DatasetLock:
+def make_lock(now: Mapping[str, ShardIdentity | None]) -> DatasetLock:
     """The lock of identities found now; a shard gone from the store is an error."""
     gone = [url for url, identity in now.items() if identity is None]
     if gone:
@@ -357,7 +352,6 @@ __all__ = [
     "changes",
     "identities",
     "make_lock",
-    "make_lock_of",
     "read_lock",
     "write_lock",
 ]

@@ -27,7 +27,7 @@ from .dataset_lock import (
     ShardIdentity,
     changes,
     identities,
-    make_lock_of,
+    make_lock,
     read_lock,
     write_lock,
 )
@@ -83,7 +83,7 @@ class LockUse:
         wins); the URLs to read by under the lock the file holds."""
         assert self.location is not None
         now, self.requests = identities(urls, cache, threads=threads)
-        mine = make_lock_of(now)
+        mine = make_lock(now)
         lock = write_lock(self.location, mine, exclusive=True)
         if lock.digest == mine.digest:
             logger.info(
