@@ -99,6 +99,9 @@ class LockUse:
     def _against(
         self, lock: DatasetLock, urls: Sequence[str], cache: ShardCache, threads: int
     ) -> list[str]:
+        """Check ``urls`` against ``lock``: the URLs to read them by (a changed shard, or
+        one not cached, pinned to its recorded S3 version); the others that changed raise
+        :class:`DatasetChangedError`, or are named in a warning."""
         assert self.location is not None
         missing = lock.missing(urls)
         if missing:
