@@ -82,6 +82,9 @@ class LockUse:
         """Make the lock of ``urls`` as the cache holds them and write it (the first writer
         wins); the URLs to read by under the lock the file holds."""
         assert self.location is not None
+        theirs = read_lock(self.location)  # another process may have written it meanwhile
+        if theirs is not None:
+            return self._against(theirs, urls, cache, threads)
         now, self.requests = identities(urls, cache, threads=threads)
         mine = make_lock(now)
         lock = write_lock(self.location, mine, exclusive=True)
