@@ -21,7 +21,8 @@
     │   └── LockFileError(OSError)        a lock file cannot be created (path, errno)
     ├── ShardFormatError(ValueError)      a shard is not a readable tar (where, what was seen)
     ├── ResumeError(ValueError)           a resume state does not fit this dataset (what differs)
-    │   └── DeliveryMismatchError         what a job delivered is not what its plan says
+    │   ├── DeliveryMismatchError         what a job delivered is not what its plan says
+    │   └── DatasetChangedError           shards differ from the dataset lockfile, no version kept
     ├── SampleIndexError(ValueError)      an index of sample offsets unusable (missing, stale)
     ├── MetricsError(ValueError)          metrics files cannot be reported (newer version, none)
     ├── MissingExtraError(ImportError)    an optional extra is missing (says what to pip install)
@@ -168,6 +169,12 @@ class DeliveryMismatchError(ResumeError):
     repeated. Names the epoch, source, where it was checked, expected and seen."""
 
 
+class DatasetChangedError(ResumeError):
+    """Shards differ from the dataset lockfile and the store keeps no version of their
+    recorded bytes: ``changed`` lists every such URL, ``expected`` and ``seen`` their
+    identities (size, ETag, version, checksum); ``lock`` is the lockfile."""
+
+
 class SampleIndexError(ShardCacheError, ValueError):
     """A sample index cannot be used: missing, damaged, of another format version or shard
     list, or stale (the shard changed since it was indexed); names the index or shard,
@@ -202,6 +209,7 @@ __all__ = [
     "CacheError",
     "CacheFullError",
     "ConfigError",
+    "DatasetChangedError",
     "FetchError",
     "IntegrityError",
     "LockFileError",

@@ -1,5 +1,5 @@
-"""What kind of URL a string is: its protocol, whether it is a ``pipe:`` command, and the
-local path a file URL names.
+"""What kind of URL a string is: its protocol, whether it is a ``pipe:`` command, the
+local path a file URL names, and the S3 object version a URL pins (``?versionId=``).
 
 Low-level on purpose: the storage side (layout, freshness, remote, retry, downloads) imports
 it alone, without the spec grammar, manifests or configuration of ``_datasets.urls``.
@@ -57,11 +57,31 @@ def local_path(url: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+VERSION_QUERY = "?versionId="
+"""What follows an S3 key to name one version of the object (s3fs's spelling)."""
+
+
+def s3_version(path: str) -> str | None:
+    """The version an S3 URL or path pins (``s3://b/k?versionId=V`` -> ``V``), else None.
+    Read from the string itself: s3fs reads it only when its file system is
+    ``version_aware``, and sends a plain GET of the latest version otherwise."""
+    version = path.partition(VERSION_QUERY)[2]
+    return version or None
+
+
+def pin_version(url: str, version: str) -> str:
+    """``url`` pinned to the S3 object version ``version``."""
+    return f"{url.partition(VERSION_QUERY)[0]}{VERSION_QUERY}{version}"
+
+
 __all__ = [
     "LOCAL_PROTOCOLS",
     "PIPE_PREFIX",
+    "VERSION_QUERY",
     "is_pipe_url",
     "local_path",
+    "pin_version",
+    "s3_version",
     "url_protocol",
     "url_scheme",
 ]

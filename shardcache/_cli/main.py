@@ -20,7 +20,7 @@ from types import FrameType
 from .. import __version__
 from .._base.errors import ConfigError, ShardCacheError, UrlError
 from .._base.redact import RedactingFilter
-from . import common, config, demo, index, maintenance, report, warm
+from . import common, config, demo, index, lock, maintenance, report, warm
 
 
 class Terminated(KeyboardInterrupt):
@@ -65,6 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  shardcache warm 's3://bucket/train-{000000..000127}.tar' --threads 16\n"
         "  shardcache index 's3://bucket/train-{000000..000127}.tar' -o train.index.json\n"
+        "  shardcache lock 's3://bucket/train-{000000..000127}.tar' -o dataset.lock.json\n"
         "  shardcache status\n"
         "  shardcache clean\n"
         "  shardcache evict --max-bytes 500G\n"
@@ -85,6 +86,7 @@ def _build_parser() -> argparse.ArgumentParser:
         demo,
         warm,
         index,
+        lock,
         maintenance,
         report,
     ):  # in this order in --help

@@ -61,6 +61,7 @@ class Settings:
     prefetch_depth: int = SPECS["prefetch_depth"].default
     stall_timeout: float = SPECS["stall_timeout"].default
     revalidate: float = SPECS["revalidate"].default
+    shards_changed: str = SPECS["shards_changed"].default
     shared_group: str | None = SPECS["shared_group"].default
     manifest_pipes: str = SPECS["manifest_pipes"].default
     metrics: str | None = SPECS["metrics"].default

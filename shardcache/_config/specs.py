@@ -233,6 +233,13 @@ SPECS: dict[str, SettingSpec] = {
         0.0,
         365 * 86400,
     ),
+    "shards_changed": SettingSpec(
+        "SHARDCACHE_SHARDS_CHANGED",
+        one_of("error", "warn"),
+        "error",
+        "a dataset's lockfile (lock=): error: shards that changed with no recorded version "
+        "to read raise DatasetChangedError; warn: a warning, and they are read as they are",
+    ),
     "shared_group": SettingSpec(
         "SHARDCACHE_SHARED_GROUP",
         parse_group,

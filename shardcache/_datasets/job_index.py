@@ -31,6 +31,7 @@ cache indexes only shards it reads in every epoch (measured in ``bench/index_rea
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +57,12 @@ from .sample_index import (
 logger = get_logger(__name__)
 
 KEEPS = ("cache", "data")  # where a learned index is kept: the cache root, also the data
+
+
+def urls_digest(urls: Sequence[str]) -> str:
+    """What names the kept index of a shard list other than the dataset's own (its shards
+    pinned to recorded versions): the list's digest, as a dataset's identity makes it."""
+    return hashlib.sha256("\n".join(urls).encode()).hexdigest()[:32]
 
 
 def kept_path(cache: ShardCache, digest: str) -> Path:

@@ -67,13 +67,15 @@ VERSION = MIXTURE_VERSION
 class Source:
     """One shard list of a mixture and what it gets each epoch: ``weight`` (a share of the
     mixture's ``epoch_size``) or ``samples`` (a count), exactly one. ``name`` tags its
-    samples (``"__source__"``) and errors; ``index`` is its sample index file."""
+    samples (``"__source__"``) and errors; ``index`` is its sample index file, ``lock``
+    its dataset lockfile (``ResumableDataset``'s ``lock``)."""
 
     urls: Spec
     weight: float | None = None
     samples: int | None = None
     name: str | None = None
     index: str | None = None
+    lock: str | None = None
 
 
 def epoch_counts(sources: Sequence[Source], epoch_size: int | None) -> list[int]:
@@ -218,6 +220,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         stall_timeout: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        shards_changed: str | None = None,
     ) -> None:
         super().__init__()
         given = _checked(sources)
@@ -257,6 +260,8 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                         stall_timeout=stall_timeout,
                         rank=rank,
                         world_size=world_size,
+                        lock=source.lock,
+                        shards_changed=shards_changed,
                     )
                 )
         for i, (name, part) in enumerate(zip(self.names, self._parts, strict=True)):

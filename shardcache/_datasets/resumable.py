@@ -48,10 +48,11 @@ from .._cache.shard_cache import ShardCache
 from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
-from .delivery_check import Checker, DeliveryCheck, carried, mode_of, skipper
-from .delivery_digest import BATCH, Recorder, SampleHasher, Tally
+from .delivery_check import Checker, DeliveryCheck, mode_of, skipper
+from .delivery_digest import BATCH, Recorder, SampleHasher
 from .epoch_split import EpochSplit, Lay, indexing_shares
-from .job_index import job_index
+from .job_index import job_index, urls_digest
+from .lock_check import LockUse
 from .resume_options import (
     flag,
     index_keeping,
@@ -63,8 +64,9 @@ from .resume_options import (
 )
 from .resume_pieces import advance, piece_samples, visits
 from .resume_plan import RandomDraws
-from .resume_start import check_layout, check_same_consumer, finished, plan_for, start_progress
-from .resume_state import DatasetIdentity, Progress, State, job_state, leftover, start_state
+from .resume_progress import Consumer, log_sizes, progress_for
+from .resume_start import finished
+from .resume_state import DatasetIdentity, Progress, State, job_state, start_state
 from .sample_index import SampleIndex, load_index
 from .shuffle_buffer import ShuffleBuffer, restore_ranged, seeked
 from .urls import Spec
@@ -93,6 +95,12 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     default to shardcache's detection (torch.distributed, torchrun, SLURM); DataLoader
     workers are found by ``torch.utils.data.get_worker_info()``. ``handler``, ``cache``,
     ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
+    ``lock`` is a dataset lockfile (path or URL; made from what the cache holds when it
+    does not exist yet): every state records its digest, and the shards are checked
+    against it before they are read (:mod:`shardcache._datasets.lock_check`); a shard
+    that changed is read at its recorded version where the store keeps it, and otherwise
+    raises :class:`~shardcache.DatasetChangedError` (``shards_changed="error"``) or is
+    read as it is now with a warning (``"warn"``); None: ``SHARDCACHE_SHARDS_CHANGED``.
     """
 
     def __init__(
@@ -113,6 +121,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         stall_timeout: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        lock: str | None = None,
+        shards_changed: str | None = None,
     ) -> None:
         super().__init__()
         self.urls = resumable_urls(urls)
@@ -132,7 +142,9 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             handler, cache=cache, threads=threads, depth=depth, stall_timeout=stall_timeout
         )
         self._threads = threads
-        self._samples: SampleIndex | None = None  # the shards' sample offsets, once known
+        self._lock = LockUse(lock, shards_changed)
+        self._read_urls = self.urls  # the URLs read: a changed shard's pinned to its version
+        self._samples: SampleIndex | None = None  # by read URL, once known
         self._split: EpochSplit | None = None
         self._stages: list[Stage] = []
         self._epoch_chosen = False  # set_epoch() was called: a loaded state must agree
@@ -190,10 +202,10 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         iteration stands; before it: the loaded state, or the start of the epoch."""
         if self._progress is not None:
             self._take_tally()
-            return self._progress.as_json(self.identity)
+            return self._lock.stamp(self._progress.as_json(self.identity))
         if self._pending is not None:
             return copy.deepcopy(self._pending)
-        return start_state(self.identity, self.epoch)
+        return self._lock.stamp(start_state(self.identity, self.epoch))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state`` when iteration next starts: a consumer state (the same
@@ -201,6 +213,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         same layout: exact; another: elastic). Raises :class:`ResumeError` for a state of
         another format version, dataset, shard list or seed."""
         self.identity.check(state)
+        self._lock.check_state(state)
         if state.get("kind") == "job":
             state = job_state(state)  # checks that its parts agree
             for part in state["parts"]:
@@ -246,14 +259,14 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         if self._split is None:
             self._samples = self._sample_index()
             self._split = EpochSplit(
-                [self._samples[url].starts for url in self.urls],
+                [self._samples[url].starts for url in self._read_urls],
                 seed=self.seed,
                 shuffle=self.shuffle_shards,
                 remainder=self.remainder,
                 epoch_size=self.epoch_size,
                 lay=self._lay,
             )
-            empty = [url for url in self.urls if self._samples[url].count == 0]
+            empty = [url for url in self._read_urls if self._samples[url].count == 0]
             if empty:
                 logger.warning(
                     "%d of %d shards hold no sample and are left out (first: %s)",
@@ -264,8 +277,25 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         return self._split
 
     def _sample_index(self) -> SampleIndex:
-        if self.index is not None:
-            return load_index(self.index, self.urls)
+        """The shards' sample offsets by the URLs they are read by: under a lockfile (when
+        given) checked first, or made once the shards were read to learn them."""
+        if self._lock.location is None:
+            return self._offsets(self.urls)
+        cache = self._cache()
+        threads = self._threads or cache.settings.threads
+        read = self._lock.read_urls(self.urls, cache, threads=threads)
+        samples = self._offsets(read or self.urls)
+        if read is None:  # no lockfile yet: made of the copies just read
+            read = self._lock.record(self.urls, cache, threads=threads)
+            if read != self.urls:  # another process's lock won and pins some shards
+                samples = self._offsets(read)
+        self._read_urls = read
+        return samples
+
+    def _offsets(self, urls: list[str]) -> SampleIndex:
+        """The sample offsets of ``urls`` (the shards' own, or pinned to versions)."""
+        if self.index is not None:  # the index file names the shards' plain URLs
+            return dict(zip(urls, load_index(self.index, self.urls).values(), strict=True))
         cache = self._cache()
         rank, world_size, local_world_size = self._ranks()
         mine = None
@@ -275,8 +305,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             own = indexing_shares(len(self.urls), self.seed, self.shuffle_shards, units)
             mine = own[rank // per_cache][rank % per_cache :: per_cache]
         return job_index(
-            self.urls,
-            self.identity.digest,
+            urls,
+            self.identity.digest if urls == self.urls else urls_digest(urls),
             cache,
             mine=mine,
             rank=rank,
@@ -299,7 +329,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         rank, world_size, local_world_size = self._ranks()
         per_node = self._ranks_per_cache(world_size, local_world_size)
         owned = self._epoch_split().shard_units(world_size // per_node)[rank // per_node]
-        return [self.urls[shard] for shard in owned]
+        return [self._read_urls[shard] for shard in owned]
 
     # -- iteration ------------------------------------------------------------------
 
@@ -309,7 +339,15 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             return _refuse_persistent_workers()  # raised from next(): the worker survives it
         slot, consumers, per_unit = self._consumer()
         pending, self._pending = self._pending, None
-        progress = self._progress_for(pending, slot, consumers, per_unit)
+        epoch = self.epoch if pending is None else int(pending["epoch"])
+        progress = progress_for(
+            self._epoch_split(),
+            epoch,
+            pending,
+            Consumer(slot, consumers, per_unit),
+            self._checker(),
+            buffer_size=self.shuffle_buffer,
+        )
         self._progress = progress
         hasher = SampleHasher(self.urls, progress.epoch, self._source)
         self._recorder = recorder = Recorder(hasher, self._epoch_split().starts)
@@ -355,56 +393,6 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         per_unit = self._ranks_per_cache(world_size, local_world_size) * workers
         return rank * workers + worker, world_size * workers, per_unit
 
-    def _progress_for(
-        self, pending: State | None, slot: int, consumers: int, per_unit: int
-    ) -> Progress:
-        epoch = self.epoch if pending is None else int(pending["epoch"])
-        split = self._epoch_split()
-        plan = plan_for(split, epoch)
-        if pending is not None and pending["kind"] != "start":
-            check_layout(pending, split)
-        if pending is not None and pending["kind"] == "consumer":
-            check_same_consumer(pending, consumers, per_unit, slot)
-            return self._checker().resumed(Progress.from_json(pending, plan))
-        if pending is not None and pending["kind"] == "job":
-            parts = {p["slot"]: p for p in pending["parts"] if p["kind"] == "consumer"}
-            same_layout = all(
-                (p["consumers"], p["per_unit"]) == (consumers, per_unit) for p in parts.values()
-            )
-            if parts and same_layout and len(parts) == consumers:  # every consumer: exact
-                return self._checker().resumed(Progress.from_json(parts[slot], plan))
-            if parts:
-                before = self._checker().elastic(pending, loud=slot == 0)
-                pieces, digest = leftover(pending, plan)
-                share = split.share(pieces, consumers, per_unit, slot)
-                logger.info(
-                    "epoch %d resumed elastically: %d undelivered samples split between %d "
-                    "consumers, %d to this one (consumer %d, %d of them repeated)",
-                    epoch,
-                    sum(len(split.run_of(p)) for p in pieces),
-                    consumers,
-                    share.samples,
-                    slot,
-                    share.repeated,
-                )
-                progress = start_progress(
-                    split,
-                    epoch,
-                    consumers,
-                    per_unit,
-                    slot,
-                    share,
-                    buffer_size=self.shuffle_buffer,
-                    carried=digest,
-                )
-                progress.prior = carried(before)
-                progress.seen = None if before is None else Tally()
-                return progress
-        share = split.fresh(epoch, consumers, per_unit, slot)
-        return start_progress(
-            split, epoch, consumers, per_unit, slot, share, buffer_size=self.shuffle_buffer
-        )
-
     def _delivered(self, progress: Progress, recorder: Recorder) -> Iterator[dict[str, Any]]:
         """The consumer's samples in order; ``progress`` is kept true at every yield, and
         ``recorder`` records each sample that leaves."""
@@ -421,15 +409,15 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         skip = skipper(progress, recorder, self._epoch_split())
         metrics.set_epoch(progress.epoch)
         if progress.item == 0 and progress.taken == 0 and not progress.buffer:
-            _log_sizes(progress)
+            log_sizes(progress)
         delivered = progress.delivered
         try:
             ranged: set[int] = set()
             if progress.buffer and self._samples is not None:  # a resumed shuffle buffer
                 ranged = restore_ranged(
-                    progress, shuffler, self.urls, self._samples, self._cache(), self._threads
+                    progress, shuffler, self._read_urls, self._samples, self._cache(), self._threads
                 )
-            for opened in self._stage.opened(visits(self.urls, progress, ranged)):
+            for opened in self._stage.opened(visits(self._read_urls, progress, ranged)):
                 kind, detail = opened["visit"]
                 if kind == "buffer":
                     stream = opened["stream"]
@@ -530,30 +518,3 @@ def _refuse_persistent_workers() -> Iterator[Any]:
         value=True,
     )
     yield  # a generator: the error comes from the first next()
-
-
-def _log_sizes(progress: Progress) -> None:
-    sizes = progress.sizes
-    log = logger.info if progress.slot == 0 else logger.debug
-    if progress.carried is not None:
-        log(
-            "epoch %d (resumed): consumer %d of %d reads %d samples, %d of them repeated",
-            progress.epoch,
-            progress.slot,
-            progress.consumers,
-            sizes.get("own", 0),
-            sizes.get("own_repeated", 0),
-        )
-        return
-    samples = sizes.get("samples", 0)
-    asked = sizes.get("epoch_size", samples)
-    log(
-        "epoch %d: %s samples, %d for each of %d consumers (%d per cache); %d repeated, %d dropped",
-        progress.epoch,
-        samples if asked == samples else f"epoch_size {asked} of {samples}",
-        sizes.get("per_consumer", 0),
-        progress.consumers,
-        progress.per_unit,
-        sizes.get("repeated", 0),
-        sizes.get("dropped", 0),
-    )

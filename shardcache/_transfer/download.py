@@ -24,7 +24,7 @@ from fsspec.asyn import sync
 
 from .._base.errors import IntegrityError, UnverifiableError
 from .._base.redact import get_logger, redact_options
-from .._base.url_kinds import LOCAL_PROTOCOLS, url_protocol
+from .._base.url_kinds import LOCAL_PROTOCOLS, s3_version, url_protocol
 from .._retry.policy import RetryPolicy, _http_status_and_code
 from .._retry.throttle import Throttle, throttled_call
 from .checksums import Checksum, Hasher, expected, mismatch
@@ -339,9 +339,10 @@ def s3_get(
     0). A whole-object GET asks for the object's full-object checksum
     (``x-amz-checksum-mode``: see :func:`ask_for_checksums`)."""
     bucket, key, version = fs.split_path(path)
+    version = version or s3_version(path) or info.version_id
     kw: dict[str, Any] = {}
-    if version or info.version_id:
-        kw["VersionId"] = version or info.version_id
+    if version:
+        kw["VersionId"] = version
     if start or end is not None:
         kw["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
     if info.etag:  # a resumed, ranged or repeated GET: never another object's bytes

@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 
 from fsspec.asyn import sync
 
+from .._base.url_kinds import s3_version
 from .._retry.throttle import Throttle, throttled_call
 from .checksums import Hasher
 
@@ -258,8 +259,8 @@ def _head_part(
     kw: dict[str, Any] = {"PartNumber": number}
     if checksum_mode:
         kw["ChecksumMode"] = "ENABLED"
-    if in_path or version:
-        kw["VersionId"] = in_path or version
+    if in_path or s3_version(path) or version:
+        kw["VersionId"] = in_path or s3_version(path) or version
     return throttled_call(
         throttle,
         "HEAD",

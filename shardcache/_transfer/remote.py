@@ -20,7 +20,7 @@ from fsspec.asyn import sync
 from .._base.errors import FetchError, IntegrityError, PermanentFetchError, UrlError
 from .._base.redact import get_logger
 from .._base.url_check import check_url
-from .._base.url_kinds import LOCAL_PROTOCOLS, local_path, url_protocol
+from .._base.url_kinds import LOCAL_PROTOCOLS, local_path, s3_version, url_protocol
 from .._config.borrowed import gcsfs_extended
 from .._observe import metrics
 from .._retry.policy import describe, fetch_error, is_transient, retry_cause
@@ -149,6 +149,7 @@ class Remote:
         protocol = url_protocol(url)
         if protocol in {"s3", "s3a"}:
             bucket, key, version = fs.split_path(path)
+            version = version or s3_version(path)
             kw = {"VersionId": version} if version else {}
             head = throttled_call(
                 self.options.throttle,
@@ -199,6 +200,7 @@ class Remote:
             return OpenedObject(self.info(url))
         fs, path = self.filesystem(url)
         unknown = ObjectInfo(url, None)
+        pinned = s3_version(path)
 
         def once(n: int) -> OpenedObject:
             # The client s3fs made (made now if it has none yet: a hop to its event loop
@@ -207,6 +209,9 @@ class Remote:
             ask_for_checksums(client)
             response = s3_get(fs, path, unknown, self.options.throttle)
             info = s3_object_info(url, response, self.options.etag_md5)
+            if pinned is not None and info.version_id != pinned:
+                response["Body"].close()
+                raise _other_version(url, pinned, info.version_id)
             return OpenedObject(info, fs, response["Body"])
 
         return self.options.retry.run(
@@ -369,6 +374,20 @@ def etag_is_md5(url: str, response: Any) -> bool:
 
 
 _DIRECTORY_BUCKET = "--x-s3"
+
+
+def _other_version(url: str, pinned: str, seen: str | None) -> PermanentFetchError:
+    """A GET of the version ``pinned`` answered with another version's bytes."""
+    return PermanentFetchError(
+        f"{url}: the store answered version {seen!r} for a GET of version {pinned!r}; its "
+        "bytes are not served for the version asked. Check that the bucket keeps versions "
+        "and that the endpoint honours versionId",
+        url=url,
+        attempts=1,
+        cause="other version",
+        expected=pinned,
+        seen=seen,
+    )
 
 
 def _stat_retry(url: str, exc: Exception) -> None:

@@ -28,7 +28,8 @@ fail the job instead of finishing; a DataLoader worker stuck for half of it fail
 and a rank that torchrun stops prints its threads' stacks. ``--report`` ends each epoch with
 ``shardcache.log_epoch_summary`` (a collective) and rank 0 writes the job's report as
 ``report-<run>-epoch<e>.json``.
-``--resume DIR`` starts from a checkpoint if DIR holds one. ``--run`` names the log; its
+``--resume DIR`` starts from a checkpoint if DIR holds one; ``--lock FILE`` reads the
+dataset under that lockfile. ``--run`` names the log; its
 ``{restart}`` is replaced by ``SLURM_RESTART_COUNT`` (0 outside SLURM).
 """
 
@@ -165,7 +166,11 @@ def make_dataset(args: argparse.Namespace) -> Any:
     cache = shardcache.ShardCache(args.cache)
     if args.mixture_epoch_size is None:
         return shardcache.ResumableDataset(
-            args.spec, seed=args.seed, shuffle_buffer=args.shuffle_buffer, cache=cache
+            args.spec,
+            seed=args.seed,
+            shuffle_buffer=args.shuffle_buffer,
+            cache=cache,
+            lock=args.lock,
         )
     sources = []
     for part in args.spec.split(","):
@@ -270,6 +275,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-on-signal", action="store_true")
     parser.add_argument("--wait-for-signal-at", type=int, default=None)
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--lock", default=None, help="the dataset lockfile (lock=)")
     parser.add_argument("--model", action="store_true", help="step a DDP model each batch")
     parser.add_argument("--report", action="store_true", help="write each epoch's job report")
     parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
