@@ -90,7 +90,7 @@ def job_index(
     parts = None
     if mine is not None:
         own = [urls[shard] for shard in mine]
-        parts = gather_objects({"digest": digest, **_part(own, kept, cache, threads, handler)})
+        parts = _gathered({"digest": digest, **_part(own, kept, cache, threads, handler)})
     if parts is None:  # no process group in this process
         if kept is not None:
             say("sample offsets of %d shards: the index kept at %s", len(urls), where)
@@ -142,6 +142,21 @@ def _part(
     except (ShardCacheError, OSError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"kept": False, "records": {url: learned[url].as_json(url) for url in own}}
+
+
+def _gathered(part: Mapping[str, Any]) -> list[Any] | None:
+    """Every rank's part; a rank that never joins is a :class:`SampleIndexError` once the
+    process group's timeout has passed, saying why that happens."""
+    try:
+        return gather_objects(part)
+    except RuntimeError as exc:  # torch.distributed's errors (timeouts, a peer gone)
+        raise SampleIndexError(
+            "the job's ranks did not all join in learning the sample index within the "
+            f"process group's timeout ({type(exc).__name__}: {str(exc)[:300]}). With a "
+            "process group, prepare(), the first set_epoch() and the first iteration are "
+            "collectives: every rank must call them. A dataset that only some ranks use "
+            "needs rank= and world_size= of its own, or index= (shardcache index)",
+        ) from exc
 
 
 def _merged(parts: Sequence[Mapping[str, Any]], urls: Sequence[str], digest: str) -> SampleIndex:

@@ -360,6 +360,34 @@ def test_a_shard_one_rank_cannot_learn_stops_every_rank_at_once(s3, tmp_path: Pa
     assert "train-000007.tar does not exist" in failed[0]
 
 
+def test_a_rank_that_never_joins_learning_is_named_after_the_timeout(s3, tmp_path: Path) -> None:
+    """Only rank 0 uses the dataset: its learning, a collective, fails after the process
+    group's 5 s timeout with a SampleIndexError saying every rank must call it (not an
+    endless wait, nor torch's bare timeout)."""
+    s3.put_objects(BUCKET, shard_tars(FEW))
+    spec = f"s3://{BUCKET}/train-{{000000..{len(FEW) - 1:06d}}}.tar"
+    command = torchrun(
+        RANKS,
+        SUPPORT / "lone_rank_job.py",
+        f"--spec={spec}",
+        f"--cache={tmp_path / 'cache'}",
+        f"--out={tmp_path}",
+        "--timeout=5",
+    )
+    done = subprocess.run(
+        command,
+        env=job_env(**s3.env()),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, _rank_errors(done.stderr)
+    outcome = json.loads((tmp_path / "rank-0.json").read_text())
+    assert outcome["error"] == "SampleIndexError", outcome
+    assert "every rank must call them" in outcome["message"], outcome
+
+
 def shardcache_cli(*runs: tuple[list[str], dict[str, str]]) -> list[str]:
     """Run ``python -m shardcache ARGS`` once per ``(ARGS, env)``, all at once (bounded);
     each must exit 0. Returns their stdouts."""
