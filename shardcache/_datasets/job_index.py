@@ -55,6 +55,11 @@ from .sample_index import (
 
 logger = get_logger(__name__)
 
+_UNSHARED = (
+    "; no torch.distributed process group in this process shares the work with the other "
+    "ranks (call prepare() or set_epoch() in the training process after "
+    "init_process_group)"
+)
 KEEPS = ("cache", "data")  # where a learned index is kept: the cache root, also the data
 
 
@@ -78,12 +83,14 @@ def job_index(
     *,
     mine: Sequence[int] | None,
     rank: int,
+    alone: bool,
     threads: int,
     handler: Callable[[BaseException], bool] | None,
     keep: str,
 ) -> SampleIndex:
     """Every shard's samples: a kept index, else learned (``mine``: the shards this rank
-    learns while the job's other ranks learn theirs; None: no process group, all here)."""
+    learns while the job's other ranks learn theirs; None: no process group, all here;
+    ``alone``: this is the job's only rank)."""
     say = logger.info if rank == 0 else logger.debug
     beside = beside_data(urls, digest) if keep == "data" else None
     kept, where = _find_kept(urls, digest, cache, beside)
@@ -97,13 +104,12 @@ def job_index(
             return kept
         say(
             "learning the sample offsets of all %d shards through the cache %s (%d "
-            "threads), to keep at %s for the next job; no torch.distributed process group "
-            "in this process shares the work (call prepare() or set_epoch() in the "
-            "training process after init_process_group)",
+            "threads), to keep at %s for the next job%s",
             len(urls),
             cache.layout.scope_dir,
             threads,
             kept_path(cache, digest),
+            "" if alone else _UNSHARED,
         )
         found = learn(urls, cache, threads=threads, handler=handler)
         _keep(found, urls, digest, cache, beside if rank == 0 else None)

@@ -265,6 +265,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             cache,
             mine=mine,
             rank=rank,
+            alone=world_size == 1,
             threads=self._threads or cache.settings.threads,
             handler=self._stage.handler,
             keep=self.keep_index,
