@@ -103,32 +103,33 @@ def job_index(
             say("sample offsets of %d shards: the index kept at %s", len(urls), where)
             return kept
         say(
-            "learning the sample offsets of all %d shards through the cache %s (%d "
-            "threads), to keep at %s for the next job%s",
+            "learning the sample offsets of all %d shards through the cache %s (%d threads)%s",
             len(urls),
             cache.layout.scope_dir,
             threads,
-            kept_path(cache, digest),
             "" if alone else _UNSHARED,
         )
         found = learn(urls, cache, threads=threads, handler=handler)
-        _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        say(
+            "the sample index: %s", _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        )
         return found
     found = _merged(parts, urls, digest)
     if all(p.get("kept") for p in parts):
         say("sample offsets of %d shards: the index kept at %s", len(urls), where)
         return found
+    kept_where = (
+        f"kept at {where}"
+        if kept is not None
+        else _keep(found, urls, digest, cache, beside if rank == 0 else None)
+    )
     say(
         "learned the sample offsets of %d shards once across the job's %d ranks (each "
-        "indexed its own cache's shards; gathered by torch.distributed); kept at %s%s for "
-        "the next job",
+        "indexed its own cache's shards; gathered by torch.distributed); %s",
         len(urls),
         len(parts),
-        kept_path(cache, digest),
-        f" and {beside}" if beside else "",
+        kept_where,
     )
-    if kept is None:
-        _keep(found, urls, digest, cache, beside if rank == 0 else None)
     return found
 
 
@@ -238,32 +239,25 @@ def _usable(document: Any, source: str, urls: Sequence[str]) -> SampleIndex | No
 
 def _keep(
     index: SampleIndex, urls: Sequence[str], digest: str, cache: ShardCache, beside: str | None
-) -> None:
-    """Keep ``index`` in the cache root and, when given, at ``beside`` (beside the data); an
-    index missing shards the handler left out is not kept (they may be readable next time)."""
+) -> str:
+    """Keep ``index`` in the cache root and, when given, at ``beside`` (beside the data);
+    says where it was kept. An index missing shards the handler left out is not kept (they
+    may be readable next time)."""
     left_out = [url for url in urls if index[url].size == 0 and not index[url].starts]
     if left_out:
-        logger.info(
-            "the sample index is not kept: %d shards were left out (first: %s)",
-            len(left_out),
-            left_out[0],
-        )
-        return
+        return f"not kept: {len(left_out)} shards were left out (first: {left_out[0]})"
     document = index_document(index, urls)
+    places = []
     path = kept_path(cache, digest)
     try:
         write_record(cache.layout, path, document)
+        places.append(str(path))
     except OSError as exc:  # only the next job's learning is lost
         logger.warning("cannot keep the sample index at %s: %s", path, exc)
-    if beside is None:
-        return
-    try:
-        write_index(beside, document)
-    except (ShardCacheError, OSError) as exc:
-        logger.warning(
-            "cannot keep the sample index beside the data at %s (%s); it is kept in the "
-            "cache root at %s",
-            beside,
-            exc,
-            path,
-        )
+    if beside is not None:
+        try:
+            write_index(beside, document)
+            places.append(beside)
+        except (ShardCacheError, OSError) as exc:
+            logger.warning("cannot keep the sample index beside the data at %s: %s", beside, exc)
+    return f"kept at {' and '.join(places)} for the next job" if places else "not kept"

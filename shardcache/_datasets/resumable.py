@@ -86,11 +86,11 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     ``index`` is a sample index file (path or URL) made by
     ``shardcache index``; None learns it (each cache its own shards, shared through
     torch.distributed when a process group is initialised: see :meth:`prepare`) and keeps
-    it in the cache root, and also beside the shards with ``keep_index="data"``.
-    ``rank`` and ``world_size``
-    default to shardcache's detection (torch.distributed, torchrun, SLURM); DataLoader
-    workers are found by ``torch.utils.data.get_worker_info()``. ``handler``, ``cache``,
-    ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
+    it in the cache root, and also beside the shards with ``keep_index="data"``. ``rank``
+    and ``world_size`` default to shardcache's detection (torch.distributed, torchrun,
+    SLURM); DataLoader workers are found by ``torch.utils.data.get_worker_info()``.
+    ``handler``, ``cache``, ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset
+    stage's.
     """
 
     def __init__(
@@ -254,7 +254,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         cache = self._cache()
         rank, world_size, local_world_size = self._ranks()
         mine = None
-        if self._in_group():  # the ranks share the work: this one indexes its part of its cache's
+        if self._in_group():  # this rank learns its part of its cache's whole shards
             per_cache = self._ranks_per_cache(world_size, local_world_size)
             units = world_size // per_cache
             own = indexing_shares(len(self.urls), self.seed, self.shuffle_shards, units)

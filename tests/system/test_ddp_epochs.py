@@ -274,6 +274,7 @@ def test_later_epochs_make_no_get_at_rank_scope(s3, tmp_path: Path) -> None:
     ), stderr[-3000:]
     kept = list((tmp_path / "cache" / ".indexes").glob("*.json"))
     assert len(kept) == 1, kept
+    assert f"torch.distributed); kept at {kept[0]} for the next job" in stderr
 
     # The next job: the kept index, nothing learned (no sample record made), no request.
     for record in learned_records(tmp_path / "cache"):

@@ -54,6 +54,9 @@ def test_the_learned_index_is_kept_in_the_cache_root_and_reused(
     assert len(kept(tmp_path / "cache")) == 1
     assert "learning the sample offsets of all 4 shards through the cache" in caplog.text
     assert "init_process_group" not in caplog.text  # one rank: nobody to share with
+    assert f"the sample index: kept at {kept(tmp_path / 'cache')[0]} for the next job" in (
+        caplog.text
+    )
 
     for record in learned_records(tmp_path / "cache"):
         record.unlink()
@@ -103,11 +106,13 @@ def test_a_damaged_kept_index_is_learned_again(shards_s3, tmp_path: Path, caplog
     assert kept(tmp_path / "cache") == [path] and '"starts"' in path.read_text()
 
 
-def test_an_index_missing_a_left_out_shard_is_not_kept(shards_s3, tmp_path: Path) -> None:
+def test_an_index_missing_a_left_out_shard_is_not_kept(shards_s3, tmp_path: Path, caplog) -> None:
     shards_s3.boto3_client().delete_object(Bucket=BUCKET, Key="train-000002.tar")
+    caplog.set_level(logging.INFO, logger="shardcache")
     ds = dataset(tmp_path / "cache", handler=wds.warn_and_continue).prepare()
     assert ds._epoch_split().counts == [5, 6, 0, 8]
     assert kept(tmp_path / "cache") == []
+    assert "the sample index: not kept: 1 shards were left out (first: s3://" in caplog.text
 
 
 def test_keep_index_is_checked() -> None:
