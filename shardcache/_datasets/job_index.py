@@ -56,6 +56,11 @@ from .sample_index import (
 
 logger = get_logger(__name__)
 
+_UNSHARED = (
+    "; no torch.distributed process group in this process shares the work with the other "
+    "ranks (call prepare() or set_epoch() in the training process after "
+    "init_process_group)"
+)
 KEEPS = ("cache", "data")  # where a learned index is kept: the cache root, also the data
 
 
@@ -85,51 +90,53 @@ def job_index(
     *,
     mine: Sequence[int] | None,
     rank: int,
+    alone: bool,
     threads: int,
     handler: Callable[[BaseException], bool] | None,
     keep: str,
 ) -> SampleIndex:
     """Every shard's samples: a kept index, else learned (``mine``: the shards this rank
-    learns while the job's other ranks learn theirs; None: no process group, all here)."""
+    learns while the job's other ranks learn theirs; None: no process group, all here;
+    ``alone``: this is the job's only rank)."""
     say = logger.info if rank == 0 else logger.debug
     beside = beside_data(urls, digest) if keep == "data" else None
     kept, where = _find_kept(urls, digest, cache, beside)
     parts = None
     if mine is not None:
         own = [urls[shard] for shard in mine]
-        parts = gather_objects({"digest": digest, **_part(own, kept, cache, threads, handler)})
+        parts = _gathered({"digest": digest, **_part(own, kept, cache, threads, handler)})
     if parts is None:  # no process group in this process
         if kept is not None:
             say("sample offsets of %d shards: the index kept at %s", len(urls), where)
             return kept
         say(
-            "learning the sample offsets of all %d shards through the cache %s (%d "
-            "threads), to keep at %s for the next job; no torch.distributed process group "
-            "in this process shares the work (call prepare() or set_epoch() in the "
-            "training process after init_process_group)",
+            "learning the sample offsets of all %d shards through the cache %s (%d threads)%s",
             len(urls),
             cache.layout.scope_dir,
             threads,
-            kept_path(cache, digest),
+            "" if alone else _UNSHARED,
         )
         found = learn(urls, cache, threads=threads, handler=handler)
-        _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        say(
+            "the sample index: %s", _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        )
         return found
     found = _merged(parts, urls, digest)
     if all(p.get("kept") for p in parts):
         say("sample offsets of %d shards: the index kept at %s", len(urls), where)
         return found
+    kept_where = (
+        f"kept at {where}"
+        if kept is not None
+        else _keep(found, urls, digest, cache, beside if rank == 0 else None)
+    )
     say(
         "learned the sample offsets of %d shards once across the job's %d ranks (each "
-        "indexed its own cache's shards; gathered by torch.distributed); kept at %s%s for "
-        "the next job",
+        "indexed its own cache's shards; gathered by torch.distributed); %s",
         len(urls),
         len(parts),
-        kept_path(cache, digest),
-        f" and {beside}" if beside else "",
+        kept_where,
     )
-    if kept is None:
-        _keep(found, urls, digest, cache, beside if rank == 0 else None)
     return found
 
 
@@ -149,6 +156,21 @@ def _part(
     except (ShardCacheError, OSError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"kept": False, "records": {url: learned[url].as_json(url) for url in own}}
+
+
+def _gathered(part: Mapping[str, Any]) -> list[Any] | None:
+    """Every rank's part; a rank that never joins is a :class:`SampleIndexError` once the
+    process group's timeout has passed, saying why that happens."""
+    try:
+        return gather_objects(part)
+    except RuntimeError as exc:  # torch.distributed's errors (timeouts, a peer gone)
+        raise SampleIndexError(
+            "the job's ranks did not all join in learning the sample index within the "
+            f"process group's timeout ({type(exc).__name__}: {str(exc)[:300]}). With a "
+            "process group, prepare(), the first set_epoch() and the first iteration are "
+            "collectives: every rank must call them. A dataset that only some ranks use "
+            "needs rank= and world_size= of its own, or index= (shardcache index)",
+        ) from exc
 
 
 def _merged(parts: Sequence[Mapping[str, Any]], urls: Sequence[str], digest: str) -> SampleIndex:
@@ -224,32 +246,25 @@ def _usable(document: Any, source: str, urls: Sequence[str]) -> SampleIndex | No
 
 def _keep(
     index: SampleIndex, urls: Sequence[str], digest: str, cache: ShardCache, beside: str | None
-) -> None:
-    """Keep ``index`` in the cache root and, when given, at ``beside`` (beside the data); an
-    index missing shards the handler left out is not kept (they may be readable next time)."""
+) -> str:
+    """Keep ``index`` in the cache root and, when given, at ``beside`` (beside the data);
+    says where it was kept. An index missing shards the handler left out is not kept (they
+    may be readable next time)."""
     left_out = [url for url in urls if index[url].size == 0 and not index[url].starts]
     if left_out:
-        logger.info(
-            "the sample index is not kept: %d shards were left out (first: %s)",
-            len(left_out),
-            left_out[0],
-        )
-        return
+        return f"not kept: {len(left_out)} shards were left out (first: {left_out[0]})"
     document = index_document(index, urls)
+    places = []
     path = kept_path(cache, digest)
     try:
         write_record(cache.layout, path, document)
+        places.append(str(path))
     except OSError as exc:  # only the next job's learning is lost
         logger.warning("cannot keep the sample index at %s: %s", path, exc)
-    if beside is None:
-        return
-    try:
-        write_index(beside, document)
-    except (ShardCacheError, OSError) as exc:
-        logger.warning(
-            "cannot keep the sample index beside the data at %s (%s); it is kept in the "
-            "cache root at %s",
-            beside,
-            exc,
-            path,
-        )
+    if beside is not None:
+        try:
+            write_index(beside, document)
+            places.append(beside)
+        except (ShardCacheError, OSError) as exc:
+            logger.warning("cannot keep the sample index beside the data at %s: %s", beside, exc)
+    return f"kept at {' and '.join(places)} for the next job" if places else "not kept"

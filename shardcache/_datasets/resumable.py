@@ -90,11 +90,11 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     ``index`` is a sample index file (path or URL) made by
     ``shardcache index``; None learns it (each cache its own shards, shared through
     torch.distributed when a process group is initialised: see :meth:`prepare`) and keeps
-    it in the cache root, and also beside the shards with ``keep_index="data"``.
-    ``rank`` and ``world_size``
-    default to shardcache's detection (torch.distributed, torchrun, SLURM); DataLoader
-    workers are found by ``torch.utils.data.get_worker_info()``. ``handler``, ``cache``,
-    ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
+    it in the cache root, and also beside the shards with ``keep_index="data"``. ``rank``
+    and ``world_size`` default to shardcache's detection (torch.distributed, torchrun,
+    SLURM); DataLoader workers are found by ``torch.utils.data.get_worker_info()``.
+    ``handler``, ``cache``, ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset
+    stage's.
     ``lock`` is a dataset lockfile (path or URL; made from what the cache holds when it
     does not exist yet): every state records its digest, and the shards are checked
     against it before they are read (:mod:`shardcache._datasets.lock_check`); a shard
@@ -299,7 +299,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         cache = self._cache()
         rank, world_size, local_world_size = self._ranks()
         mine = None
-        if self._in_group():  # the ranks share the work: this one indexes its part of its cache's
+        if self._in_group():  # this rank learns its part of its cache's whole shards
             per_cache = self._ranks_per_cache(world_size, local_world_size)
             units = world_size // per_cache
             own = indexing_shares(len(self.urls), self.seed, self.shuffle_shards, units)
@@ -310,6 +310,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             cache,
             mine=mine,
             rank=rank,
+            alone=world_size == 1,
             threads=self._threads or cache.settings.threads,
             handler=self._stage.handler,
             keep=self.keep_index,

@@ -7,8 +7,12 @@ all-reduce until the timeout fails the job. Over shards holding unequal numbers 
 (and fewer shards than consumers), each epoch must deliver every sample once plus exactly
 the repeats the loader's state reports (``remainder="pad"``), or every sample at most once
 and exactly the reported number left out (``"drop"``); the batch counts of the ranks must
-agree. Over the S3 server, at rank scope, the second and third epochs must make no GET at
-all: each shard is read by the same rank's cache every epoch. With a sample index made ahead
+agree. Over the S3 server, at rank scope, without an index, the first epoch must make at
+most shards + caches GETs (each rank learns the sample offsets of its own cache's shards
+and the job gathers them) and the second and third none at all: each shard is read by the
+same rank's cache every epoch; a second job reuses the index the first kept (in the cache
+root, or beside the data), learning nothing. A rank's learning error, or a rank that never
+joins, stops every rank with a named error. With a sample index made ahead
 (``shardcache index``) and ``shardcache warm --split dataset`` run once per rank, each rank
 warms only its own cache's shards and the training sends no request at all.
 tests/system/test_slurm_epochs.py runs the same job on two SLURM nodes.
@@ -270,6 +274,7 @@ def test_later_epochs_make_no_get_at_rank_scope(s3, tmp_path: Path) -> None:
     ), stderr[-3000:]
     kept = list((tmp_path / "cache" / ".indexes").glob("*.json"))
     assert len(kept) == 1, kept
+    assert f"torch.distributed); kept at {kept[0]} for the next job" in stderr
 
     # The next job: the kept index, nothing learned (no sample record made), no request.
     for record in learned_records(tmp_path / "cache"):
@@ -334,6 +339,18 @@ def test_at_node_scope_the_ranks_of_a_cache_share_its_shards(s3, tmp_path: Path)
     assert len(list((tmp_path / "cache" / "node" / ".samples").glob("*/*.json"))) == len(tars)
 
 
+def s3_job(s3: S3Server, job: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``job`` under torchrun (2 ranks) against the S3 server, whatever its exit status."""
+    return subprocess.run(
+        torchrun(RANKS, job, *args),
+        env=job_env(**s3.env()),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+
+
 def test_a_shard_one_rank_cannot_learn_stops_every_rank_at_once(s3, tmp_path: Path) -> None:
     """A shard missing from the store: the rank learning it fails, and the other rank,
     waiting for its offsets, raises the same error (not the process group's error when
@@ -342,22 +359,32 @@ def test_a_shard_one_rank_cannot_learn_stops_every_rank_at_once(s3, tmp_path: Pa
     del tars["train-000007.tar"]
     s3.put_objects(BUCKET, tars)
     spec = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
-    command = torchrun(
-        RANKS, JOB, f"--spec={spec}", f"--cache={tmp_path / 'cache'}", f"--out={tmp_path}"
-    )
-    done = subprocess.run(
-        command,
-        env=job_env(**s3.env()),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        check=False,
-    )
+    done = s3_job(s3, JOB, f"--spec={spec}", f"--cache={tmp_path / 'cache'}", f"--out={tmp_path}")
     assert done.returncode != 0
     failed = [line for line in done.stderr.splitlines() if "could not learn" in line]
     assert {line.split(":", 1)[0] for line in failed} == {"[rank0]", "[rank1]"}, done.stderr[-4000:]
     assert all("rank 1 could not learn" in line for line in failed), failed
     assert "train-000007.tar does not exist" in failed[0]
+
+
+def test_a_rank_that_never_joins_learning_is_named_after_the_timeout(s3, tmp_path: Path) -> None:
+    """Only rank 0 uses the dataset: its learning, a collective, fails after the process
+    group's 5 s timeout with a SampleIndexError saying every rank must call it (not an
+    endless wait, nor torch's bare timeout)."""
+    s3.put_objects(BUCKET, shard_tars(FEW))
+    spec = f"s3://{BUCKET}/train-{{000000..{len(FEW) - 1:06d}}}.tar"
+    done = s3_job(
+        s3,
+        SUPPORT / "lone_rank_job.py",
+        f"--spec={spec}",
+        f"--cache={tmp_path / 'cache'}",
+        f"--out={tmp_path}",
+        "--timeout=5",
+    )
+    assert done.returncode == 0, _rank_errors(done.stderr)
+    outcome = json.loads((tmp_path / "rank-0.json").read_text())
+    assert outcome["error"] == "SampleIndexError", outcome
+    assert "every rank must call them" in outcome["message"], outcome
 
 
 def shardcache_cli(*runs: tuple[list[str], dict[str, str]]) -> list[str]:

@@ -53,6 +53,10 @@ def test_the_learned_index_is_kept_in_the_cache_root_and_reused(
     assert shard_gets(shards_s3) == SHARDS
     assert len(kept(tmp_path / "cache")) == 1
     assert "learning the sample offsets of all 4 shards through the cache" in caplog.text
+    assert "init_process_group" not in caplog.text  # one rank: nobody to share with
+    assert f"the sample index: kept at {kept(tmp_path / 'cache')[0]} for the next job" in (
+        caplog.text
+    )
 
     for record in learned_records(tmp_path / "cache"):
         record.unlink()
@@ -63,6 +67,15 @@ def test_the_learned_index_is_kept_in_the_cache_root_and_reused(
     )
     assert not learned_records(tmp_path / "cache")  # nothing scanned again
     assert second._epoch_split().counts == first._epoch_split().counts == [5, 6, 7, 8]
+
+
+def test_ranks_without_a_process_group_each_learn_everything_and_are_told_why(
+    shards_s3, tmp_path: Path, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="shardcache")
+    dataset(tmp_path / "cache", rank=0, world_size=2).prepare()
+    assert shard_gets(shards_s3) == SHARDS
+    assert "no torch.distributed process group in this process shares the work" in caplog.text
 
 
 def test_an_index_kept_beside_the_data_serves_new_caches(shards_s3, tmp_path: Path) -> None:
@@ -93,11 +106,13 @@ def test_a_damaged_kept_index_is_learned_again(shards_s3, tmp_path: Path, caplog
     assert kept(tmp_path / "cache") == [path] and '"starts"' in path.read_text()
 
 
-def test_an_index_missing_a_left_out_shard_is_not_kept(shards_s3, tmp_path: Path) -> None:
+def test_an_index_missing_a_left_out_shard_is_not_kept(shards_s3, tmp_path: Path, caplog) -> None:
     shards_s3.boto3_client().delete_object(Bucket=BUCKET, Key="train-000002.tar")
+    caplog.set_level(logging.INFO, logger="shardcache")
     ds = dataset(tmp_path / "cache", handler=wds.warn_and_continue).prepare()
     assert ds._epoch_split().counts == [5, 6, 0, 8]
     assert kept(tmp_path / "cache") == []
+    assert "the sample index: not kept: 1 shards were left out (first: s3://" in caplog.text
 
 
 def test_keep_index_is_checked() -> None:
