@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.utils.data
 import webdataset as wds
 
-from .._base.errors import ConfigError, ResumeError, ShardFormatError
+from .._base.errors import ResumeError, ShardFormatError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._config.settings import Settings
@@ -58,6 +58,7 @@ from .resume_options import (
     index_keeping,
     index_location,
     rank_and_world_size,
+    refuse_persistent_workers,
     remainder_rule,
     resumable_urls,
     whole,
@@ -337,7 +338,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         in_worker = torch.utils.data.get_worker_info() is not None
         if in_worker and self._progress is not None:
-            return _refuse_persistent_workers()  # raised from next(): the worker survives it
+            return refuse_persistent_workers()  # raised from next(): the worker survives it
         slot, consumers, per_unit = self._consumer()
         pending, self._pending = self._pending, None
         epoch = self.epoch if pending is None else int(pending["epoch"])
@@ -507,15 +508,3 @@ class ResumableDataset(torch.utils.data.IterableDataset):
 
     def _cache(self) -> ShardCache:
         return self._stage.cache if self._stage.cache is not None else ShardCache.from_env()
-
-
-def _refuse_persistent_workers() -> Iterator[Any]:
-    raise ConfigError(
-        "ResumableDataset was iterated twice in one DataLoader worker: the workers are "
-        "persistent (persistent_workers=True), and set_epoch() in the main process does not "
-        "reach them, so every epoch would repeat the first one's order. Use "
-        "persistent_workers=False (the default)",
-        name="persistent_workers",
-        value=True,
-    )
-    yield  # a generator: the error comes from the first next()

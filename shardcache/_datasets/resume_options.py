@@ -5,6 +5,7 @@ fetched)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from .._base.errors import ConfigError
@@ -103,11 +104,26 @@ def whole(name: str, value: Any, *, low: int) -> int:
     return value
 
 
+def refuse_persistent_workers() -> Iterator[Any]:
+    """An iterator that raises the ``ConfigError`` of a second iteration in one
+    DataLoader worker (persistent workers) from its first ``next()``."""
+    raise ConfigError(
+        "ResumableDataset was iterated twice in one DataLoader worker: the workers are "
+        "persistent (persistent_workers=True), and set_epoch() in the main process does not "
+        "reach them, so every epoch would repeat the first one's order. Use "
+        "persistent_workers=False (the default)",
+        name="persistent_workers",
+        value=True,
+    )
+    yield  # a generator: the error comes from the first next()
+
+
 __all__ = [
     "flag",
     "index_keeping",
     "index_location",
     "rank_and_world_size",
+    "refuse_persistent_workers",
     "remainder_rule",
     "resumable_urls",
     "whole",
