@@ -23,7 +23,8 @@ Readers, each set up as its own documentation recommends:
   ``set_epoch(e)`` before each epoch. The sample index is made ahead (``learn`` through a
   throwaway cache, direct to the server, before anything is counted: one GET per shard, once,
   like Mosaic's conversion). One more row, *index learned* (rank scope, no ``index=``): the
-  dataset learns the offsets by fetching every shard through each rank's cache.
+  ranks learn the offsets together, each through its own cache and its own shards, gathered
+  through the process group.
 - *WebDataset 1.0.2*: ``wds.WebDataset(urls, cache_dir=dir, shardshuffle=len(urls),
   detshuffle=True, seed=0, nodesplitter=wds.split_by_node, workersplitter=
   wds.split_by_worker)`` under ``DataLoader(persistent_workers=True)``: its FAQ's answer to

@@ -259,7 +259,9 @@ def test_b13_epochs_tiny_counts_requests_per_epoch(tmp_path: Path) -> None:
         assert [r["gets"] for r in rows[1:]] == [0] * (EPOCHS - 1), rows
         assert rows[0]["gets"] <= cfg["shards"] + 1, rows
     learned = [r for r in res["rows"] if r["reader"].startswith("shardcache, index learned")]
-    assert learned[0]["gets"] == 2 * cfg["shards"], learned  # every rank fetched every shard
+    # The ranks learn the index together: each shard fetched once across the job, plus at
+    # most one for each cache evening out its samples.
+    assert learned[0]["gets"] <= cfg["shards"] + 2, learned
     assert res["peers"][row_name("mosaic streaming", "rank")]["status"].startswith("not applicable")
 
 
