@@ -63,6 +63,7 @@ _TORCH_CLASSES = {
     "ResumableDataset": "_datasets.resumable",
     "MixtureDataset": "_datasets.mixture",
     "Source": "_datasets.mixture",
+    "Step": "_datasets.mixture_schedule",
 }
 _stand_ins: dict[str, type] = {}
 
@@ -120,6 +121,7 @@ __all__ = [
     "ShardFormatError",
     "Source",
     "StallError",
+    "Step",
     "TensorBoardSink",
     "TransientFetchError",
     "UnverifiableError",

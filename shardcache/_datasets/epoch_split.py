@@ -38,6 +38,7 @@ Everything here is a pure function of its arguments: every rank computes the sam
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,10 +54,18 @@ REMAINDERS = ("pad", "drop")
 @dataclass(frozen=True)
 class Lay:
     """The samples an epoch of every source split together (a mixture's, in its order;
-    a lone dataset is one source), and which of them this split is."""
+    a lone dataset is one source), and which of them this split is. A mixture whose
+    weights change within the epoch lays its steps one after another, ``width`` sources
+    a step (0: one step), so this split's counts are at ``index``, ``index + width``..."""
 
     counts: tuple[int, ...]
     index: int = 0
+    width: int = 0
+
+    @property
+    def positions(self) -> range:
+        """Where this split's counts are in :attr:`counts` (one a step)."""
+        return range(self.index, len(self.counts), self.width or len(self.counts))
 
 
 def consumer_counts(
@@ -137,7 +146,9 @@ class EpochSplit:
             )
         wanted = self.total if epoch_size is None else epoch_size
         self.lay = Lay((wanted,)) if lay is None else lay  # a mixture's sources split together
+        self._laid = lay is not None
         self._own: dict[tuple[int, int], list[int]] = {}
+        self._relaid: dict[Lay, EpochSplit] = {self.lay: self}  # shared by relaid() copies
         order = epoch_order(len(starts), seed, -1, shuffle=shuffle)  # -1: not an epoch's
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
         self._shares: dict[int, list[list[Run]]] = {}
@@ -161,15 +172,14 @@ class EpochSplit:
         key = (consumers, per_unit)
         if key not in self._own:
             self._check_sizes(consumers)
-            lay = self.lay
-            self._own[key] = consumer_counts(lay.counts, consumers, self.remainder, per_unit)[
-                lay.index
-            ]
+            laid = consumer_counts(self.lay.counts, consumers, self.remainder, per_unit)
+            steps = [laid[i] for i in self.lay.positions]
+            self._own[key] = [sum(counts) for counts in zip(*steps, strict=True)]
         return self._own[key]
 
     def _check_sizes(self, consumers: int) -> None:
         asked = sum(self.lay.counts)
-        if (self.epoch_size is not None or len(self.lay.counts) > 1) and asked < consumers:
+        if (self.epoch_size is not None or self._laid) and asked < consumers:
             raise ConfigError(
                 f"epoch_size={asked} is smaller than the job's {consumers} "
                 "consumers (ranks x DataLoader workers): each must yield at least one "
@@ -195,7 +205,7 @@ class EpochSplit:
         given = sum(own)
         return {
             "samples": self.total,
-            "epoch_size": self.lay.counts[self.lay.index],
+            "epoch_size": sum(self.lay.counts[i] for i in self.lay.positions),
             "per_consumer": max(own),
             "repeated": max(0, given - self.total),
             "dropped": max(0, self.total - given),
@@ -252,11 +262,29 @@ class EpochSplit:
             lay = self.lay
             if len(lay.counts) == 1:
                 self._shares[units] = cache_shares(self._base, units)
-            else:  # a mixture's source: the larger shares where its lay starts
+            else:  # a mixture's source: the larger shares where its lay gives more
                 held = whole_shards(self._base, units)
-                first = sum(lay.counts[: lay.index]) % units
-                self._shares[units] = even_out(held, lay_quotas(self.total, units, first))
+                asked = [0] * units
+                for i in lay.positions:
+                    first = sum(lay.counts[:i]) % units
+                    for unit, part in enumerate(lay_quotas(lay.counts[i], units, first)):
+                        asked[unit] += part
+                if len(lay.positions) == 1:  # where its one lay starts (round the units)
+                    parts = lay_quotas(self.total, units, sum(lay.counts[: lay.index]) % units)
+                else:
+                    parts = quotas(self.total, asked)
+                self._shares[units] = even_out(held, parts)
         return self._shares[units]
+
+    def relaid(self, lay: Lay) -> EpochSplit:
+        """This split with another :class:`Lay` (a mixture's epoch of other weights): the
+        same shards and order, its own counts (each lay's split made once)."""
+        if lay not in self._relaid:
+            split = copy.copy(self)
+            split.lay, split._laid = lay, True
+            split._own, split._shares, split._last_order = {}, {}, (None, [])
+            self._relaid[lay] = split
+        return self._relaid[lay]
 
     def shard_units(self, units: int) -> list[list[int]]:
         """The shards each of ``units`` reads in every epoch (for warming; a unit that owns

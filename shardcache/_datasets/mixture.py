@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +50,7 @@ from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._observe import metrics
 from .epoch_split import Lay
+from .mixture_schedule import MixtureSchedule, Schedule, checked_weight, epoch_counts
 from .resumable import ResumableDataset, Stage
 from .resume_options import whole
 from .resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State
@@ -73,47 +74,6 @@ class Source:
     samples: int | None = None
     name: str | None = None
     index: str | None = None
-
-
-def epoch_counts(sources: Sequence[Source], epoch_size: int | None) -> list[int]:
-    """The samples each source gets an epoch: its ``samples``, or its weight's share of
-    what ``epoch_size`` leaves (largest remainders, so they add up exactly)."""
-    fixed = sum(s.samples for s in sources if s.samples is not None)
-    weights = [s.weight for s in sources if s.weight is not None]
-    if not weights:
-        return [s.samples or 0 for s in sources]
-    if epoch_size is None:
-        raise ConfigError(
-            "a mixture with weights needs epoch_size: a weight is a share of the epoch's "
-            "samples (give epoch_size=N, or samples= to every source)",
-            name="epoch_size",
-            value=None,
-        )
-    if epoch_size < fixed:
-        raise ConfigError(
-            f"epoch_size={epoch_size} is smaller than the {fixed} samples the sources with "
-            "samples= take; raise epoch_size or lower those counts",
-            name="epoch_size",
-            value=epoch_size,
-        )
-    left, total = epoch_size - fixed, sum(weights)
-    if total == 0 and left == 0:  # nothing is left to the weights: they all get 0
-        return [s.samples or 0 for s in sources]
-    if total == 0:
-        raise ConfigError(
-            f"epoch_size={epoch_size} leaves {left} samples to the sources with weights, "
-            "but every weight is 0; give one a positive weight, or lower epoch_size to the "
-            "samples= total",
-            name="weight",
-            value=0,
-        )
-    exact = [left * w / total for w in weights]
-    shares = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(exact)), key=lambda i: (shares[i] - exact[i], i))
-    for i in by_remainder[: left - sum(shares)]:
-        shares[i] += 1
-    it = iter(shares)
-    return [s.samples if s.samples is not None else next(it) for s in sources]
 
 
 def next_source(taken: Sequence[int], shares: Sequence[int]) -> int:
@@ -176,6 +136,32 @@ def picks(
     return _online(list(taken), shares)
 
 
+def stepped_picks(
+    taken: Sequence[int],
+    steps: Sequence[Sequence[int]],
+    kept: Mapping[tuple[int, ...], bytes] | None = None,
+) -> Iterator[int]:
+    """The sources to take the rest of an epoch's samples from when the epoch is mixed in
+    ``steps`` (each the samples of every source, one after another): each step's
+    :func:`picks`, from where ``taken`` (counts since the epoch began) stands."""
+    return itertools.chain.from_iterable(_step_picks(list(taken), steps, kept))
+
+
+def _step_picks(
+    taken: list[int],
+    steps: Sequence[Sequence[int]],
+    kept: Mapping[tuple[int, ...], bytes] | None,
+) -> Iterator[Iterator[int]]:
+    position = sum(taken)
+    for shares in steps:
+        if position >= sum(shares):  # a step delivered already
+            position -= sum(shares)
+            taken = [t - s for t, s in zip(taken, shares, strict=True)]
+            continue
+        yield picks(taken, shares, kept)
+        position, taken = 0, [0] * len(shares)
+
+
 def order(shares: Sequence[int]) -> bytes | None:
     """The whole order of an epoch of ``shares`` (a source a byte), if kept (not too long,
     at most 256 sources)."""
@@ -198,8 +184,9 @@ def _online(taken: list[int], shares: Sequence[int]) -> Iterator[int]:
 class MixtureDataset(torch.utils.data.IterableDataset):
     """Samples of several :class:`Source` s at set proportions (each sample tagged
     ``"__source__"``), resumable exactly and elastically. ``epoch_size`` is the samples an
-    epoch (needed with weights); the other arguments are :class:`ResumableDataset`'s, for
-    every source."""
+    epoch (needed with weights); ``schedule`` changes the weights per epoch and within
+    epochs (:mod:`~shardcache._datasets.mixture_schedule`); the other arguments are
+    :class:`ResumableDataset`'s, for every source."""
 
     def __init__(
         self,
@@ -217,12 +204,13 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         stall_timeout: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         super().__init__()
-        given = _checked(sources)
+        given = _checked(sources, scheduled=schedule is not None)
         if epoch_size is not None:
             epoch_size = whole("epoch_size", epoch_size, low=1)
-        counts = epoch_counts(given, epoch_size)
+        counts = [1] * len(given) if schedule is not None else epoch_counts(given, epoch_size)
         if not any(counts):
             raise ConfigError(
                 "the mixture gets no sample an epoch: every source has samples=0 or a "
@@ -236,9 +224,15 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         live = [i for i, count in enumerate(counts) if count > 0]
         self.sources = [given[i] for i in live]
         self.names = [_name(given[i], i) for i in live]
-        self.counts = [counts[i] for i in live]
+        self._schedule = MixtureSchedule(
+            self.names,
+            [s.weight for s in self.sources],
+            [counts[i] for i in live],
+            (epoch_size, remainder),
+            schedule,
+        )
         self._parts: list[ResumableDataset] = []
-        for name, source, count in zip(self.names, self.sources, self.counts, strict=True):
+        for name, source in zip(self.names, self.sources, strict=True):
             with _naming(name):
                 self._parts.append(
                     ResumableDataset(
@@ -247,7 +241,6 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                         shuffle_shards=shuffle_shards,
                         shuffle_buffer=shuffle_buffer,
                         remainder=remainder,
-                        epoch_size=count,
                         index=source.index,
                         handler=handler,
                         cache=cache,
@@ -258,12 +251,36 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                         world_size=world_size,
                     )
                 )
-        for i, (name, part) in enumerate(zip(self.names, self._parts, strict=True)):
+        for name, part in zip(self.names, self._parts, strict=True):
             part._source = name  # its samples count for the source; the mixture ends epochs
-            part._lay = Lay(tuple(self.counts), i)  # the sources split between consumers together
         self._stages: list[Stage] = []
         self._orders: dict[tuple[int, ...], bytes] = {}  # interleavings made by prepare()
+        self._workers: int | None = None  # prepare()'s: the orders follow the epoch's weights
+        self._prepared: tuple[int, ...] | None = None  # the lay the orders were made for
+        self._enter(0)
         self._name_sources()
+
+    @property
+    def counts(self) -> list[int]:
+        """The samples each source gets in the epoch read next (over its steps)."""
+        steps = self._schedule.steps(self._parts[0].epoch)
+        return [sum(counts) for counts in zip(*(step.counts for step in steps), strict=True)]
+
+    def _enter(self, epoch: int) -> None:
+        """Give every source epoch ``epoch``'s counts (the sources and steps split between
+        consumers together), and with prepare(workers=) the workers' orders for them."""
+        lay = self._schedule.lay(epoch)
+        for i, part in enumerate(self._parts):
+            part._lay = Lay(lay, i, len(self._parts))
+        if self._workers is not None and self._prepared != lay:
+            self._orders = {}
+            slots, consumers, per_unit = self._parts[0].worker_slots(self._workers)
+            for slot in slots:
+                for shares in self._schedule.consumer_steps(lay, (consumers, per_unit, slot)):
+                    kept = order(shares)
+                    if kept is not None:
+                        self._orders[tuple(shares)] = kept
+            self._prepared = lay
 
     def compose(self, *stages: Stage) -> MixtureDataset:
         """Append pipeline stages run on the mixed stream (as ``ResumableDataset``'s)."""
@@ -278,6 +295,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         for name, part in zip(self.names, self._parts, strict=True):
             with _naming(name):
                 part.set_epoch(epoch)
+        self._enter(epoch)
 
     def prepare(self, workers: int | None = None) -> MixtureDataset:
         """Every source's :meth:`ResumableDataset.prepare`; with ``workers`` (the
@@ -288,12 +306,8 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             with _naming(name):
                 part.prepare()
         if workers is not None:
-            workers = whole("workers", workers, low=0)
-            counts = [part.fresh_counts(workers) for part in self._parts]
-            for shares in zip(*counts, strict=True):
-                kept = order(shares)
-                if kept is not None:
-                    self._orders[shares] = kept
+            self._workers, self._prepared = whole("workers", workers, low=0), None
+            self._enter(self._parts[0].epoch)
         return self
 
     def cache_urls(self) -> list[str]:
@@ -302,16 +316,22 @@ class MixtureDataset(torch.utils.data.IterableDataset):
 
     def state_dict(self) -> State:
         """Every source's state (plain JSON), as :meth:`ResumableDataset.state_dict`."""
+        states = [part.state_dict() for part in self._parts]
         return {
             "format": FORMAT,
             "version": VERSION,
             "sources": self.names,
-            "states": [part.state_dict() for part in self._parts],
+            "schedule": self._schedule.record(int(states[0]["epoch"])),
+            "states": states,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume every source from ``state`` (a consumer's, or ``shardcache.job_state``'s)."""
+        """Resume every source from ``state`` (a consumer's, or ``shardcache.job_state``'s);
+        its epoch's schedule must be this mixture's (:class:`ResumeError` names the first
+        difference)."""
         states = _source_states(state, self.names)
+        self._schedule.check(state.get("schedule"))
+        self._enter(int(state["schedule"]["epoch"]))
         for name, part, part_state in zip(self.names, self._parts, states, strict=True):
             with _naming(name):
                 part.load_state_dict(part_state)
@@ -324,6 +344,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         self._name_sources()
+        self._enter(self._parts[0].epoch)  # the epoch set, or the loaded state's
         streams = []
         for name, part in zip(self.names, self._parts, strict=True):
             with _naming(name):
@@ -339,9 +360,15 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             own, delivered = part.share_taken()
             shares.append(own)
             taken.append(delivered)
+        steps = [shares]  # an elastically resumed epoch: its leftover mixed as one step
+        progress = self._parts[0]._progress
+        if progress is not None and not any(_carried(part) for part in self._parts):
+            lay = self._schedule.lay(progress.epoch)
+            where = (progress.consumers, progress.per_unit, progress.slot)
+            steps = self._schedule.consumer_steps(lay, where)
         names = self.names
         try:
-            for i in picks(taken, shares, self._orders):
+            for i in stepped_picks(taken, steps, self._orders):
                 sample = next(streams[i], None)
                 if sample is None:  # the handler left a shard out: the source ended early
                     continue
@@ -353,6 +380,11 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                 if close is not None:
                     close()
         metrics.end_epoch()  # the epoch its sources set (metrics.set_epoch)
+
+
+def _carried(part: ResumableDataset) -> bool:
+    """Whether a source's running epoch was resumed elastically (dealt from a leftover)."""
+    return part._progress is not None and part._progress.carried is not None
 
 
 def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:
@@ -382,7 +414,7 @@ def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:
     return list(state["states"])
 
 
-def _checked(sources: Sequence[Source]) -> list[Source]:
+def _checked(sources: Sequence[Source], scheduled: bool = False) -> list[Source]:
     if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
         raise ConfigError(
             f"sources must be a non-empty list of shardcache.Source, not {sources!r:.80}",
@@ -398,7 +430,7 @@ def _checked(sources: Sequence[Source]) -> list[Source]:
             )
         _check_amount(source, _name(source, i))
     weights = [s.weight for s in sources if s.weight is not None]
-    if weights and not any(weights) and all(s.samples is None for s in sources):
+    if weights and not any(weights) and all(s.samples is None for s in sources) and not scheduled:
         raise ConfigError(
             "every source has weight 0: the mixture would have no sample; give some "
             "source a positive weight",
@@ -427,14 +459,7 @@ def _check_amount(source: Source, name: str) -> None:
             value=source.weight,
         )
     if source.weight is not None:
-        weight = source.weight
-        number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-        if not number or not math.isfinite(weight) or weight < 0:
-            raise ConfigError(
-                f"source {name!r}: weight must be a finite number >= 0, not {weight!r}",
-                name="weight",
-                value=weight,
-            )
+        checked_weight(source.weight, f"source {name!r}")
     elif (
         isinstance(source.samples, bool)
         or not isinstance(source.samples, int)

@@ -222,9 +222,14 @@ def test_a_state_of_another_mixture_is_refused_naming_what_changed(tmp_path: Pat
     with pytest.raises(ResumeError, match=r"sources \['web', 'code', 'books'\], this one"):
         other.load_state_dict(state)
     reweighted = mixture(tmp_path, spec_of, 0, 1, weights={"web": 0.6, "code": 0.2, "books": 0.2})
-    with pytest.raises(ResumeError, match=r"source 'web': .*epoch_size=30; this dataset has") as e:
+    with pytest.raises(
+        ResumeError, match=r"epoch 0, step 0: source 'web' weight 0.5 in the state, 0.6"
+    ) as e:
         reweighted.load_state_dict(state)
-    assert e.value.source == "web"
+    assert (e.value.source, e.value.seen, e.value.expected) == ("web", 0.5, 0.6)
+    longer = mixture(tmp_path, spec_of, 0, 1, epoch_size=70)  # the same weights, other counts
+    with pytest.raises(ResumeError, match=r"source 'web' samples 30 in the state, 35 in this"):
+        longer.load_state_dict(state)
 
 
 @pytest.mark.parametrize(
