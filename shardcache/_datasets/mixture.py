@@ -26,11 +26,16 @@ window of ``N`` global batches (``R`` ranks of ``W`` workers) less than
 ``3 * R * min(N, W)`` off the epoch's proportions (a consumer's counts are less than a
 sample a source off its even part).
 
-The state is every source's state; an elastic resume gathers them per source
-(``shardcache.job_state``, in ``_datasets.resume_state``). A state is refused
-(:class:`ResumeError`, naming the source) when the sources, their names, shard lists or
-the samples each gets an epoch differ: a mixture changed between runs starts a new epoch
-from scratch rather than mixing two plans.
+Weights may change per epoch and in steps within an epoch (``schedule``,
+:mod:`~shardcache._datasets.mixture_schedule`): an epoch's steps are split between the
+consumers together, one after another, and each consumer mixes step by step
+(:func:`stepped_picks`).
+
+The state is every source's state and the schedule at its epoch; an elastic resume gathers
+them per source (``shardcache.job_state``, in ``_datasets.resume_state``). A state is
+refused (:class:`ResumeError`) when the sources, their names or shard lists differ, or its
+epoch's schedule (naming the first difference): a change no schedule describes starts a
+new epoch rather than mixing two plans.
 """
 
 from __future__ import annotations
