@@ -55,7 +55,15 @@ from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._observe import metrics
 from .epoch_split import Lay
-from .mixture_schedule import MixtureSchedule, Schedule, checked_weight, epoch_counts
+from .mixture_schedule import (
+    MixtureSchedule,
+    Schedule,
+    Steps,
+    checked_weight,
+    epoch_counts,
+    remaining,
+    split_by,
+)
 from .resumable import ResumableDataset, Stage
 from .resume_options import whole
 from .resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State
@@ -157,14 +165,9 @@ def _step_picks(
     steps: Sequence[Sequence[int]],
     kept: Mapping[tuple[int, ...], bytes] | None,
 ) -> Iterator[Iterator[int]]:
-    position = sum(taken)
-    for shares in steps:
-        if position >= sum(shares):  # a step delivered already
-            position -= sum(shares)
-            taken = [t - s for t, s in zip(taken, shares, strict=True)]
-            continue
-        yield picks(taken, shares, kept)
-        position, taken = 0, [0] * len(shares)
+    for shares, rest in zip(steps, remaining(steps, taken), strict=True):
+        if any(rest):
+            yield picks([s - r for s, r in zip(shares, rest, strict=True)], shares, kept)
 
 
 def order(shares: Sequence[int]) -> bytes | None:
@@ -262,6 +265,11 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         self._orders: dict[tuple[int, ...], bytes] = {}  # interleavings made by prepare()
         self._workers: int | None = None  # prepare()'s: the orders follow the epoch's weights
         self._prepared: tuple[int, ...] | None = None  # the lay the orders were made for
+        # An elastically resumed epoch's leftover of each step (recorded in its states), of
+        # which (epoch, carried), and the one a loaded job state deals next.
+        self._left: Steps | None = None
+        self._left_of: tuple[int, str | None] | None = None
+        self._next_left: Steps | None = None
         self._enter(0)
         self._name_sources()
 
@@ -322,11 +330,15 @@ class MixtureDataset(torch.utils.data.IterableDataset):
     def state_dict(self) -> State:
         """Every source's state (plain JSON), as :meth:`ResumableDataset.state_dict`."""
         states = [part.state_dict() for part in self._parts]
+        epoch = int(states[0]["epoch"])
+        record = self._schedule.record(epoch)
+        if self._left is not None and self._left_of is not None and self._left_of[0] == epoch:
+            record["left"] = self._left  # what the running epoch was dealt from
         return {
             "format": FORMAT,
             "version": VERSION,
             "sources": self.names,
-            "schedule": self._schedule.record(int(states[0]["epoch"])),
+            "schedule": record,
             "states": states,
         }
 
@@ -335,11 +347,34 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         its epoch's schedule must be this mixture's (:class:`ResumeError` names the first
         difference)."""
         states = _source_states(state, self.names)
-        self._schedule.check(state.get("schedule"))
-        self._enter(int(state["schedule"]["epoch"]))
+        record = state.get("schedule")
+        self._schedule.check(record)
+        epoch = int(record["epoch"])
+        self._enter(epoch)
+        self._left = record.get("left")
+        first = states[0].get("parts", [{}])[0] if states[0].get("kind") == "job" else states[0]
+        self._left_of = (epoch, first.get("carried"))
+        jobs = [s for s in states if s.get("kind") == "job"]
+        self._next_left = None
+        if len(jobs) == len(states):  # an elastic resume deals each step's leftover
+            self._next_left = self._schedule.job_leftover(epoch, jobs, self._left)
         for name, part, part_state in zip(self.names, self._parts, states, strict=True):
             with _naming(name):
                 part.load_state_dict(part_state)
+
+    def _steps_now(self, shares: list[int]) -> Steps:
+        """This consumer's samples of each source in each step of the running epoch."""
+        progress = self._parts[0]._progress
+        if progress is None:
+            return [shares]
+        dealt = [p._progress is not None and p._progress.carried is not None for p in self._parts]
+        if not any(dealt):  # a fresh epoch, or one resumed exactly (not from a leftover)
+            lay = self._schedule.lay(progress.epoch)
+            where = (progress.consumers, progress.per_unit, progress.slot)
+            return self._schedule.consumer_steps(lay, where)
+        if self._left_of != (progress.epoch, progress.carried):  # dealt now from a job's
+            self._left, self._left_of = self._next_left, (progress.epoch, progress.carried)
+        return [shares] if self._left is None else split_by(self._left, shares)
 
     def _name_sources(self) -> None:
         """Count the cache's work on each source's shards for the source, in this process
@@ -365,12 +400,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             own, delivered = part.share_taken()
             shares.append(own)
             taken.append(delivered)
-        steps = [shares]  # an elastically resumed epoch: its leftover mixed as one step
-        progress = self._parts[0]._progress
-        if progress is not None and not any(_carried(part) for part in self._parts):
-            lay = self._schedule.lay(progress.epoch)
-            where = (progress.consumers, progress.per_unit, progress.slot)
-            steps = self._schedule.consumer_steps(lay, where)
+        steps = self._steps_now(shares)
         names = self.names
         try:
             for i in stepped_picks(taken, steps, self._orders):
@@ -385,11 +415,6 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                 if close is not None:
                     close()
         metrics.end_epoch()  # the epoch its sources set (metrics.set_epoch)
-
-
-def _carried(part: ResumableDataset) -> bool:
-    """Whether a source's running epoch was resumed elastically (dealt from a leftover)."""
-    return part._progress is not None and part._progress.carried is not None
 
 
 def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:

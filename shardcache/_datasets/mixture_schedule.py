@@ -46,6 +46,7 @@ class Step:
 
 
 Entry = Mapping[str, float] | Sequence[Step]
+Steps = list[list[int]]  # samples of each source (a column) in each step (a row)
 Schedule = Sequence[Entry] | Callable[[int], Entry]
 
 
@@ -200,6 +201,33 @@ class MixtureSchedule:
         n = len(self.names)
         return [[laid[k + i][slot] for i in range(n)] for k in range(0, len(laid), n)]
 
+    def job_leftover(
+        self, epoch: int, jobs: Sequence[Mapping[str, Any]], left: Steps | None
+    ) -> Steps | None:
+        """The job's undelivered samples of each source in each step of ``epoch``, from
+        every source's job state (None: no consumer had started); ``left`` is what the
+        epoch was itself dealt from, when it was resumed elastically."""
+        by_source = [
+            {int(p["slot"]): p for p in job.get("parts", []) if p.get("kind") == "consumer"}
+            for job in jobs
+        ]
+        first = next((p for parts in by_source for p in parts.values()), None)
+        if first is None:
+            return None
+        consumers, per_unit = int(first["consumers"]), int(first["per_unit"])
+        lay = self.lay(epoch)
+        out = [[0] * len(self.names) for _ in range(len(lay) // len(self.names))]
+        for slot in range(consumers):
+            parts = [parts.get(slot) or {} for parts in by_source]
+            taken = [int(p.get("delivered", 0)) for p in parts]
+            if left is None:
+                steps = self.consumer_steps(lay, (consumers, per_unit, slot))
+            else:
+                steps = split_by(left, [int((p.get("sizes") or {}).get("own", 0)) for p in parts])
+            for row, rest in zip(out, remaining(steps, taken), strict=False):
+                row[:] = [a + b for a, b in zip(row, rest, strict=True)]
+        return out
+
     def _scheduled(self, epoch: int) -> tuple[EpochStep, ...]:
         assert self.schedule is not None and self.epoch_size is not None
         schedule = self.schedule
@@ -289,6 +317,34 @@ class MixtureSchedule:
                     before, now = (old.get(what) or {}).get(name), new[what][name]
                     if before != now:
                         raise _differs(epoch, k, what, (name, before, now))
+
+
+def remaining(steps: Sequence[Sequence[int]], taken: Sequence[int]) -> Steps:
+    """A consumer's samples left of each step (``steps``, mixed one after another) when it
+    has delivered ``taken`` of each source since the epoch began."""
+    position, taken, out = sum(taken), list(taken), []
+    for shares in steps:
+        if position >= sum(shares):  # a step delivered already
+            position -= sum(shares)
+            taken = [t - s for t, s in zip(taken, shares, strict=True)]
+            out.append([0] * len(shares))
+        else:
+            out.append([s - t for s, t in zip(shares, taken, strict=True)])
+            position, taken = 0, [0] * len(shares)
+    return out
+
+
+def split_by(left: Steps, own: Sequence[int]) -> Steps:
+    """A consumer's ``own`` samples of each source of an elastically resumed epoch, split
+    over the steps as the job's leftover ``left`` is (the same for every consumer: an
+    elastic share of a source is the same size for each); a source with nothing left
+    anywhere (its own samples repeats) in the last step."""
+    columns = []
+    for i, count in enumerate(own):
+        column = [row[i] for row in left]
+        weights = column if any(column) else [0] * (len(left) - 1) + [1]
+        columns.append(weighted_counts(weights, count))
+    return [list(row) for row in zip(*columns, strict=True)]
 
 
 def _steps_of(entry: Any, epoch: int) -> list[Step]:

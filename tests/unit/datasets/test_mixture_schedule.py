@@ -164,6 +164,51 @@ def global_batches(runs: list[list[Pair]], ranks: int, workers: int, batch: int)
     return [[p for rank in steps for p in rank[t]] for t in range(len(steps[0]))]
 
 
+def largest_remainders(weights: list[int], count: int) -> list[int]:
+    if not any(weights):  # nothing to split by: the last step
+        return [0] * (len(weights) - 1) + [count]
+    exact = [Fraction(count * w, sum(weights)) for w in weights]
+    counts = [math.floor(x) for x in exact]
+    by_rest = sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_rest[: count - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def step_positions(mix: Mix, epoch: int, consumers: int) -> list[list[int]]:
+    """Each consumer's step of each place in its stream (by consumer_counts, whose
+    properties test_epoch_split.py checks)."""
+    n, flat = len(mix.sources), [c for step in mix.steps(epoch) for c in step]
+    laid = consumer_counts(flat, consumers, mix.spec["remainder"], 1)
+    out = []
+    for slot in range(consumers):
+        sizes = [sum(laid[k + i][slot] for i in range(n)) for k in range(0, len(laid), n)]
+        out.append([k for k, size in enumerate(sizes) for _ in range(size)])
+    return out
+
+
+def check_elastic_steps(mix: Mix, runs, taken, rests) -> None:
+    """Every resumed consumer mixes its leftover step by step: its count of a source in
+    each step that source's leftover split as the job's leftover of it is (largest
+    remainders), the steps one after another."""
+    names = [f"m{i}" for i in range(len(mix.sources))]
+    places = step_positions(mix, mix.spec["epoch"], len(runs))
+    left = [[0] * len(names) for _ in mix.steps(mix.spec["epoch"])]
+    for slot, run in enumerate(runs):
+        for t in range(taken[slot], len(run)):
+            left[places[slot][t]][names.index(run[t][0])] += 1
+    for rest in rests:
+        own = Counter(s for s, _ in rest)
+        columns = [
+            largest_remainders([row[i] for row in left], own[n]) for i, n in enumerate(names)
+        ]
+        at = 0
+        for row in zip(*columns, strict=True):
+            got = Counter(s for s, _ in rest[at : at + sum(row)])
+            assert [got[n] for n in names] == list(row), (row, got)
+            at += sum(row)
+
+
 def check_epoch(mix: Mix, epoch: int, runs: list[list[Pair]]) -> None:
     """The steps of ``epoch`` in the consumers' streams, and every window's proportions."""
     consumers, names = len(runs), [f"m{i}" for i in range(len(mix.sources))]
@@ -260,6 +305,24 @@ def test_a_state_before_a_change_resumes_exactly_then_follows_the_schedule(spec:
             assert not left - got and set(got) == set(left)
         else:
             assert not got - left
+        check_elastic_steps(mix, runs, taken, rests)
+
+        # The elastically resumed epoch's own states (midway, through JSON) resume exactly.
+        again, stops = [], []
+        for slot in range(resumed_with):
+            k = len(rests[slot]) // 2
+            dataset = mix.dataset(slot, resumed_with)
+            dataset.load_state_dict(whole)
+            iterator = iter(dataset)
+            assert pairs(next(iterator) for _ in range(k)) == rests[slot][:k]
+            again.append(json.loads(json.dumps(dataset.state_dict())))
+            iterator.close()
+            stops.append(k)
+        for slot in range(resumed_with):
+            for state in (again[slot], job_state(again)):
+                dataset = mix.dataset(slot, resumed_with)
+                dataset.load_state_dict(state)
+                assert pairs(dataset) == rests[slot][stops[slot] :]
         for dataset in resumed:
             dataset.set_epoch(spec["epoch"] + 1)
         after = [pairs(dataset) for dataset in resumed]
