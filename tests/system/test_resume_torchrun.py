@@ -351,11 +351,11 @@ def _exact_job(s3, tmp_path: Path, *options: str) -> tuple[Job, dict[str, set[st
     return Job(s3, tmp_path, ",".join(specs), *options), every
 
 
-def _consumers(batches: list, epoch: int) -> list[list[str]]:
+def _consumers(batches: dict, epoch: int) -> list[list[str]]:
     """Each consumer's keys in ``epoch`` (rank by rank): a rank's DataLoader takes its 2
     workers' batches in turn."""
     out = []
-    for rank in (0, 1):
+    for rank in sorted(batches):
         own = [ks for e, ks in batches[rank] if e == epoch]
         out += [[k for ks in own[worker::2] for k in ks] for worker in (0, 1)]
     return out
@@ -404,10 +404,11 @@ def test_a_mixture_schedule_resumes_exactly_before_and_after_its_changes(s3, tmp
     270 samples (81 / 81 / 108) and then web left out, code and books 15 each (its last 10
     %, 7 or 8 a consumer). Resumed from the JSON states of the middle of epoch 0 (before
     both changes) and of the annealed end of epoch 1 (after both), each run gives exactly
-    the uninterrupted run's batches."""
+    the uninterrupted run's batches; resumed onto 3 ranks from the middle of epoch 1, it
+    delivers every sample left and each consumer ends with the anneal (no web)."""
     job, _ = _exact_job(s3, tmp_path, f"--schedule={json.dumps(SCHEDULE)}")
     before, after = 30, 97  # rank batches: 50 an epoch; 97: samples 69-72 of a consumer
-    job.run("full", 2, 2, "--checkpoint-at", str(before), str(after))
+    job.run("full", 2, 2, "--checkpoint-at", str(before), "70", str(after))
     reference = {rank: job.batches("full", rank) for rank in (0, 1)}
     assert [len(reference[r]) for r in (0, 1)] == [100, 100]
     for epoch, counts in (
@@ -425,3 +426,13 @@ def test_a_mixture_schedule_resumes_exactly_before_and_after_its_changes(s3, tmp
         for rank in (0, 1):
             resumed = job.batches(f"resumed{step}", rank)
             assert reference[rank][:step] + resumed == reference[rank], (step, rank)
+
+    job.run("elastic", 3, 2, f"--resume={job.out / 'ckpt-70'}")  # epoch 1, 30 a consumer
+    delivered = Counter(k for r in (0, 1) for e, ks in reference[r][:70] if e == 1 for k in ks)
+    planned = Counter(k for r in (0, 1) for e, ks in reference[r] if e == 1 for k in ks)
+    elastic = {rank: job.batches("elastic", rank) for rank in range(3)}
+    rest = _consumers(elastic, 1)
+    assert len({len(keys) for keys in rest}) == 1  # every rank the same batches
+    assert set().union(*rest) == set(planned - delivered)  # every sample left, none lost
+    for keys in rest:  # each consumer's leftover of the anneal (5 or so) last: no web
+        assert not [k for k in keys[-4:] if k.startswith("web/")], keys[-8:]
