@@ -49,6 +49,7 @@ from .cache_shares import Run, cache_shares, even_out, owners, quotas, whole_sha
 from .resume_plan import Piece, epoch_order
 
 REMAINDERS = ("pad", "drop")
+RELAID_KEPT = 4  # splits of other lays kept (a schedule's epochs of other counts)
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,8 @@ class EpochSplit:
             split = copy.copy(self)
             split.lay, split._laid = lay, True
             split._own, split._shares, split._last_order = {}, {}, (None, [])
+            if len(self._relaid) > RELAID_KEPT:  # the oldest goes (each holds its shares)
+                del self._relaid[next(iter(self._relaid))]
             self._relaid[lay] = split
         return self._relaid[lay]
 

@@ -218,6 +218,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         given = _checked(sources, scheduled=schedule is not None)
         if epoch_size is not None:
             epoch_size = whole("epoch_size", epoch_size, low=1)
+        # With a schedule every source stays (weight 0 now, it may join later): 1 keeps it.
         counts = [1] * len(given) if schedule is not None else epoch_counts(given, epoch_size)
         if not any(counts):
             raise ConfigError(
