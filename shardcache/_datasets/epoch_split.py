@@ -272,6 +272,9 @@ class EpochSplit:
                         asked[unit] += part
                 if len(lay.positions) == 1:  # where its one lay starts (round the units)
                     parts = lay_quotas(self.total, units, sum(lay.counts[: lay.index]) % units)
+                elif sum(asked) <= self.total:  # each unit owns what it reads, and the rest
+                    rest = lay_quotas(self.total - sum(asked), units, 0)
+                    parts = [a + r for a, r in zip(asked, rest, strict=True)]
                 else:
                     parts = quotas(self.total, asked)
                 self._shares[units] = even_out(held, parts)

@@ -262,7 +262,12 @@ def test_every_epoch_and_window_follows_the_schedule_in_force(spec: dict) -> Non
         mix = Mix(Path(root), spec)
         consumers = math.prod(spec["layout"])
         for epoch in range(3):
-            check_epoch(mix, epoch, mix.run(consumers, epoch))
+            runs = mix.run(consumers, epoch)
+            check_epoch(mix, epoch, runs)
+            for name, keys in mix.keys.items():  # asked no more than it holds: none twice
+                got = Counter(key for run in runs for source, key in run if source == name)
+                if got.total() <= len(keys):
+                    assert max(got.values(), default=1) == 1, (epoch, name, got)
 
 
 @SETTINGS
