@@ -103,6 +103,23 @@ def lay_quotas(total: int, units: int, first: int) -> list[int]:
     return [each + ((unit - first) % units < extra) for unit in range(units)]
 
 
+def filled(asked: Sequence[int], total: int) -> list[int]:
+    """``total`` (at least ``sum(asked)``) split so that each part holds its ``asked`` and
+    the rest raises the smallest parts first, to one sample (ties: the lower index): what a
+    source's caches own when its steps ask them unequal counts."""
+    low, spare = sorted(asked), total - sum(asked)
+    level, k = low[0], 1
+    while k < len(low) and (low[k] - level) * k <= spare:
+        spare -= (low[k] - level) * k
+        level, k = low[k], k + 1
+    level, spare = level + spare // k, spare % k
+    parts = [max(a, level) for a in asked]
+    for unit, part in enumerate(parts):
+        if spare and part == level:
+            parts[unit], spare = part + 1, spare - 1
+    return parts
+
+
 @dataclass(frozen=True)
 class Share:
     """What one consumer reads in an epoch, and how many of its samples are repeats."""
@@ -265,16 +282,12 @@ class EpochSplit:
                 self._shares[units] = cache_shares(self._base, units)
             else:  # a mixture's source: the larger shares where its lay gives more
                 held = whole_shards(self._base, units)
-                asked = [0] * units
-                for i in lay.positions:
-                    first = sum(lay.counts[:i]) % units
-                    for unit, part in enumerate(lay_quotas(lay.counts[i], units, first)):
-                        asked[unit] += part
+                laid = consumer_counts(lay.counts, units, self.remainder)  # a unit's reads
+                asked = [sum(laid[i][unit] for i in lay.positions) for unit in range(units)]
                 if len(lay.positions) == 1:  # where its one lay starts (round the units)
                     parts = lay_quotas(self.total, units, sum(lay.counts[: lay.index]) % units)
                 elif sum(asked) <= self.total:  # each unit owns what it reads, and the rest
-                    rest = lay_quotas(self.total - sum(asked), units, 0)
-                    parts = [a + r for a, r in zip(asked, rest, strict=True)]
+                    parts = filled(asked, self.total)
                 else:
                     parts = quotas(self.total, asked)
                 self._shares[units] = even_out(held, parts)
