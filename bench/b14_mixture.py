@@ -34,8 +34,9 @@ mixture's; ``mixing_cpu_us_per_sample`` the CPU the mixing adds to a sample, fro
 medians.
 
 The mixture's order (which source each sample comes from,
-:func:`shardcache._datasets.mixture.picks`) is computed once a process for a consumer's shares and
-kept: the untimed epoch computes it, the timed ones read it. A DataLoader's workers are new
+:func:`shardcache._datasets.interleave.picks`) is computed once a process for a consumer's
+shares and kept: the untimed epoch computes it, the timed ones read it. A DataLoader's
+workers are new
 processes every epoch (non-persistent, as ``ResumableDataset`` requires), so each computes it once
 an epoch unless the training process computed it for them (``MixtureDataset.prepare(workers=)``):
 ``order_cpu_us_per_sample`` is that cost, measured apart (the order computed afresh).
@@ -65,7 +66,7 @@ from typing import Any
 
 from bench.common import Bench, new_cache, timed, verdict
 from bench.infra import BUCKET, make_shard, median, put
-from shardcache._datasets.mixture import _order
+from shardcache._datasets.interleave import _order
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"split": (3, 2, 1), "per_shard": 40, "sample": 4000, "threads": 2, "reps": 1},

@@ -65,6 +65,7 @@ _TORCH_CLASSES = {
     "ResumableDataset": "_datasets.resumable",
     "MixtureDataset": "_datasets.mixture",
     "Source": "_datasets.mixture",
+    "Step": "_datasets.mixture_schedule",
 }
 _stand_ins: dict[str, type] = {}
 
@@ -124,6 +125,7 @@ __all__ = [
     "ShardFormatError",
     "Source",
     "StallError",
+    "Step",
     "TensorBoardSink",
     "TransientFetchError",
     "UnverifiableError",

@@ -40,6 +40,7 @@ Everything here is a pure function of its arguments: every rank computes the sam
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,15 +51,24 @@ from .cache_shares import Run, cache_shares, even_out, owners, quotas, whole_run
 from .resume_plan import Piece, epoch_order
 
 REMAINDERS = ("pad", "drop")
+RELAID_KEPT = 4  # splits of other lays kept (a schedule's epochs of other counts)
 
 
 @dataclass(frozen=True)
 class Lay:
     """The samples an epoch of every source split together (a mixture's, in its order;
-    a lone dataset is one source), and which of them this split is."""
+    a lone dataset is one source), and which of them this split is. A mixture whose
+    weights change within the epoch lays its steps one after another, ``width`` sources
+    a step (0: one step), so this split's counts are at ``index``, ``index + width``..."""
 
     counts: tuple[int, ...]
     index: int = 0
+    width: int = 0
+
+    @property
+    def positions(self) -> range:
+        """Where this split's counts are in :attr:`counts` (one a step)."""
+        return range(self.index, len(self.counts), self.width or len(self.counts))
 
 
 def consumer_counts(
@@ -93,6 +103,23 @@ def lay_quotas(total: int, units: int, first: int) -> list[int]:
     samples from, so the caches that read one more of it own one more of it."""
     each, extra = divmod(total, units)
     return [each + ((unit - first) % units < extra) for unit in range(units)]
+
+
+def filled(asked: Sequence[int], total: int) -> list[int]:
+    """``total`` (at least ``sum(asked)``) split so that each part holds its ``asked`` and
+    the rest raises the smallest parts first, to one sample (ties: the lower index): what a
+    source's caches own when its steps ask them unequal counts."""
+    low, spare = sorted(asked), total - sum(asked)
+    level, k = low[0], 1
+    while k < len(low) and (low[k] - level) * k <= spare:
+        spare -= (low[k] - level) * k
+        level, k = low[k], k + 1
+    level, spare = level + spare // k, spare % k
+    parts = [max(a, level) for a in asked]
+    for unit, part in enumerate(parts):
+        if spare and part == level:
+            parts[unit], spare = part + 1, spare - 1
+    return parts
 
 
 @dataclass(frozen=True)
@@ -139,7 +166,9 @@ class EpochSplit:
             )
         wanted = self.total if epoch_size is None else epoch_size
         self.lay = Lay((wanted,)) if lay is None else lay  # a mixture's sources split together
+        self._laid = lay is not None
         self._own: dict[tuple[int, int], list[int]] = {}
+        self._relaid: dict[Lay, EpochSplit] = {self.lay: self}  # shared by relaid() copies
         self._order = _stable_order(len(starts), seed, shuffle)
         order = self._order
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
@@ -164,15 +193,14 @@ class EpochSplit:
         key = (consumers, per_unit)
         if key not in self._own:
             self._check_sizes(consumers)
-            lay = self.lay
-            self._own[key] = consumer_counts(lay.counts, consumers, self.remainder, per_unit)[
-                lay.index
-            ]
+            laid = consumer_counts(self.lay.counts, consumers, self.remainder, per_unit)
+            steps = [laid[i] for i in self.lay.positions]
+            self._own[key] = [sum(counts) for counts in zip(*steps, strict=True)]
         return self._own[key]
 
     def _check_sizes(self, consumers: int) -> None:
         asked = sum(self.lay.counts)
-        if (self.epoch_size is not None or len(self.lay.counts) > 1) and asked < consumers:
+        if (self.epoch_size is not None or self._laid) and asked < consumers:
             raise ConfigError(
                 f"epoch_size={asked} is smaller than the job's {consumers} "
                 "consumers (ranks x DataLoader workers): each must yield at least one "
@@ -198,7 +226,7 @@ class EpochSplit:
         given = sum(own)
         return {
             "samples": self.total,
-            "epoch_size": self.lay.counts[self.lay.index],
+            "epoch_size": sum(self.lay.counts[i] for i in self.lay.positions),
             "per_consumer": max(own),
             "repeated": max(0, given - self.total),
             "dropped": max(0, self.total - given),
@@ -255,11 +283,30 @@ class EpochSplit:
             lay = self.lay
             if len(lay.counts) == 1:
                 self._shares[units] = cache_shares(self._order, self.counts, units)
-            else:  # a mixture's source: the larger shares where its lay starts
+            else:  # a mixture's source: the larger shares where its lay gives more
                 held = whole_runs(self._order, self.counts, units)
-                first = sum(lay.counts[: lay.index]) % units
-                self._shares[units] = even_out(held, lay_quotas(self.total, units, first))
+                laid = consumer_counts(lay.counts, units, self.remainder)  # a unit's reads
+                asked = [sum(laid[i][unit] for i in lay.positions) for unit in range(units)]
+                if len(lay.positions) == 1:  # where its one lay starts (round the units)
+                    parts = lay_quotas(self.total, units, sum(lay.counts[: lay.index]) % units)
+                elif sum(asked) <= self.total:  # each unit owns what it reads, and the rest
+                    parts = filled(asked, self.total)
+                else:
+                    parts = quotas(self.total, asked)
+                self._shares[units] = even_out(held, parts)
         return self._shares[units]
+
+    def relaid(self, lay: Lay) -> EpochSplit:
+        """This split with another :class:`Lay` (a mixture's epoch of other weights): the
+        same shards and order, its own counts (each lay's split made once)."""
+        if lay not in self._relaid:
+            split = copy.copy(self)
+            split.lay, split._laid = lay, True
+            split._own, split._shares, split._last_order = {}, {}, (None, [])
+            if len(self._relaid) > RELAID_KEPT:  # the oldest goes (each holds its shares)
+                del self._relaid[next(iter(self._relaid))]
+            self._relaid[lay] = split
+        return self._relaid[lay]
 
     def shard_units(self, units: int) -> list[list[int]]:
         """The shards each of ``units`` reads in every epoch (for warming; a unit that owns

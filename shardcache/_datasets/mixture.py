@@ -20,24 +20,28 @@ split between the consumers (rank x DataLoader worker) together
 (:func:`~shardcache._datasets.epoch_split.consumer_counts`): every consumer the same
 total, a source's counts differing by at most one between consumers, exactly the counts
 asked when the consumers divide the epoch. Each consumer then interleaves its sources
-sample by sample (:func:`next_source`) by its own counts: every prefix of its stream holds
-each source less than one sample off its proportion, so every batch less than two, and a
+sample by sample (:func:`~shardcache._datasets.interleave.next_source`) by its own
+counts: every prefix of its stream holds each source less than one sample off its
+proportion, so every batch less than two, and a
 window of ``N`` global batches (``R`` ranks of ``W`` workers) less than
 ``3 * R * min(N, W)`` off the epoch's proportions (a consumer's counts are less than a
 sample a source off its even part).
 
-The state is every source's state; an elastic resume gathers them per source
-(``shardcache.job_state``, in ``_datasets.resume_state``). A state is refused
-(:class:`ResumeError`, naming the source) when the sources, their names, shard lists or
-the samples each gets an epoch differ: a mixture changed between runs starts a new epoch
-from scratch rather than mixing two plans.
+Weights may change per epoch and in steps within an epoch (``schedule``,
+:mod:`~shardcache._datasets.mixture_schedule`): an epoch's steps are split between the
+consumers together, one after another, and each consumer mixes step by step
+(:func:`~shardcache._datasets.interleave.stepped_picks`).
+
+The state is every source's state and the schedule at its epoch; an elastic resume gathers
+them per source (``shardcache.job_state``, in ``_datasets.resume_state``). A state is
+refused (:class:`ResumeError`) when the sources, their names or shard lists differ, or its
+epoch's schedule (naming the first difference): a change no schedule describes starts a
+new epoch rather than mixing two plans.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +55,15 @@ from .._cache.shard_cache import ShardCache
 from .._observe import metrics
 from .delivery_check import DeliveryCheck
 from .epoch_split import Lay
+from .interleave import order, stepped_picks
+from .mixture_schedule import (
+    MixtureSchedule,
+    Schedule,
+    Steps,
+    checked_weight,
+    epoch_counts,
+    split_by,
+)
 from .resumable import ResumableDataset, Stage
 from .resume_options import whole
 from .resume_state import MIXTURE_FORMAT, MIXTURE_VERSION, State, job_state
@@ -78,131 +91,12 @@ class Source:
     lock: str | None = None
 
 
-def epoch_counts(sources: Sequence[Source], epoch_size: int | None) -> list[int]:
-    """The samples each source gets an epoch: its ``samples``, or its weight's share of
-    what ``epoch_size`` leaves (largest remainders, so they add up exactly)."""
-    fixed = sum(s.samples for s in sources if s.samples is not None)
-    weights = [s.weight for s in sources if s.weight is not None]
-    if not weights:
-        return [s.samples or 0 for s in sources]
-    if epoch_size is None:
-        raise ConfigError(
-            "a mixture with weights needs epoch_size: a weight is a share of the epoch's "
-            "samples (give epoch_size=N, or samples= to every source)",
-            name="epoch_size",
-            value=None,
-        )
-    if epoch_size < fixed:
-        raise ConfigError(
-            f"epoch_size={epoch_size} is smaller than the {fixed} samples the sources with "
-            "samples= take; raise epoch_size or lower those counts",
-            name="epoch_size",
-            value=epoch_size,
-        )
-    left, total = epoch_size - fixed, sum(weights)
-    if total == 0 and left == 0:  # nothing is left to the weights: they all get 0
-        return [s.samples or 0 for s in sources]
-    if total == 0:
-        raise ConfigError(
-            f"epoch_size={epoch_size} leaves {left} samples to the sources with weights, "
-            "but every weight is 0; give one a positive weight, or lower epoch_size to the "
-            "samples= total",
-            name="weight",
-            value=0,
-        )
-    exact = [left * w / total for w in weights]
-    shares = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(exact)), key=lambda i: (shares[i] - exact[i], i))
-    for i in by_remainder[: left - sum(shares)]:
-        shares[i] += 1
-    it = iter(shares)
-    return [s.samples if s.samples is not None else next(it) for s in sources]
-
-
-def next_source(taken: Sequence[int], shares: Sequence[int]) -> int:
-    """The source to take the next sample from (-1: none left), by Tijdeman's solution of
-    the chairman assignment problem: with ``k`` sources, the ``j``-th sample of source
-    ``i`` is due within the steps ``t`` where ``|j - t * p_i| <= 1 - 1/(2k - 2)`` allows
-    it (``p_i`` its share of the total), and of the sources whose next sample is due, the
-    one with the earliest last step goes first (ties: the first). Every prefix of the
-    sequence then holds every source less than one sample off its proportion.
-
-    ``taken`` and ``shares`` are counts (whole numbers >= 0). Run once a sample, so in one
-    pass of integer arithmetic: source ``i``'s next sample is due when ``(taken[i] * m + 1)
-    * total <= step * m * shares[i]`` (``m = 2k - 2``, ``step`` the sample's number), and
-    its last step, ``((taken[i] + 1) * m - 1) / shares[i]`` in units of ``total / m``
-    steps, is compared across sources by cross-multiplying."""
-    n = len(shares)
-    if len(taken) != n:
-        raise ValueError(f"{len(taken)} counts taken for {n} shares")
-    m = 2 * (n - shares.count(0)) - 2
-    total = sum(shares)
-    m_total, step_m, m_1 = m * total, (sum(taken) + 1) * m, m - 1
-    best, best_due, best_share = -1, 1, 0  # 0 / 1: later than any source that has a sample left
-    for i, done in enumerate(taken):
-        share = shares[i]
-        if done < share and done * m_total + total <= step_m * share:
-            due = done * m + m_1
-            if due * best_share < best_due * share:
-                best, best_due, best_share = i, due, share
-    if best >= 0:
-        return best
-    for i, done in enumerate(taken):  # none due (one source with samples, or counts off it)
-        share = shares[i]
-        if done < share:
-            due = done * m + m_1
-            if due * best_share < best_due * share:
-                best, best_due, best_share = i, due, share
-    return best
-
-
-ORDER_LIMIT = 1 << 26  # samples of the longest order kept (1 byte each), see picks()
-
-
-def picks(
-    taken: Sequence[int],
-    shares: Sequence[int],
-    kept: Mapping[tuple[int, ...], bytes] | None = None,
-) -> Iterator[int]:
-    """The sources to take the rest of an epoch's samples from, in order: the
-    :func:`next_source` picks from ``taken`` on. When ``taken`` is a prefix of the epoch's
-    whole order (a fresh epoch, an exact resume), that order is read from memory: from
-    ``kept`` (orders computed ahead, by :func:`order`) when it has these ``shares``, else
-    computed once a process (one byte a sample) and kept for the next epochs, so mixing
-    costs a lookup a sample, not a schedule step."""
-    step = sum(taken)
-    if len(shares) <= 256 and sum(shares) <= ORDER_LIMIT:
-        key = tuple(shares)
-        order = kept[key] if kept is not None and key in kept else _order(key)
-        if all(order.count(i, 0, step) == done for i, done in enumerate(taken)):
-            return iter(memoryview(order)[step:])
-    return _online(list(taken), shares)
-
-
-def order(shares: Sequence[int]) -> bytes | None:
-    """The whole order of an epoch of ``shares`` (a source a byte), if kept (not too long,
-    at most 256 sources)."""
-    if len(shares) <= 256 and sum(shares) <= ORDER_LIMIT:
-        return _order(tuple(shares))
-    return None
-
-
-@functools.lru_cache(maxsize=4)
-def _order(shares: tuple[int, ...]) -> bytes:
-    return bytes(_online([0] * len(shares), shares))
-
-
-def _online(taken: list[int], shares: Sequence[int]) -> Iterator[int]:
-    while (i := next_source(taken, shares)) >= 0:
-        taken[i] += 1
-        yield i
-
-
 class MixtureDataset(torch.utils.data.IterableDataset):
     """Samples of several :class:`Source` s at set proportions (each sample tagged
     ``"__source__"``), resumable exactly and elastically. ``epoch_size`` is the samples an
-    epoch (needed with weights); the other arguments are :class:`ResumableDataset`'s, for
-    every source."""
+    epoch (needed with weights); ``schedule`` changes the weights per epoch and within
+    epochs (:mod:`~shardcache._datasets.mixture_schedule`); the other arguments are
+    :class:`ResumableDataset`'s, for every source."""
 
     def __init__(
         self,
@@ -221,12 +115,14 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         shards_changed: str | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         super().__init__()
-        given = _checked(sources)
+        given = _checked(sources, scheduled=schedule is not None)
         if epoch_size is not None:
             epoch_size = whole("epoch_size", epoch_size, low=1)
-        counts = epoch_counts(given, epoch_size)
+        # With a schedule every source stays (weight 0 now, it may join later): 1 keeps it.
+        counts = [1] * len(given) if schedule is not None else epoch_counts(given, epoch_size)
         if not any(counts):
             raise ConfigError(
                 "the mixture gets no sample an epoch: every source has samples=0 or a "
@@ -240,9 +136,15 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         live = [i for i, count in enumerate(counts) if count > 0]
         self.sources = [given[i] for i in live]
         self.names = [_name(given[i], i) for i in live]
-        self.counts = [counts[i] for i in live]
+        self._schedule = MixtureSchedule(
+            self.names,
+            [s.weight for s in self.sources],
+            [counts[i] for i in live],
+            (epoch_size, remainder),
+            schedule,
+        )
         self._parts: list[ResumableDataset] = []
-        for name, source, count in zip(self.names, self.sources, self.counts, strict=True):
+        for name, source in zip(self.names, self.sources, strict=True):
             with _naming(name):
                 self._parts.append(
                     ResumableDataset(
@@ -251,7 +153,6 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                         shuffle_shards=shuffle_shards,
                         shuffle_buffer=shuffle_buffer,
                         remainder=remainder,
-                        epoch_size=count,
                         index=source.index,
                         handler=handler,
                         cache=cache,
@@ -264,12 +165,41 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                         shards_changed=shards_changed,
                     )
                 )
-        for i, (name, part) in enumerate(zip(self.names, self._parts, strict=True)):
+        for name, part in zip(self.names, self._parts, strict=True):
             part._source = name  # its samples count for the source; the mixture ends epochs
-            part._lay = Lay(tuple(self.counts), i)  # the sources split between consumers together
         self._stages: list[Stage] = []
         self._orders: dict[tuple[int, ...], bytes] = {}  # interleavings made by prepare()
+        self._workers: int | None = None  # prepare()'s: the orders follow the epoch's weights
+        self._prepared: tuple[int, ...] | None = None  # the lay the orders were made for
+        # An elastically resumed epoch's leftover of each step (recorded in its states), of
+        # which (epoch, carried), and the one a loaded job state deals next.
+        self._left: Steps | None = None
+        self._left_of: tuple[int, str | None] | None = None
+        self._next_left: Steps | None = None
+        self._enter(0)
         self._name_sources()
+
+    @property
+    def counts(self) -> list[int]:
+        """The samples each source gets in the epoch read next (over its steps)."""
+        steps = self._schedule.steps(self._parts[0].epoch)
+        return [sum(counts) for counts in zip(*(step.counts for step in steps), strict=True)]
+
+    def _enter(self, epoch: int) -> None:
+        """Give every source epoch ``epoch``'s counts (the sources and steps split between
+        consumers together), and with prepare(workers=) the workers' orders for them."""
+        lay = self._schedule.lay(epoch)
+        for i, part in enumerate(self._parts):
+            part._lay = Lay(lay, i, len(self._parts))
+        if self._workers is not None and self._prepared != lay:
+            self._orders = {}
+            slots, consumers, per_unit = self._parts[0].worker_slots(self._workers)
+            for slot in slots:
+                for shares in self._schedule.consumer_steps(lay, (consumers, per_unit, slot)):
+                    kept = order(shares)
+                    if kept is not None:
+                        self._orders[tuple(shares)] = kept
+            self._prepared = lay
 
     def compose(self, *stages: Stage) -> MixtureDataset:
         """Append pipeline stages run on the mixed stream (as ``ResumableDataset``'s)."""
@@ -284,6 +214,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         for name, part in zip(self.names, self._parts, strict=True):
             with _naming(name):
                 part.set_epoch(epoch)
+        self._enter(epoch)
 
     def prepare(self, workers: int | None = None) -> MixtureDataset:
         """Every source's :meth:`ResumableDataset.prepare`; with ``workers`` (the
@@ -294,12 +225,8 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             with _naming(name):
                 part.prepare()
         if workers is not None:
-            workers = whole("workers", workers, low=0)
-            counts = [part.fresh_counts(workers) for part in self._parts]
-            for shares in zip(*counts, strict=True):
-                kept = order(shares)
-                if kept is not None:
-                    self._orders[shares] = kept
+            self._workers, self._prepared = whole("workers", workers, low=0), None
+            self._enter(self._parts[0].epoch)
         return self
 
     def cache_urls(self) -> list[str]:
@@ -308,11 +235,17 @@ class MixtureDataset(torch.utils.data.IterableDataset):
 
     def state_dict(self) -> State:
         """Every source's state (plain JSON), as :meth:`ResumableDataset.state_dict`."""
+        states = [part.state_dict() for part in self._parts]
+        epoch = int(states[0]["epoch"])
+        record = self._schedule.record(epoch)
+        if self._left is not None and self._left_of is not None and self._left_of[0] == epoch:
+            record["left"] = self._left  # what the running epoch was dealt from
         return {
             "format": FORMAT,
             "version": VERSION,
             "sources": self.names,
-            "states": [part.state_dict() for part in self._parts],
+            "schedule": record,
+            "states": states,
         }
 
     def check_delivery(
@@ -331,11 +264,38 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         return checks
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume every source from ``state`` (a consumer's, or ``shardcache.job_state``'s)."""
+        """Resume every source from ``state`` (a consumer's, or ``shardcache.job_state``'s);
+        its epoch's schedule must be this mixture's (:class:`ResumeError` names the first
+        difference)."""
         states = _source_states(state, self.names)
+        record = state.get("schedule")
+        self._schedule.check(record)
+        epoch = int(record["epoch"])
+        self._enter(epoch)
+        self._left = record.get("left")
+        first = states[0].get("parts", [{}])[0] if states[0].get("kind") == "job" else states[0]
+        self._left_of = (epoch, first.get("carried"))
+        jobs = [s for s in states if s.get("kind") == "job"]
+        self._next_left = None
+        if len(jobs) == len(states):  # an elastic resume deals each step's leftover
+            self._next_left = self._schedule.job_leftover(epoch, jobs, self._left)
         for name, part, part_state in zip(self.names, self._parts, states, strict=True):
             with _naming(name):
                 part.load_state_dict(part_state)
+
+    def _steps_now(self, shares: list[int]) -> Steps:
+        """This consumer's samples of each source in each step of the running epoch."""
+        progress = self._parts[0]._progress
+        if progress is None:
+            return [shares]
+        dealt = [p._progress is not None and p._progress.carried is not None for p in self._parts]
+        if not any(dealt):  # a fresh epoch, or one resumed exactly (not from a leftover)
+            lay = self._schedule.lay(progress.epoch)
+            where = (progress.consumers, progress.per_unit, progress.slot)
+            return self._schedule.consumer_steps(lay, where)
+        if self._left_of != (progress.epoch, progress.carried):  # dealt now from a job's
+            self._left, self._left_of = self._next_left, (progress.epoch, progress.carried)
+        return [shares] if self._left is None else split_by(self._left, shares)
 
     def _name_sources(self) -> None:
         """Count the cache's work on each source's shards for the source, in this process
@@ -345,6 +305,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         self._name_sources()
+        self._enter(self._parts[0].epoch)  # the epoch set, or the loaded state's
         streams = []
         for name, part in zip(self.names, self._parts, strict=True):
             with _naming(name):
@@ -360,9 +321,10 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             own, delivered = part.share_taken()
             shares.append(own)
             taken.append(delivered)
+        steps = self._steps_now(shares)
         names = self.names
         try:
-            for i in picks(taken, shares, self._orders):
+            for i in stepped_picks(taken, steps, self._orders):
                 sample = next(streams[i], None)
                 if sample is None:  # the handler left a shard out: the source ended early
                     continue
@@ -406,7 +368,7 @@ def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:
     return list(state["states"])
 
 
-def _checked(sources: Sequence[Source]) -> list[Source]:
+def _checked(sources: Sequence[Source], scheduled: bool = False) -> list[Source]:
     if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
         raise ConfigError(
             f"sources must be a non-empty list of shardcache.Source, not {sources!r:.80}",
@@ -422,7 +384,7 @@ def _checked(sources: Sequence[Source]) -> list[Source]:
             )
         _check_amount(source, _name(source, i))
     weights = [s.weight for s in sources if s.weight is not None]
-    if weights and not any(weights) and all(s.samples is None for s in sources):
+    if weights and not any(weights) and all(s.samples is None for s in sources) and not scheduled:
         raise ConfigError(
             "every source has weight 0: the mixture would have no sample; give some "
             "source a positive weight",
@@ -451,14 +413,7 @@ def _check_amount(source: Source, name: str) -> None:
             value=source.weight,
         )
     if source.weight is not None:
-        weight = source.weight
-        number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-        if not number or not math.isfinite(weight) or weight < 0:
-            raise ConfigError(
-                f"source {name!r}: weight must be a finite number >= 0, not {weight!r}",
-                name="weight",
-                value=weight,
-            )
+        checked_weight(source.weight, f"source {name!r}")
     elif (
         isinstance(source.samples, bool)
         or not isinstance(source.samples, int)

@@ -247,14 +247,13 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._epoch_split().unit_shares(world_size // per_cache)
         return self
 
-    def fresh_counts(self, workers: int) -> list[int]:
-        """The samples each of this rank's ``workers`` DataLoader workers (0: none, the
-        rank reads) gets in a fresh epoch."""
+    def worker_slots(self, workers: int) -> tuple[range, int, int]:
+        """The consumer slots of this rank's ``workers`` DataLoader workers (0: none, the
+        rank reads), the job's consumers and how many of them share a cache."""
         workers = max(1, workers)
         rank, world_size, local_world_size = self._ranks()
         per_unit = self._ranks_per_cache(world_size, local_world_size) * workers
-        own = self._epoch_split().own_counts(world_size * workers, per_unit)
-        return own[rank * workers : (rank + 1) * workers]
+        return range(rank * workers, (rank + 1) * workers), world_size * workers, per_unit
 
     def _epoch_split(self) -> EpochSplit:
         if self._split is None:
@@ -275,6 +274,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
                     len(self.urls),
                     empty[0],
                 )
+        elif self._lay is not None and self._split.lay != self._lay:  # a mixture's new weights
+            self._split = self._split.relaid(self._lay)
         return self._split
 
     def _sample_index(self) -> SampleIndex:

@@ -32,7 +32,7 @@ from .resume_plan import Piece
 
 FORMAT = "shardcache.resume"
 MIXTURE_FORMAT = "shardcache.mixture"  # a MixtureDataset's state: one of these per source
-MIXTURE_VERSION = 2  # 2: the sources' counts split between consumers together
+MIXTURE_VERSION = 3  # 3: the epoch's schedule recorded; 2: sources split together
 VERSION = 4  # 4: whole shards handed out by count; 3: by samples; 2: contiguous spans
 State = dict[str, Any]
 # A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.
@@ -349,6 +349,7 @@ def _mixture_job_state(states: Sequence[Mapping[str, Any]]) -> State:
         "format": MIXTURE_FORMAT,
         "version": MIXTURE_VERSION,
         "sources": names,
+        "schedule": states[0].get("schedule"),  # the epoch's (job_state checks one epoch)
         "states": [job_state([s["states"][i] for s in states]) for i in range(len(names))],
     }
 

@@ -21,7 +21,9 @@ saves ``<out>/ckpt-signal`` after the batch during which SIGUSR1 arrived (SLURM'
 checkpointed after, whether it had been waiting for it), then requeues the job
 (``scontrol requeue``) and exits.
 ``--mixture-epoch-size N`` reads ``--spec`` as a ``MixtureDataset`` of ``NAME=WEIGHT=SPEC``
-sources (comma-separated), each batch's keys logged as ``<source>/<key>``.
+sources (comma-separated), each batch's keys logged as ``<source>/<key>``; ``--schedule JSON``
+gives it a schedule: a list, one entry an epoch, each the sources' weights by name or a list
+of ``[at, weights]`` steps.
 ``--model`` steps a tiny model once per batch, ``DistributedDataParallel`` over the gloo
 group (``--timeout`` bounds every collective): ranks yielding different numbers of batches
 fail the job instead of finishing; a DataLoader worker stuck for half of it fails its rank,
@@ -176,12 +178,19 @@ def make_dataset(args: argparse.Namespace) -> Any:
     for part in args.spec.split(","):
         name, weight, spec = part.split("=", 2)
         sources.append(shardcache.Source(spec, weight=float(weight), name=name))
+    schedule = None
+    if args.schedule is not None:
+        schedule = [
+            entry if isinstance(entry, dict) else [shardcache.Step(at, w) for at, w in entry]
+            for entry in json.loads(args.schedule)
+        ]
     return shardcache.MixtureDataset(
         sources,
         epoch_size=args.mixture_epoch_size,
         seed=args.seed,
         shuffle_buffer=args.shuffle_buffer,
         cache=cache,
+        schedule=schedule,
     )
 
 
@@ -253,6 +262,7 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="read --spec's sources (NAME=WEIGHT=SPEC, comma-separated) as a MixtureDataset",
     )
+    parser.add_argument("--schedule", default=None, help="the mixture's schedule, as JSON")
     parser.add_argument("--cache", required=True)
     parser.add_argument("--out", required=True, type=Path)
     # --log-as under torchrun: its own parser takes "--run..." for its "--run-path".

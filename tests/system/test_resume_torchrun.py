@@ -362,12 +362,9 @@ EXACT_SOURCES = {  # weight, samples of each shard (unequal shards)
 EXACT_EPOCH = 300  # 75 for each of 2 ranks x 2 workers: 25 batches of 3 each, 50 a rank
 
 
-def test_a_mixture_epoch_holds_exactly_the_samples_asked(s3, tmp_path: Path) -> None:
-    """A MixtureDataset of 0.5 / 0.3 / 0.2 and epoch_size=300 under torchrun (2 ranks x 2
-    workers, a DDP model stepping once a batch, collectives bounded to 30 s): 300 samples
-    an epoch, 150 / 90 / 60, each consumer 75 with a source's counts differing by at most
-    one between consumers, and a resume from the JSON states taken in the middle of epoch 1
-    gives exactly the uninterrupted run's batches."""
+def _exact_job(s3, tmp_path: Path, *options: str) -> tuple[Job, dict[str, set[str]]]:
+    """The EXACT_SOURCES mixture's job (a DDP model, collectives bounded to 30 s) over
+    their shards on the S3 server, and each source's keys (``<source>/<key>``)."""
     objects, every, shard = {}, {}, 0
     specs = []
     for name, (weight, sizes) in EXACT_SOURCES.items():
@@ -381,25 +378,33 @@ def test_a_mixture_epoch_holds_exactly_the_samples_asked(s3, tmp_path: Path) -> 
             f"{name}={weight}=s3://{EXACT_BUCKET}/{name}-{{{first:06d}..{shard - 1:06d}}}.tar"
         )
     s3.put_objects(EXACT_BUCKET, objects)
-    job = Job(
-        s3,
-        tmp_path,
-        ",".join(specs),
-        f"--mixture-epoch-size={EXACT_EPOCH}",
-        "--model",
-        "--timeout=30",
-    )
+    options = (f"--mixture-epoch-size={EXACT_EPOCH}", "--model", "--timeout=30", *options)
+    return Job(s3, tmp_path, ",".join(specs), *options), every
+
+
+def _consumers(batches: dict, epoch: int) -> list[list[str]]:
+    """Each consumer's keys in ``epoch`` (rank by rank): a rank's DataLoader takes its 2
+    workers' batches in turn."""
+    out = []
+    for rank in sorted(batches):
+        own = [ks for e, ks in batches[rank] if e == epoch]
+        out += [[k for ks in own[worker::2] for k in ks] for worker in (0, 1)]
+    return out
+
+
+def test_a_mixture_epoch_holds_exactly_the_samples_asked(s3, tmp_path: Path) -> None:
+    """A MixtureDataset of 0.5 / 0.3 / 0.2 and epoch_size=300 under torchrun (2 ranks x 2
+    workers, a DDP model stepping once a batch, collectives bounded to 30 s): 300 samples
+    an epoch, 150 / 90 / 60, each consumer 75 with a source's counts differing by at most
+    one between consumers, and a resume from the JSON states taken in the middle of epoch 1
+    gives exactly the uninterrupted run's batches."""
+    job, every = _exact_job(s3, tmp_path)
     step = 70  # the middle of epoch 1 (batches 51..100 of each rank)
     job.run("full", 2, 2, f"--checkpoint-at={step}")
     reference = {rank: job.batches("full", rank) for rank in (0, 1)}
     assert [len(reference[r]) for r in (0, 1)] == [100, 100]  # 2 epochs x 2 workers x 25
     for epoch in (0, 1):
-        consumers = []  # a rank's DataLoader takes its 2 workers' batches in turn
-        for rank in (0, 1):
-            batches = [ks for e, ks in reference[rank] if e == epoch]
-            for worker in (0, 1):
-                keys = [k for ks in batches[worker::2] for k in ks]
-                consumers.append(Counter(k.split("/")[0] for k in keys))
+        consumers = [Counter(k.split("/")[0] for k in c) for c in _consumers(reference, epoch)]
         assert [c.total() for c in consumers] == [75] * 4
         for name in EXACT_SOURCES:
             assert max(c[name] for c in consumers) - min(c[name] for c in consumers) <= 1
@@ -530,3 +535,49 @@ def test_a_mixture_killed_again_and_again_proves_what_it_delivered(s3, tmp_path:
         r".* [123] samples fewer"
     )
     assert re.search(found, stderr), stderr[-3000:]
+
+
+SCHEDULE = [  # epoch 0: the sources' weights; epoch 1 others, its last 10 % annealed
+    {},
+    [[0, {"web": 0.3, "code": 0.3, "books": 0.4}], [270, {"web": 0, "code": 1, "books": 1}]],
+]
+
+
+def test_a_mixture_schedule_resumes_exactly_before_and_after_its_changes(s3, tmp_path) -> None:
+    """The EXACT_SOURCES mixture under torchrun (2 ranks x 2 workers, a DDP model) with a
+    schedule: epoch 0 0.5 / 0.3 / 0.2 (150 / 90 / 60), epoch 1 0.3 / 0.3 / 0.4 for its first
+    270 samples (81 / 81 / 108) and then web left out, code and books 15 each (its last 10
+    %, 7 or 8 a consumer). Resumed from the JSON states of the middle of epoch 0 (before
+    both changes) and of the annealed end of epoch 1 (after both), each run gives exactly
+    the uninterrupted run's batches; resumed onto 3 ranks from the middle of epoch 1, it
+    delivers every sample left and each consumer ends with the anneal (no web)."""
+    job, _ = _exact_job(s3, tmp_path, f"--schedule={json.dumps(SCHEDULE)}")
+    before, after = 30, 97  # rank batches: 50 an epoch; 97: samples 69-72 of a consumer
+    job.run("full", 2, 2, "--checkpoint-at", str(before), "70", str(after))
+    reference = {rank: job.batches("full", rank) for rank in (0, 1)}
+    assert [len(reference[r]) for r in (0, 1)] == [100, 100]
+    for epoch, counts in (
+        (0, {"web": 150, "code": 90, "books": 60}),
+        (1, {"web": 81, "code": 96, "books": 123}),
+    ):
+        consumers = _consumers(reference, epoch)
+        assert [len(c) for c in consumers] == [75] * 4
+        assert Counter(k.split("/")[0] for c in consumers for k in c) == counts
+    for keys in _consumers(reference, 1):  # the anneal (7 or 8 a consumer): web left out
+        assert not [k for k in keys[-7:] if k.startswith("web/")]
+
+    for step in (before, after):
+        job.run(f"resumed{step}", 2, 2, f"--resume={job.out / f'ckpt-{step}'}")
+        for rank in (0, 1):
+            resumed = job.batches(f"resumed{step}", rank)
+            assert reference[rank][:step] + resumed == reference[rank], (step, rank)
+
+    job.run("elastic", 3, 2, f"--resume={job.out / 'ckpt-70'}")  # epoch 1, 30 a consumer
+    delivered = Counter(k for r in (0, 1) for e, ks in reference[r][:70] if e == 1 for k in ks)
+    planned = Counter(k for r in (0, 1) for e, ks in reference[r] if e == 1 for k in ks)
+    elastic = {rank: job.batches("elastic", rank) for rank in range(3)}
+    rest = _consumers(elastic, 1)
+    assert len({len(keys) for keys in rest}) == 1  # every rank the same batches
+    assert set().union(*rest) == set(planned - delivered)  # every sample left, none lost
+    for keys in rest:  # each consumer's leftover of the anneal (5 or so) last: no web
+        assert not [k for k in keys[-4:] if k.startswith("web/")], keys[-8:]

@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcache import ConfigError, SampleIndexError
-from shardcache._datasets.epoch_split import EpochSplit, Lay, consumer_counts, indexing_shares
+from shardcache._datasets.epoch_split import (
+    RELAID_KEPT,
+    EpochSplit,
+    Lay,
+    consumer_counts,
+    indexing_shares,
+)
 from shardcache._datasets.resume_plan import Piece
 
 
@@ -360,3 +366,49 @@ def test_each_source_of_a_lay_reads_its_consumers_counts_and_cycles_over_epochs(
         else:
             assert len(seen) == sum(job["counts"])
         assert split.totals(consumers, per_unit)["per_consumer"] == max(want[index])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(layouts(), min_size=2, max_size=3),
+    st.integers(2, 3),
+    st.sampled_from(["pad", "drop"]),
+    st.data(),
+)
+def test_a_stepped_lay_deals_each_source_its_counts_over_the_steps_and_relays(
+    sources: list[dict], steps: int, remainder: str, data: st.DataObject
+) -> None:
+    """A mixture epoch of several steps (``Lay.width`` sources a step): each source's split
+    deals every consumer its counts summed over the steps; no more than the source holds:
+    none twice (where the consumers divide the epoch, or one consumer a cache: how a pad
+    spreads over a cache's consumers is not known to the caches' holdings). A split re-laid
+    (``relaid``) deals what a split made for that lay does; at most RELAID_KEPT + 1 kept."""
+    per_unit, consumers = sources[0]["per_unit"], sources[0]["consumers"]
+    n = len(sources)
+    most = [sum(s["counts"]) // steps + 1 for s in sources]  # mostly down-sampled
+    flat = [data.draw(st.integers(0, most[i])) for _ in range(steps) for i in range(n)]
+    if sum(flat) < consumers:
+        flat[0] += consumers - sum(flat)
+    want = consumer_counts(flat, consumers, remainder, per_unit)
+    for index, job in enumerate(sources):
+        options = {"seed": job["seed"], "shuffle": job["shuffle"], "remainder": remainder}
+        lay = Lay(tuple(flat), index, n)
+        split = EpochSplit(starts_of(job["counts"]), lay=lay, **options)
+        seen: Counter[tuple[int, int]] = Counter()
+        for slot in range(consumers):
+            share = split.fresh(1, consumers, per_unit, slot)
+            samples = delivered(split, share.pieces)
+            assert len(samples) == sum(want[k][slot] for k in range(index, len(flat), n))
+            seen.update(samples)
+        exact = sum(flat) % consumers == 0 or per_unit == 1
+        if seen.total() <= sum(job["counts"]) and exact:
+            assert not seen or max(seen.values()) == 1
+        other = EpochSplit(starts_of(job["counts"]), lay=Lay(tuple(flat[:n]), index), **options)
+        relaid = other.relaid(lay)
+        for slot in range(consumers):
+            assert relaid.fresh(1, consumers, per_unit, slot) == split.fresh(
+                1, consumers, per_unit, slot
+            )
+        for extra in range(RELAID_KEPT + 3):
+            other.relaid(Lay((*flat[:-1], flat[-1] + extra + 1), index, n))
+        assert len(other._relaid) <= RELAID_KEPT + 1

@@ -18,7 +18,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
 from shardcache import ConfigError, MixtureDataset, ResumeError, ShardCache, Source
-from shardcache._datasets.mixture import _online, epoch_counts, next_source, picks
+from shardcache._datasets.interleave import _online, next_source, picks
+from shardcache._datasets.mixture_schedule import epoch_counts
 
 pytestmark = pytest.mark.timeout(120)
 SOURCES = {"web": (12, 9, 15, 7), "code": (6, 5), "books": (4,)}  # samples per shard
@@ -223,9 +224,14 @@ def test_a_state_of_another_mixture_is_refused_naming_what_changed(tmp_path: Pat
     with pytest.raises(ResumeError, match=r"sources \['web', 'code', 'books'\], this one"):
         other.load_state_dict(state)
     reweighted = mixture(tmp_path, spec_of, 0, 1, weights={"web": 0.6, "code": 0.2, "books": 0.2})
-    with pytest.raises(ResumeError, match=r"source 'web': .*epoch_size=30; this dataset has") as e:
+    with pytest.raises(
+        ResumeError, match=r"epoch 0, step 0: source 'web' weight 0.5 in the state, 0.6"
+    ) as e:
         reweighted.load_state_dict(state)
-    assert e.value.source == "web"
+    assert (e.value.source, e.value.seen, e.value.expected) == ("web", 0.5, 0.6)
+    longer = mixture(tmp_path, spec_of, 0, 1, epoch_size=70)  # the same weights, other counts
+    with pytest.raises(ResumeError, match=r"source 'web' samples 30 in the state, 35 in this"):
+        longer.load_state_dict(state)
 
 
 @pytest.mark.parametrize(
@@ -424,7 +430,7 @@ def test_prepare_hands_each_worker_its_interleaving(tmp_path: Path, spec_of) -> 
     their counts differ) in the training process; the workers, forked (every epoch) or
     spawned, read the same batches as workers that compute their own, without computing
     one. Without it they compute their own."""
-    from shardcache._datasets.mixture import _order
+    from shardcache._datasets.interleave import _order
 
     def loader_of(dataset: MixtureDataset, refuse: bool = True, how: str = "fork"):
         return StatefulDataLoader(
