@@ -417,12 +417,12 @@ def test_the_loader_report_counts_each_source(tmp_path: Path, spec_of, caplog) -
 
 def _no_interleaving_here(_worker_id: int) -> None:
     """A DataLoader worker that must not compute an interleaving (prepare() handed it)."""
-    import shardcache._datasets.mixture as mixture_module
+    import shardcache._datasets.interleave as interleave_module
 
     def refuse(*_args: object) -> None:
         raise AssertionError("a DataLoader worker computed the interleaving")
 
-    mixture_module._online = refuse
+    interleave_module._online = refuse
 
 
 def test_prepare_hands_each_worker_its_interleaving(tmp_path: Path, spec_of) -> None:
