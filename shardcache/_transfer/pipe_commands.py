@@ -202,10 +202,12 @@ class _Run:
                     self.exited = True
             if self.exit_fd is None and not self.exited:
                 self.exited = _exited_unreaped(self.proc.pid)
-        # What the command wrote last, bounded: a leftover child may go on writing.
-        for _ in range(STDERR_TAIL // 512):
-            if not self._take_stderr():
-                break
+        # What the command wrote last: the pipe may still hold up to its capacity (64 KiB
+        # or more) behind the kept tail, so it is read to its end (or until nothing is
+        # there), bounded in time: a leftover child may go on writing.
+        deadline = time.monotonic() + TICK
+        while self._take_stderr() and time.monotonic() < deadline:
+            pass
 
     def _open(self, fd: int) -> bool:
         return fd in self.sel.get_map()
