@@ -39,12 +39,15 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import torch.distributed as dist
+import torch.utils.data
 
 from .._base.errors import SampleIndexError, ShardCacheError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._disk.metadata import write_record
 from ..distributed import gather_objects
+from .epoch_split import indexing_shares
 from .sample_index import (
     SampleIndex,
     ShardSamples,
@@ -62,6 +65,27 @@ _UNSHARED = (
     "init_process_group)"
 )
 KEEPS = ("cache", "data")  # where a learned index is kept: the cache root, also the data
+
+
+def in_group(rank: int, world_size: int) -> bool:
+    """Whether this process can share the learning with the job's other ranks: a
+    torch.distributed process group of the dataset's ``rank`` and ``world_size`` is
+    initialised here, and this is no DataLoader worker (a forked worker inherits the
+    group's state, not a working group)."""
+    if torch.utils.data.get_worker_info() is not None:
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return world_size > 1 and (rank, world_size) == (dist.get_rank(), dist.get_world_size())
+
+
+def rank_part(  # noqa: PLR0917
+    shards: int, seed: int, shuffle: bool, rank: int, world_size: int, per_cache: int
+) -> list[int]:
+    """The shards ``rank`` indexes: its turn of its cache's whole shards (the ``per_cache``
+    ranks sharing a cache take them in turn)."""
+    own = indexing_shares(shards, seed, shuffle, world_size // per_cache)
+    return own[rank // per_cache][rank % per_cache :: per_cache]
 
 
 def urls_digest(urls: Sequence[str]) -> str:

@@ -38,7 +38,6 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import torch.distributed as dist
 import torch.utils.data
 import webdataset as wds
 
@@ -50,8 +49,8 @@ from .._observe import metrics
 from ..distributed import rank_info
 from .delivery_check import Checker, DeliveryCheck, mode_of, skipper
 from .delivery_digest import BATCH, Recorder, SampleHasher
-from .epoch_split import EpochSplit, Lay, indexing_shares
-from .job_index import job_index, urls_digest
+from .epoch_split import EpochSplit, Lay
+from .job_index import in_group, job_index, rank_part, urls_digest
 from .lock_check import LockUse
 from .resume_options import (
     flag,
@@ -176,7 +175,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         has samples to deliver is refused, so the rest of that epoch is not skipped by
         accident."""
         epoch = whole("epoch", epoch, low=0)
-        if self._split is None and self.index is None and self._in_group():
+        if self._split is None and self.index is None and in_group(*self._ranks()[:2]):
             self._epoch_split()  # learned with the job's ranks (a collective)
         pending = self._pending
         if pending is not None and pending["epoch"] == epoch:
@@ -301,11 +300,10 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         cache = self._cache()
         rank, world_size, local_world_size = self._ranks()
         mine = None
-        if self._in_group():  # this rank learns its part of its cache's whole shards
+        if in_group(rank, world_size):  # this rank learns its part of its cache's shards
             per_cache = self._ranks_per_cache(world_size, local_world_size)
-            units = world_size // per_cache
-            own = indexing_shares(len(self.urls), self.seed, self.shuffle_shards, units)
-            mine = own[rank // per_cache][rank % per_cache :: per_cache]
+            shards = len(self.urls)
+            mine = rank_part(shards, self.seed, self.shuffle_shards, rank, world_size, per_cache)
         return job_index(
             urls,
             self.identity.digest if urls == self.urls else urls_digest(urls),
@@ -366,18 +364,6 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             return self.rank, self.world_size, None
         ranks = rank_info()
         return ranks.rank, ranks.world_size, ranks.local_world_size
-
-    def _in_group(self) -> bool:
-        """Whether this process can share work with the job's other ranks: a
-        torch.distributed process group of this dataset's ranks is initialised here, and
-        this is no DataLoader worker (a forked worker inherits the group's state, not a
-        working group)."""
-        if torch.utils.data.get_worker_info() is not None:
-            return False
-        if not (dist.is_available() and dist.is_initialized()):
-            return False
-        rank, world_size, _ = self._ranks()
-        return world_size > 1 and (rank, world_size) == (dist.get_rank(), dist.get_world_size())
 
     def _ranks_per_cache(self, world_size: int, local_world_size: int | None) -> int:
         """How many ranks share a cache: a node's at node scope (when the node's size is
