@@ -37,10 +37,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tars import shard_samples, tar_bytes
+from mixture_files import MixtureFiles, Pair, global_batches, pairs
 
-from shardcache import MixtureDataset, ShardCache, Source, job_state
-from shardcache._datasets.sample_index import index_document, learn, write_index
+from shardcache import MixtureDataset, Source, job_state
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = settings(
@@ -49,7 +48,6 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 LAYOUTS = [(r, w) for r in (1, 2, 3) for w in (1, 2, 3)]  # ranks x workers
-Pair = tuple[str, str]  # (source, key)
 
 
 @st.composite
@@ -101,22 +99,14 @@ class Mix:
 
     def __init__(self, root: Path, spec: dict) -> None:
         self.spec = spec
-        self.sources, self.keys, shard = [], {}, 0
-        self.cache = ShardCache(root / "cache")
-        for i, (counts, kind, amount) in enumerate(
-            zip(spec["shards"], spec["kinds"], spec["amounts"], strict=True)
-        ):
-            name, urls = f"m{i}", []
-            self.keys[name] = set()
-            for count in counts:
-                path = root / f"{shard:04d}.tar"
-                path.write_bytes(tar_bytes(shard_samples(shard, count, size=8)))
-                urls.append(str(path))
-                self.keys[name] |= {key for key, _ in shard_samples(shard, count)}
-                shard += 1
-            index = str(root / f"{name}.index.json")  # learned once, not by every dataset
-            write_index(index, index_document(learn(urls, self.cache, threads=1), urls))
-            self.sources.append(Source(urls, name=name, index=index, **{kind: amount}))
+        files = MixtureFiles(root, spec["shards"])
+        self.cache, self.keys = files.cache, files.keys
+        self.sources = [
+            Source(urls, name=name, index=index, **{kind: amount})
+            for (name, urls, index), kind, amount in zip(
+                files.parts, spec["kinds"], spec["amounts"], strict=True
+            )
+        ]
 
     def dataset(self, slot: int, consumers: int, epoch: int | None = None) -> MixtureDataset:
         dataset = MixtureDataset(
@@ -155,10 +145,6 @@ class Mix:
         if self.spec["remainder"] == "pad":
             return -(-samples // consumers)
         return samples // consumers
-
-
-def pairs(samples) -> list[Pair]:
-    return [(s["__source__"], s["__key__"]) for s in samples]
 
 
 def check_epoch(
@@ -209,23 +195,6 @@ def check_epoch(
         size = inside.total()
         for name, share in zip(names, job, strict=True):
             assert abs(inside[name] * total - size * share) < bound * total, (start, name)
-
-
-def global_batches(
-    runs: list[list[Pair]], ranks: int, workers: int, batch: int
-) -> list[list[Pair]]:
-    """The global batches of a DataLoader per rank (its workers' batches in turn) under
-    DDP (a step's batches of every rank); every rank must yield the same number."""
-    steps = []
-    for rank in range(ranks):
-        own = [
-            [run[i : i + batch] for i in range(0, len(run), batch)]
-            for run in runs[rank * workers : (rank + 1) * workers]
-        ]
-        assert len({len(batches) for batches in own}) == 1
-        steps.append([own[s % workers][s // workers] for s in range(len(own[0]) * workers)])
-    assert len({len(s) for s in steps}) == 1
-    return [[p for rank in steps for p in rank[t]] for t in range(len(steps[0]))]
 
 
 @SETTINGS

@@ -29,12 +29,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mixture_files import MixtureFiles, Pair, global_batches, pairs
 from tars import shard_samples, tar_bytes
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from shardcache import ConfigError, MixtureDataset, ResumeError, ShardCache, Source, Step, job_state
 from shardcache._datasets.epoch_split import consumer_counts
-from shardcache._datasets.sample_index import index_document, learn, write_index
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = settings(
@@ -43,7 +43,6 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 LAYOUTS = [(r, w) for r in (1, 2, 3) for w in (1, 2)]  # ranks x workers
-Pair = tuple[str, str]  # (source, key)
 
 
 @st.composite
@@ -91,20 +90,11 @@ class Mix:
 
     def __init__(self, root: Path, spec: dict) -> None:
         self.spec = spec
-        self.sources, self.keys, shard = [], {}, 0
-        self.cache = ShardCache(root / "cache")
-        for i, counts in enumerate(spec["shards"]):
-            name, urls = f"m{i}", []
-            self.keys[name] = set()
-            for count in counts:
-                path = root / f"{shard:04d}.tar"
-                path.write_bytes(tar_bytes(shard_samples(shard, count, size=8)))
-                urls.append(str(path))
-                self.keys[name] |= {key for key, _ in shard_samples(shard, count)}
-                shard += 1
-            index = str(root / f"{name}.index.json")
-            write_index(index, index_document(learn(urls, self.cache, threads=1), urls))
-            self.sources.append(Source(urls, name=name, index=index, weight=1))
+        files = MixtureFiles(root, spec["shards"])
+        self.cache, self.keys = files.cache, files.keys
+        self.sources = [
+            Source(urls, name=name, index=index, weight=1) for name, urls, index in files.parts
+        ]
 
     def dataset(
         self, slot: int, consumers: int, epoch: int | None = None, schedule=None
@@ -145,23 +135,10 @@ class Mix:
         return out
 
 
-def pairs(samples) -> list[Pair]:
-    return [(s["__source__"], s["__key__"]) for s in samples]
-
-
-def global_batches(runs: list[list[Pair]], ranks: int, workers: int, batch: int) -> list[list]:
-    """A rank's DataLoader takes its workers' batches in turn; a global batch is every
-    rank's batch of one step (each item: (consumer, position in its stream, pair))."""
-    steps = []
-    for rank in range(ranks):
-        own = []
-        for slot in range(rank * workers, (rank + 1) * workers):
-            run = [(slot, t, p) for t, p in enumerate(runs[slot])]
-            own.append([run[i : i + batch] for i in range(0, len(run), batch)])
-        assert len({len(batches) for batches in own}) == 1
-        steps.append([own[s % workers][s // workers] for s in range(len(own[0]) * workers)])
-    assert len({len(s) for s in steps}) == 1
-    return [[p for rank in steps for p in rank[t]] for t in range(len(steps[0]))]
+def tagged_batches(runs: list[list[Pair]], ranks: int, workers: int, batch: int) -> list[list]:
+    """The global batches, each item (consumer, position in its stream, pair)."""
+    tagged = [[(slot, t, p) for t, p in enumerate(run)] for slot, run in enumerate(runs)]
+    return global_batches(tagged, ranks, workers, batch)
 
 
 def largest_remainders(weights: list[int], count: int) -> list[int]:
@@ -243,7 +220,7 @@ def check_epoch(mix: Mix, epoch: int, runs: list[list[Pair]]) -> None:
         if mix.spec["epoch_size"] % consumers == 0:  # exactly the step's counts asked
             assert tuple(job[k]) == step
     window, bound = mix.spec["window"], 6 * ranks * min(mix.spec["window"], workers)
-    batches = global_batches(runs, ranks, workers, mix.spec["batch"])
+    batches = tagged_batches(runs, ranks, workers, mix.spec["batch"])
     for start in range(max(1, len(batches) - window + 1)):
         inside = [item for batch in batches[start : start + window] for item in batch]
         got = Counter(pair[0] for _, _, pair in inside)
