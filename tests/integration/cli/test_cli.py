@@ -438,7 +438,7 @@ def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> Non
         **os.environ,
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}",
         "SHARDCACHE_DIR": str(tmp_path / "cache"),
-        "SHARDCACHE_CHUNK_SIZE": "64K",  # a progress report (and chance to stop) per 64 KiB
+        "SHARDCACHE_CHUNK_SIZE": "64KiB",  # a progress report (and chance to stop) per 64 KiB
     }
     # SIGINT as a terminal's Ctrl-C gives it, whatever this process passes on: an ignored
     # SIGINT (a shell's background job; children inherit SIG_IGN, which Python keeps) or a
