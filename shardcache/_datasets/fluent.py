@@ -41,13 +41,35 @@ class Fluent:
 
     compose: Callable[..., Any]
 
-    decode = FluidInterface.decode
-    to_tuple = FluidInterface.to_tuple
-    map = FluidInterface.map
-    map_dict = FluidInterface.map_dict
-    map_tuple = FluidInterface.map_tuple
-    select = FluidInterface.select
-    rename = FluidInterface.rename
+    def decode(self: Self, *handlers: Any, **options: Any) -> Self:
+        """Decode each sample's fields: webdataset's ``.decode()`` (``"pil"``, ``"rgb"``,
+        ``"torch"``, a handler; ``only=``, ``partial=``, ``handler=``...)."""
+        return FluidInterface.decode(self, *handlers, **options)  # type: ignore[no-any-return]
+
+    def to_tuple(self: Self, *fields: str, **options: Any) -> Self:
+        """Each sample as a tuple of its fields (``"jpg;png"``: the first present):
+        webdataset's ``.to_tuple()``."""
+        return FluidInterface.to_tuple(self, *fields, **options)  # type: ignore[no-any-return]
+
+    def map(self: Self, f: Callable[[Any], Any], **options: Any) -> Self:
+        """``f`` of each sample (None drops it): webdataset's ``.map()``."""
+        return FluidInterface.map(self, f, **options)  # type: ignore[no-any-return]
+
+    def map_dict(self: Self, **fields: Any) -> Self:
+        """Each named field through its function: webdataset's ``.map_dict()``."""
+        return FluidInterface.map_dict(self, **fields)  # type: ignore[no-any-return]
+
+    def map_tuple(self: Self, *functions: Any, **options: Any) -> Self:
+        """Each tuple element through its function: webdataset's ``.map_tuple()``."""
+        return FluidInterface.map_tuple(self, *functions, **options)  # type: ignore[no-any-return]
+
+    def select(self: Self, predicate: Callable[[Any], bool], **options: Any) -> Self:
+        """Only the samples ``predicate`` accepts: webdataset's ``.select()``."""
+        return FluidInterface.select(self, predicate, **options)  # type: ignore[no-any-return]
+
+    def rename(self: Self, **fields: str) -> Self:
+        """Fields renamed (``label="cls;class"``): webdataset's ``.rename()``."""
+        return FluidInterface.rename(self, **fields)  # type: ignore[no-any-return]
 
     def batched(
         self: Self,

@@ -97,7 +97,9 @@ class MixtureDataset(Fluent, torch.utils.data.IterableDataset):
     ``"__source__"``), resumable exactly and elastically. ``epoch_size`` is the samples an
     epoch (needed with weights); ``schedule`` changes the weights per epoch and within
     epochs (:mod:`~shardcache._datasets.mixture_schedule`); the other arguments are
-    :class:`ResumableDataset`'s, for every source."""
+    :class:`ResumableDataset`'s, for every source. ``len()`` is the samples this rank
+    yields in the epoch read next, with the DataLoader workers given to
+    ``prepare(workers=)`` (:mod:`~shardcache._datasets.fluent`)."""
 
     def __init__(
         self,
