@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from repo import ROOT
+from slurm_stand_ins import slurm_stand_ins
 
 import shardcache
 from shardcache import ShardCache
@@ -482,18 +483,7 @@ def test_sbatch_template_gives_the_warm_threads_to_the_warm_step_alone(tmp_path)
     """scripts/sbatch-example.sh run by bash with stand-ins for srun and scontrol that
     record each step's arguments and environment (tests/system/test_slurm.py submits it to a
     real cluster)."""
-    bin_dir, steps = tmp_path / "bin", tmp_path / "steps"
-    bin_dir.mkdir()
-    steps.mkdir()
-    (bin_dir / "srun").write_text(
-        "#!/bin/bash\n"
-        'n=$(find "$STEPS" -name "*.args" | wc -l)\n'
-        'printf "%s\\n" "$@" > "$STEPS/$n.args"\n'
-        'env > "$STEPS/$n.env"\n'
-    )
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
+    bin_dir, steps = slurm_stand_ins(tmp_path)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "STEPS": str(steps),

@@ -15,30 +15,13 @@ from pathlib import Path
 
 import pytest
 from tars import shard_samples, tar_bytes
+from test_cli import _run  # python -m shardcache ARGS, SHARDCACHE_DIR=<tmp_path>/cache
 
 from shardcache import ResumableDataset, ShardCache
 from shardcache._cli.main import main
 
 pytestmark = pytest.mark.timeout(120)
 COUNTS = (12, 9, 11, 5, 8, 7)
-
-
-def _run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full_env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
-        and not key.startswith("SLURM_")
-    }
-    full_env |= {"SHARDCACHE_DIR": str(tmp_path / "cache"), **env}
-    return subprocess.run(
-        [sys.executable, "-m", "shardcache", *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.fixture

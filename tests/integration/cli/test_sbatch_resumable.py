@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from processes import job_env, torchrun
 from repo import ROOT
+from slurm_stand_ins import slurm_stand_ins
 from tars import shard_samples, tar_bytes
 
 pytestmark = pytest.mark.timeout(240)
@@ -21,24 +22,16 @@ COUNTS = (12, 9, 11, 5, 8, 7)  # 52 samples: 2 ranks x 2 workers get 13 each, no
 
 
 def _stand_ins(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
-    """A bin directory with srun (records each step's arguments and environment) and
-    scontrol; a virtual environment whose activate script puts its bin first on PATH."""
-    bin_dir, steps, venv = tmp_path / "bin", tmp_path / "steps", tmp_path / "venv"
-    for directory in (bin_dir, steps, venv / "bin"):
-        directory.mkdir(parents=True)
-    (bin_dir / "srun").write_text(
-        "#!/bin/bash\n"
-        'n=$(find "$STEPS" -name "*.args" | wc -l)\n'
-        'printf "%s\\n" "$@" > "$STEPS/$n.args"\n'
-        'env > "$STEPS/$n.env"\n'
-    )
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    """SLURM's stand-ins (:mod:`slurm_stand_ins`), a virtual environment whose activate
+    script puts its bin first on PATH, and the template's environment."""
+    bin_dir, steps = slurm_stand_ins(tmp_path)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "shardcache").write_text("#!/bin/bash\n")
+    (venv / "bin" / "shardcache").chmod(0o755)
     (venv / "bin" / "activate").write_text(
         f'export VIRTUAL_ENV="{venv}"\nexport PATH="{venv}/bin:$PATH"\n'
     )
-    for tool in (bin_dir / "srun", bin_dir / "scontrol", venv / "bin" / "shardcache"):
-        tool.chmod(0o755)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "STEPS": str(steps),
@@ -54,10 +47,8 @@ def _stand_ins(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
     return steps, venv, env
 
 
-def test_template_activates_the_environment_then_warms_and_trains(tmp_path: Path) -> None:
-    steps, venv, env = _stand_ins(tmp_path)
-    env |= {"VENV": str(venv), "SEED": "7"}
-    ran = subprocess.run(
+def _template(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         ["bash", str(TEMPLATE)],
         env=env,
         cwd=tmp_path,
@@ -66,6 +57,12 @@ def test_template_activates_the_environment_then_warms_and_trains(tmp_path: Path
         timeout=60,
         check=False,
     )
+
+
+def test_template_activates_the_environment_then_warms_and_trains(tmp_path: Path) -> None:
+    steps, venv, env = _stand_ins(tmp_path)
+    env |= {"VENV": str(venv), "SEED": "7"}
+    ran = _template(tmp_path, env)
     assert ran.returncode == 0, ran.stderr
     warm, train = ((steps / f"{n}.args").read_text().splitlines() for n in (0, 1))
     assert warm == [
@@ -92,15 +89,7 @@ def test_template_activates_the_environment_then_warms_and_trains(tmp_path: Path
 
 def test_template_without_shardcache_in_the_environment_says_what_to_set(tmp_path: Path) -> None:
     steps, _venv, env = _stand_ins(tmp_path)
-    ran = subprocess.run(
-        ["bash", str(TEMPLATE)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    ran = _template(tmp_path, env)
     assert ran.returncode == 1
     assert "set VENV=/path/to/venv or CONDA_ENV=name" in ran.stderr
     assert not list(steps.iterdir())  # no step started
