@@ -166,3 +166,21 @@ def test_resume_after_batched_batches_in_workers_is_exact(tmp_path: Path, urls: 
 def test_batched_checks_its_size(tmp_path: Path, urls: list[str]) -> None:
     with pytest.raises(ConfigError, match="batchsize"):
         dataset(tmp_path, urls).batched(0)
+
+
+def test_mixture_resume_after_batched_batches_is_exact(tmp_path: Path, urls: list[str]) -> None:
+    def make() -> MixtureDataset:
+        sources = [Source(urls[:3], weight=0.5, name="a"), Source(urls[3:], weight=0.5, name="b")]
+        mixture = MixtureDataset(
+            sources, epoch_size=30, seed=1, cache=ShardCache(tmp_path / "cache"), threads=1
+        )
+        return mixture.to_tuple("__source__", "__key__").batched(4, collation_fn=None)
+
+    whole = [pair for batch in make() for pair in batch]
+    assert len(whole) == 30 and {source for source, _ in whole} == {"a", "b"}
+    loader = StatefulDataLoader(make(), batch_size=None, num_workers=0)
+    stream = iter(loader)
+    first = [tuple(pair) for _ in range(3) for pair in next(stream)]  # the loader makes lists
+    resumed = StatefulDataLoader(make(), batch_size=None, num_workers=0)
+    resumed.load_state_dict(loader.state_dict())
+    assert first + [tuple(pair) for batch in resumed for pair in batch] == whole
