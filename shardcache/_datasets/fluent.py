@@ -16,7 +16,8 @@ DataLoader workers together, as in Mosaic Streaming and litdata (a rank's count,
 same count, so the rank's is ``workers`` times a consumer's, for the ``workers`` given to
 ``prepare(workers=)`` (inside a worker: the DataLoader's ``num_workers``; else 1, which is
 also ``num_workers=0``). It is the count of a whole fresh epoch in this layout, also after
-a state was loaded.
+a state was loaded. It needs the shards' sample offsets, as ``prepare()`` does: from the
+index file, or learned (with a process group, a collective: call it on every rank).
 """
 
 from __future__ import annotations
