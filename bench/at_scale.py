@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=8, help="ranks per node")
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers per rank")
     p.add_argument("--shards", type=int, default=100_000)
-    p.add_argument("--shard-size", type=_size, default=1 << 30, help="default 1G")
+    p.add_argument("--shard-size", type=_size, default=1 << 30, help="default 1GiB")
     p.add_argument("--conn-mb-s", type=float, default=90.0, help="MB/s of one connection")
     p.add_argument("--node-gbit-s", type=float, default=100.0, help="Gb/s of a node's link")
     p.add_argument("--latency", type=float, default=0.03, help="seconds to the first byte")

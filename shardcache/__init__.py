@@ -90,6 +90,12 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'shardcache' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The module's names and the public ones loaded on first use (``dir(shardcache)``,
+    tab completion)."""
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "CacheDirError",
     "CacheEntry",

@@ -57,6 +57,7 @@ _GROUP_FILES = {
         "test_report_job.py",
         "test_resume_slurm.py",
         "test_resume_torchrun.py",
+        "test_sbatch_resumable_slurm.py",
         "test_slurm.py",
         "test_slurm_epochs.py",
         "test_slurm_nodes.py",

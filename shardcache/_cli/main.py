@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import signal
 import sys
 from collections.abc import Iterator, Sequence
 from types import FrameType
+from typing import Any
 
 from .. import __version__
 from .._base.errors import ConfigError, ShardCacheError, UrlError
@@ -51,10 +53,26 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one clear line and exit code 2."""
+    """argparse that reports a usage error as one clear line and exit code 2, and names the
+    closest choice of a mistyped command or choice ("did you mean 'warm'?")."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(common.EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        choices = action.choices
+        if choices is None or value in choices:
+            return
+        names = [str(choice) for choice in choices]
+        close = difflib.get_close_matches(str(value), names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        if isinstance(action, argparse._SubParsersAction):  # the command itself
+            raise argparse.ArgumentError(
+                None, f"unknown command {value!r}: {hint}(commands: {', '.join(names)})"
+            )
+        raise argparse.ArgumentError(
+            action, f"invalid choice: {value!r}: {hint}(choose from {', '.join(names)})"
+        )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -106,9 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardcache`` console script."""
     parser = _build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
+    logging.basicConfig(  # warnings as the command's own lines; -v: timed, by logger
         level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        if args.verbose
+        else "shardcache: %(levelname)s: %(message)s",
     )
     for handler in logging.getLogger().handlers:  # -v: botocore logs request headers
         handler.addFilter(RedactingFilter())

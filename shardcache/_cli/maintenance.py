@@ -20,8 +20,9 @@ def add(commands: Any) -> None:
     status = common.command(
         commands,
         "status",
-        "show entries, disk, locks held, stale locks and orphan files",
-        "Show the cache directory's shards and bytes, the free disk, downloads in progress, "
+        "show entries (--list: each shard), disk, locks held, stale locks and orphan files",
+        "Show the cache directory's shards and bytes (--list: each shard, its size and when "
+        "it was last used), the free disk, downloads in progress, "
         "every lock held right now and by whom (host, pid, rank, phase, bytes, alive?), "
         "stale locks (leases of dead processes) and orphan files (temp files of killed "
         "downloads, metadata of shards that are gone), and the other scope directories of "
@@ -29,12 +30,18 @@ def add(commands: Any) -> None:
         "message names the ones the root holds).",
         [
             "shardcache status",
+            "shardcache status --list",
             "shardcache status --json --scope node",
             "shardcache status --rank 3",
             "shardcache status --all",
         ],
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--list",
+        action="store_true",
+        help="list every cached shard: URL, size, last used (--json: as 'shards')",
+    )
     status.add_argument(
         "--all",
         action="store_true",
@@ -49,14 +56,17 @@ def add(commands: Any) -> None:
         "remove stale locks and orphan temp files",
         "Remove exactly what 'status' reports as stale or orphan, checking each item again "
         "right before removing it. Never removes a .lock file, a lock of a live holder, or "
-        "a download of a living process. Safe to run while jobs use the cache.",
+        "a download of a living process. Safe to run while jobs use the cache. --dry-run "
+        "lists what would be removed and removes nothing.",
         [
             "shardcache clean",
+            "shardcache clean --dry-run",
             "shardcache clean --json --cache-dir /local/ssd/cache",
             "shardcache clean --all",
         ],
     )
     clean.add_argument("--json", action="store_true", help="machine-readable output")
+    _dry_run_option(clean)
     clean.add_argument(
         "--all", action="store_true", help="every rank-N and node directory under the cache root"
     )
@@ -68,9 +78,15 @@ def add(commands: Any) -> None:
         "evict",
         "evict least-recently-used shards down to a size",
         "Remove least-recently-used shards until the cache (shards plus downloads in "
-        "progress) fits in SIZE. Shards in use by a reader are never removed. Exit code 2 "
-        "when neither --max-bytes nor SHARDCACHE_MAX_BYTES gives a size.",
-        ["shardcache evict --max-bytes 500G", "SHARDCACHE_MAX_BYTES=1.5T shardcache evict"],
+        "progress) fits in SIZE (decimal, as sizes are printed: 500G is 500 GB; binary with "
+        "i: 500GiB). Shards in use by a reader are never removed. --dry-run lists what would "
+        "be removed and removes nothing. Exit code 2 when neither --max-bytes nor "
+        "SHARDCACHE_MAX_BYTES gives a size.",
+        [
+            "shardcache evict --max-bytes 500G",
+            "shardcache evict --max-bytes 500G --dry-run",
+            "SHARDCACHE_MAX_BYTES=1.5T shardcache evict",
+        ],
     )
     evict.add_argument(
         "--max-bytes",
@@ -79,6 +95,7 @@ def add(commands: Any) -> None:
         help="target size, e.g. 500G (default: SHARDCACHE_MAX_BYTES); 0 evicts all unused",
     )
     evict.add_argument("--json", action="store_true", help="machine-readable output")
+    _dry_run_option(evict)
     common.cache_options(evict)
     evict.set_defaults(func=_cmd_evict)
 
@@ -117,6 +134,12 @@ def add(commands: Any) -> None:
     verify.set_defaults(func=_cmd_verify)
 
 
+def _dry_run_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-n", "--dry-run", action="store_true", help="list what would be removed; remove nothing"
+    )
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text, "--max-bytes")
@@ -144,9 +167,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from .._ops.maintenance import status, status_all
 
     _emit(
-        status_all(common.settings_for(args))
+        status_all(common.settings_for(args), list_shards=args.list)
         if _all_scopes(args)
-        else status(common.cache_for(args)),
+        else status(common.cache_for(args), list_shards=args.list),
         args.json,
     )
     return common.EXIT_OK
@@ -155,8 +178,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_clean(args: argparse.Namespace) -> int:
     from .._ops.maintenance import clean, clean_all
 
+    dry_run = args.dry_run
     report = (
-        clean_all(common.settings_for(args)) if _all_scopes(args) else clean(common.cache_for(args))
+        clean_all(common.settings_for(args), dry_run=dry_run)
+        if _all_scopes(args)
+        else clean(common.cache_for(args), dry_run=dry_run)
     )
     _emit(report, args.json)
     return common.EXIT_FAILED if report.failed else common.EXIT_OK
@@ -164,17 +190,18 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 def _cmd_evict(args: argparse.Namespace) -> int:
     from .._base.units import format_bytes
-    from .._ops.maintenance import require_scope_dir
+    from .._ops.maintenance import evict_preview, require_scope_dir
 
     cache = common.cache_for(args)
     limit = args.max_bytes if args.max_bytes is not None else cache.settings.max_bytes
     if limit is None:
         raise common.UsageError("give --max-bytes SIZE (e.g. 500G) or set SHARDCACHE_MAX_BYTES")
     require_scope_dir(cache.settings)
-    report = cache.evict(limit)
+    report = evict_preview(cache, limit) if args.dry_run else cache.evict(limit)
     if args.json:
         out = {
             "scope_dir": str(cache.settings.scope_dir),
+            "dry_run": args.dry_run,
             "max_bytes": limit,
             "removed": [
                 {"path": str(e.path), "url": e.url, "size": e.size, "last_used": e.last_used}
@@ -186,10 +213,15 @@ def _cmd_evict(args: argparse.Namespace) -> int:
         }
         common.write_json(out)
         return common.EXIT_OK
+    dry = args.dry_run
+    done, freed, left = (
+        ("would remove", "to free", "would stay") if dry else ("removed", "freed", "kept")
+    )
     lines = [
-        f"evict {cache.settings.scope_dir} to {format_bytes(limit)} ({limit} bytes): removed "
-        f"{len(report.removed)} shards ({format_bytes(report.freed_bytes)} freed), "
-        f"{format_bytes(report.kept_bytes)} kept, {report.in_use} in use skipped"
+        f"evict {cache.settings.scope_dir} to {format_bytes(limit)} ({limit} bytes): {done} "
+        f"{len(report.removed)} shards ({format_bytes(report.freed_bytes)} {freed}), "
+        f"{format_bytes(report.kept_bytes)} {left}, {report.in_use} in use skipped"
+        + ("; --dry-run: nothing removed" if dry else "")
     ]
     shown = report.removed[:EVICT_LIST_LIMIT]
     lines += [f"  {e.url or e.path} ({format_bytes(e.size)})" for e in shown]

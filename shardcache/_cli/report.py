@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(format_report(report, args.top) + "\n")
     if args.plot is not None:
         sys.stdout.flush()
+        job_id = report.jobs[0].job_id
+        job = f"job {job_id}" if job_id is not None else "the records (they name no job id)"
         several = " (the latest of several jobs; --job picks one)" if len(report.jobs) > 1 else ""
-        sys.stderr.write(f"report: plotted job {report.jobs[0].job_id}{several} to {args.plot}\n")
+        sys.stderr.write(f"report: plotted {job}{several} to {args.plot}\n")
     return common.EXIT_OK

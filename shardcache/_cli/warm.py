@@ -39,13 +39,17 @@ def add(commands: Any) -> None:
         "--no-shuffle-shards and --remainder. It needs --index FILE, the shard list's "
         "sample index made by 'shardcache index': the split is by samples, and without an "
         "index every shard would have to be downloaded to count them, which is what "
-        "warming only this task's shards avoids.",
+        "warming only this task's shards avoids.\n\n"
+        "--dry-run (or --list) prints the URLs this task would warm, one a line on stdout "
+        "(--json: the plan and the list), and reads none of them: nothing is downloaded "
+        "and no cache directory is made.",
         [
             "shardcache warm 's3://bucket/train-{000000..000127}.tar'",
             "shardcache warm --from-file shards.txt --threads 16 --cache-dir /local/ssd/cache",
             "srun --ntasks-per-node=8 shardcache warm 's3://b/train-{0000..1023}.tar' --scope node",
             "torchrun --nproc-per-node 8 -m shardcache warm 's3://b/train-{0000..1023}.tar' "
             "--split dataset --index s3://b/train.index.json --seed 7",
+            "RANK=3 WORLD_SIZE=8 shardcache warm 's3://b/train-{0000..1023}.tar' --dry-run",
         ],
     )
     common.spec_arguments(warm)
@@ -62,6 +66,13 @@ def add(commands: Any) -> None:
         "in a row fail with the same error that is not about the shard itself)",
     )
     warm.add_argument("--json", action="store_true", help="machine-readable summary")
+    warm.add_argument(
+        "--dry-run",
+        "--list",
+        dest="dry_run",
+        action="store_true",
+        help="print the URLs this task would warm (its --split share); read none of them",
+    )
     warm.add_argument(
         "--split",
         choices=("auto", "none", "dataset"),
@@ -129,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_dataset_warm(_dataset(args, specs, cache), **where)
     else:  # an idle task of --split dataset gets --split auto's answer without the dataset
         plan = plan_warm(urls, split="auto" if args.split == "dataset" else args.split, **where)
+    if args.dry_run:
+        return _list(plan, args.json)
     if not plan.active or not plan.urls:
         if args.json:
             common.write_json({"plan": plan.reason, **WarmResult(settings.scope_dir, 0).as_json()})
@@ -149,6 +162,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(result.summary() + "\n")
     return common.EXIT_FAILED if result.failed or result.not_attempted else common.EXIT_OK
+
+
+def _list(plan: Any, as_json: bool) -> int:
+    """``--dry-run``: the URLs ``plan`` would warm, on stdout; what they are, on stderr."""
+    urls = plan.urls if plan.active else []
+    if as_json:
+        common.write_json({"plan": plan.reason, "dry_run": True, "urls": urls})
+    else:
+        sys.stderr.write(f"warm --dry-run: {len(urls)} shards ({plan.reason}); none read\n")
+        sys.stdout.write("".join(f"{url}\n" for url in urls))
+    return common.EXIT_OK
 
 
 def _dataset(args: argparse.Namespace, specs: list[str], cache: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Settings written for people: a value in the form its variable accepts (``1h``, ``8M``,
+"""Settings written for people: a value in the form its variable accepts (``1h``, ``8MiB``,
 ``unlimited``) as ``shardcache config`` and the documentation show it, a bound as an
 error message names it, and credentials redacted from what is shown.
 """
@@ -9,12 +9,19 @@ import json
 from typing import Any
 
 from .._base.redact import redact_options, redact_text
-from .parse import SIZE_UNITS, parse_duration, parse_optional_rate, parse_optional_size, parse_size
+from .parse import (
+    BINARY_UNITS,
+    SIZE_UNITS,
+    parse_duration,
+    parse_optional_rate,
+    parse_optional_size,
+    parse_size,
+)
 from .specs import SPECS, SettingSpec
 
 
 def format_setting(name: str, value: Any) -> str:
-    """``value`` of setting ``name`` written as the documentation writes it (``1h``, ``8M``,
+    """``value`` of setting ``name`` written as the documentation writes it (``1h``, ``8MiB``,
     ``unlimited``): a form its variable accepts, where the setting has one."""
     spec = SPECS.get(name)
     if value is None:
@@ -53,7 +60,9 @@ def format_duration(seconds: float) -> str:
 
 
 def format_size(size: int) -> str:
+    """``size`` in the largest unit that divides it: decimal (``500G``) or binary (``8MiB``)."""
     for unit in ("P", "T", "G", "M", "K"):
-        if size >= SIZE_UNITS[unit] and size % SIZE_UNITS[unit] == 0:
-            return f"{size // SIZE_UNITS[unit]}{unit}"
+        for scale, name in ((SIZE_UNITS[unit], unit), (BINARY_UNITS[unit], f"{unit}iB")):
+            if size >= scale and size % scale == 0:
+                return f"{size // scale}{name}"
     return str(size)

@@ -20,16 +20,22 @@ from .._base.errors import ConfigError
 from .._base.redact import redact_options
 from .._base.trust import group_id
 
-SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
+# Sizes are decimal as shardcache prints them (500G = 500 * 10**9 bytes); KiB, MiB, ... binary.
+SIZE_UNITS = {"": 1, **{u: 1000 ** (i + 1) for i, u in enumerate("KMGTP")}}
+BINARY_UNITS = {u: 1 << (10 * (i + 1)) for i, u in enumerate("KMGTP")}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(I?))?B?\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-SIZE_FORM = "a size in bytes with an optional binary unit: 1048576, 64K, 500M, 500G, 1.5T, 2TiB"
+SIZE_FORM = (
+    "a size in bytes with an optional unit, decimal as shardcache prints sizes (500M = 500 MB "
+    "= 500 * 10**6 bytes) or binary with i (64KiB, 8MiB): 1048576, 500M, 500G, 1.5T, 2TiB"
+)
 DURATION_FORM = "a duration: a number of seconds or units ms/s/m/h/d, e.g. 0.5, 90s, 5m, 1h30m"
 
 
 def parse_size(text: str, name: str = "size") -> int:
-    """Parse ``"500G"``-style sizes (binary units: K = 1024) into bytes."""
+    """Parse ``"500G"``-style sizes into bytes: decimal units (K = 1000, as shardcache prints
+    sizes), binary ones with ``i`` (``KiB``, ``Mi``: 1024)."""
     match = _SIZE_RE.match(str(text))
     if not match:
         raise ConfigError(
@@ -37,8 +43,9 @@ def parse_size(text: str, name: str = "size") -> int:
             name=name,
             value=text,
         )
-    number, unit = match.groups()
-    value = float(number) * SIZE_UNITS[unit.upper()]
+    number, unit, binary = match.groups()
+    units = BINARY_UNITS if binary else SIZE_UNITS
+    value = float(number) * (units[unit.upper()] if unit else 1)
     if not math.isfinite(value) or value >= 2**63:
         raise ConfigError(
             f"{name}={text!r} is too large; expected at most 8E (2**63 bytes).",

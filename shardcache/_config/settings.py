@@ -4,7 +4,8 @@ Every value is parsed once, by a small typed parser (``_config.parse``) that the
 settings names (``_config.specs``), and remembers where it came from so ``shardcache
 config`` can show it (``_config.display``). A bad value raises :class:`ConfigError`
 naming the variable, the value and the accepted form. A ``SHARDCACHE_*`` variable no
-setting reads (``_config.unknown``) is warned of, once per variable and process.
+setting reads (``_config.unknown``) is warned of, once per variable and process, not in
+DataLoader workers (the process that built the dataset warned).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import os
+import sys
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -198,7 +200,11 @@ _warned_lock = threading.Lock()
 
 
 def warn_unknown_env(env: Mapping[str, str] | None = None) -> None:
-    """Log a warning for each :func:`unknown_env` variable, once per variable and process."""
+    """Log a warning for each :func:`unknown_env` variable, once per variable and process;
+    none in a DataLoader worker (the dataset's stage warned when it was built)."""
+    data = sys.modules.get("torch.utils.data")  # imported by the program if it uses torch
+    if data is not None and data.get_worker_info() is not None:
+        return
     for var, close in unknown_env(env).items():
         with _warned_lock:
             if var in _warned_env:

@@ -55,6 +55,7 @@ from .._cache.shard_cache import ShardCache
 from .._observe import metrics
 from .delivery_check import DeliveryCheck
 from .epoch_split import Lay
+from .fluent import Fluent
 from .interleave import order, stepped_picks
 from .mixture_schedule import (
     MixtureSchedule,
@@ -91,12 +92,14 @@ class Source:
     lock: str | None = None
 
 
-class MixtureDataset(torch.utils.data.IterableDataset):
+class MixtureDataset(Fluent, torch.utils.data.IterableDataset):
     """Samples of several :class:`Source` s at set proportions (each sample tagged
     ``"__source__"``), resumable exactly and elastically. ``epoch_size`` is the samples an
     epoch (needed with weights); ``schedule`` changes the weights per epoch and within
     epochs (:mod:`~shardcache._datasets.mixture_schedule`); the other arguments are
-    :class:`ResumableDataset`'s, for every source."""
+    :class:`ResumableDataset`'s, for every source. ``len()`` is the samples this rank
+    yields in the epoch read next, with the DataLoader workers given to
+    ``prepare(workers=)`` (:mod:`~shardcache._datasets.fluent`)."""
 
     def __init__(
         self,
@@ -228,6 +231,9 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             self._workers, self._prepared = whole("workers", workers, low=0), None
             self._enter(self._parts[0].epoch)
         return self
+
+    def _resumables(self) -> list[Any]:
+        return list(self._parts)
 
     def cache_urls(self) -> list[str]:
         """The shards this process's cache reads in every epoch, of every source."""

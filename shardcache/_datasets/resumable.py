@@ -26,10 +26,9 @@ offsets: nothing before them is read, let alone decoded. A state of all consumer
 (:func:`~shardcache._datasets.resume_state.job_state`) also resumes with another world size or
 worker count: the undelivered pieces are dealt out again, each sample exactly once.
 
-Stages given to :meth:`compose` run after the state is counted, so they must pass or drop
-each sample as it comes (decode, map, to_tuple, select); a stage that holds samples back
-(``wds.shuffle``, ``wds.batched``) would hold samples the state counts as delivered:
-use ``shuffle_buffer`` and the DataLoader's ``batch_size`` instead.
+Stages (:meth:`compose`, or :mod:`~shardcache._datasets.fluent`'s ``.decode()``, ``.batched()``...)
+run after the state is counted: one that holds samples back (``wds.shuffle``, ``wds.batched``,
+which reads one ahead) would hold samples the state counts as delivered.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from ..distributed import rank_info
 from .delivery_check import Checker, DeliveryCheck, mode_of, skipper
 from .delivery_digest import BATCH, Recorder, SampleHasher
 from .epoch_split import EpochSplit, Lay
+from .fluent import Fluent
 from .job_index import in_group, job_index, rank_part, urls_digest
 from .lock_check import LockUse
 from .resume_options import (
@@ -77,7 +77,7 @@ logger = get_logger(__name__)
 Stage = Callable[[Iterator[Any]], Iterator[Any]]
 
 
-class ResumableDataset(torch.utils.data.IterableDataset):
+class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     """WebDataset samples (``{"__key__", "__url__", "__local_path__", suffix: bytes}``)
     of a shard list, read through the cache, with a resumable, deterministic epoch order.
 
@@ -232,15 +232,17 @@ class ResumableDataset(torch.utils.data.IterableDataset):
 
     # -- the sample index and the split ----------------------------------------------
 
-    def prepare(self) -> ResumableDataset:
+    def prepare(self, workers: int | None = None) -> ResumableDataset:
         """Load or learn the shards' sample offsets, and hand the shards out to the
         caches, now, in this process (DataLoader workers forked afterwards inherit both
-        instead of each reading the index and computing the hand-out).
+        instead of each reading the index and computing the hand-out); ``workers`` (the
+        DataLoader's ``num_workers``) is what ``len()`` counts.
 
         Learning with a torch.distributed process group initialised here is a collective
         (every rank must call it; the first ``set_epoch()`` does it too): each rank
         indexes its own cache's shards and the offsets are gathered, one read of each
         shard across the job."""
+        self._count_workers(workers)
         _, world_size, local_world_size = self._ranks()
         per_cache = self._ranks_per_cache(world_size, local_world_size)
         self._epoch_split().unit_shares(world_size // per_cache)

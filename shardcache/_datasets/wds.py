@@ -48,7 +48,7 @@ import webdataset as wds
 from .._base.errors import ShardCacheError, StallError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
-from .._config.settings import prefetch_overrides
+from .._config.settings import prefetch_overrides, warn_unknown_env
 from .._observe import metrics
 from .._prefetch.prefetcher import Prefetcher
 from .._store.growing import GrowingFile
@@ -84,6 +84,8 @@ class CacheStage:
         if cache is not None and not isinstance(cache, ShardCache):
             raise TypeError(f"cache must be a shardcache.ShardCache or None, not {_kind(cache)}")
         self.cache = cache
+        if cache is None:  # resolved in the DataLoader workers, which do not warn: warn here
+            warn_unknown_env()
         self.handler = handler
         # Checked now (in the constructing process), applied by cache.prefetch() over the
         # cache's settings when iteration starts.

@@ -1,5 +1,6 @@
 """Inspecting and repairing a cache directory: ``status`` and ``clean`` (``verify``, which
-checks cached shards' content, is :mod:`shardcache._ops.verify`).
+checks cached shards' content, is :mod:`shardcache._ops.verify`), and what ``clean`` and
+``evict`` would remove (``--dry-run``), removing nothing.
 
 ``status`` walks a scope directory once (counts, disk, locks held, temp and record files);
 what counts as stale or orphan, and what never does, is :mod:`shardcache._ops.maintenance_stale`'s
@@ -24,7 +25,7 @@ from .._config.settings import Settings
 from .._disk.layout import CacheLayout, lease_step_of, parse_scope_dir, parse_temp_name
 from .._locking.lease import remove_lease_if_unchanged
 from .._locking.records import holder_verdict, read_owner, read_record
-from .._store.eviction import list_dir, scan
+from .._store.eviction import EvictReport, list_dir, scan
 from .._store.pins import is_held
 from .maintenance_reports import (
     KIND_LABELS,
@@ -124,20 +125,25 @@ def scope_caches(settings: Settings) -> list[ShardCache]:
     ]
 
 
-def status_all(settings: Settings) -> StatusSummary:
+def status_all(settings: Settings, *, list_shards: bool = False) -> StatusSummary:
     """:func:`status` of every scope directory under ``settings.cache_dir``."""
-    return StatusSummary(settings.cache_dir, [status(c) for c in scope_caches(settings)])
+    return StatusSummary(
+        settings.cache_dir, [status(c, list_shards=list_shards) for c in scope_caches(settings)]
+    )
 
 
-def status(cache: ShardCache) -> StatusReport:
-    """Entries (and how each was verified, from its record), disk, locks held and by whom,
-    stale locks and orphan files of ``cache`` (:func:`require_scope_dir` first)."""
+def status(cache: ShardCache, *, list_shards: bool = False) -> StatusReport:
+    """Entries (and how each was verified, from its record; each one with
+    ``list_shards``), disk, locks held and by whom, stale locks and orphan files of
+    ``cache`` (:func:`require_scope_dir` first)."""
     require_scope_dir(cache.settings)
     layout = cache.layout
     report = StatusReport(scope_dir=layout.scope_dir)
     # Records read for how each shard was verified (older records, or none: "unknown").
     entries = scan(layout, with_meta=True, unreadable=report.unreadable)[0]
     report.entries = len(entries)
+    if list_shards:
+        report.shards = sorted(entries, key=lambda e: (e.url or "", str(e.path)))
     report.verified = method_counts(e.verified or UNKNOWN for e in entries)
     report.bytes = sum(e.size for e in entries)
     with _DirFds(layout.fs) as dirs:
@@ -198,14 +204,16 @@ def _judge_lock_file(layout: CacheLayout, report: StatusReport, path: Path, dirs
             report.stale_locks.append(stale)
 
 
-def clean(cache: ShardCache) -> CleanReport:
-    """Remove what :func:`status` calls stale or orphan, judging each item again first."""
+def clean(cache: ShardCache, *, dry_run: bool = False) -> CleanReport:
+    """Remove what :func:`status` calls stale or orphan, judging each item again first
+    (``dry_run``: report what that finds, remove nothing)."""
     layout = cache.layout
     found = status(cache)
     report = CleanReport(
         scope_dir=layout.scope_dir,
         live_locks=len(found.locks_held),
         live_downloads=found.downloads,
+        dry_run=dry_run,
     )
     # Temp files first: a metadata record is an orphan only once no live download remains.
     items = [i for i in found.orphans if i.kind == "part"] + found.stale_locks
@@ -214,6 +222,9 @@ def clean(cache: ShardCache) -> CleanReport:
         again = rejudge(layout, item)
         if again is None:
             report.kept.append((item, "no longer stale when checked again"))
+            continue
+        if dry_run:
+            report.removed.append(again)
             continue
         try:
             if again.kind == "lease":
@@ -235,9 +246,35 @@ def clean(cache: ShardCache) -> CleanReport:
     return report
 
 
-def clean_all(settings: Settings) -> CleanSummary:
+def clean_all(settings: Settings, *, dry_run: bool = False) -> CleanSummary:
     """:func:`clean` of every scope directory under ``settings.cache_dir``."""
-    return CleanSummary(settings.cache_dir, [clean(c) for c in scope_caches(settings)])
+    return CleanSummary(
+        settings.cache_dir, [clean(c, dry_run=dry_run) for c in scope_caches(settings)]
+    )
+
+
+def evict_preview(cache: ShardCache, max_bytes: int) -> EvictReport:
+    """What ``cache.evict(max_bytes)`` would remove now, removing nothing: by the same rule
+    (least recently used first until shards plus downloads in progress fit in
+    ``max_bytes``; a shard a reader holds is skipped), from a listing of the directory."""
+    require_scope_dir(cache.settings)
+    layout = cache.layout
+    entries, partial = scan(layout, with_meta=True)
+    used = partial + sum(e.size for e in entries)
+    report = EvictReport()
+    with _DirFds(layout.fs) as dirs:
+        for entry in entries:
+            if used <= max_bytes:
+                break
+            if is_held(layout.fs, entry.path, dirs.fd(entry.path)):
+                report.in_use += 1
+                report.in_use_bytes += entry.size
+                continue
+            report.removed.append(entry)
+            report.freed_bytes += entry.size
+            used -= entry.size
+    report.kept_bytes = used
+    return report
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -290,6 +327,7 @@ def _is_shard_lock(path: Path) -> bool:
 __all__ = [
     "clean",
     "clean_all",
+    "evict_preview",
     "require_scope_dir",
     "scope_caches",
     "status",

@@ -4,6 +4,7 @@ scope under a cache root; each as text for a person and as JSON."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 from .._base.units import format_bytes
 from .._disk.layout import LEASE_STEPS
 from .._locking.records import describe_holder
+from .._store.eviction import CacheEntry
 
 KIND_LABELS = {
     "lease": "stale lease",
@@ -116,10 +118,13 @@ class StatusReport:
     orphans: list[Leftover] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)  # (directory, why)
     other_scopes: list[str] = field(default_factory=list)  # sibling scope directories
+    shards: list[CacheEntry] | None = None  # each cached shard (``status --list``)
 
     def as_json(self) -> dict[str, Any]:
+        listed = {} if self.shards is None else {"shards": [_shard_json(e) for e in self.shards]}
         return {
             "scope_dir": str(self.scope_dir),
+            **listed,
             "other_scopes": self.other_scopes,
             "unreadable": unreadable_json(self.unreadable),
             "entries": self.entries,
@@ -150,6 +155,7 @@ class StatusReport:
         lines += [
             f"entries     {self.entries} shards, {format_bytes(self.bytes)}"
             f" ({self.in_use} in use by readers)",
+            *(f"  {_shard_line(entry)}" for entry in self.shards or ()),
             f"verified    {verified_text(self.verified)}",
             *([f"  {SIZE_NOTE}"] if self.verified.get("size") else []),
             f"downloads   {self.downloads} in progress ({format_bytes(self.download_bytes)})",
@@ -177,6 +183,7 @@ class CleanReport:
     failed: list[tuple[Leftover, str]] = field(default_factory=list)
     live_locks: int = 0
     live_downloads: int = 0
+    dry_run: bool = False  # ``removed``: what would be removed; nothing was
 
     @property
     def freed_bytes(self) -> int:
@@ -185,6 +192,7 @@ class CleanReport:
     def as_json(self) -> dict[str, Any]:
         return {
             "scope_dir": str(self.scope_dir),
+            "dry_run": self.dry_run,
             "removed": [item.as_json() for item in self.removed],
             "freed_bytes": self.freed_bytes,
             "kept": [{**item.as_json(), "why": why} for item, why in self.kept],
@@ -195,7 +203,10 @@ class CleanReport:
 
     def format(self) -> str:
         root = self.scope_dir
-        lines = [f"clean {root}: removed {len(self.removed)} ({format_bytes(self.freed_bytes)})"]
+        done = "would remove" if self.dry_run else "removed"
+        lines = [f"clean {root}: {done} {len(self.removed)} ({format_bytes(self.freed_bytes)})"]
+        if self.dry_run:
+            lines[0] += "; --dry-run: nothing removed"
         lines += [f"  {item.describe(root)}" for item in self.removed]
         for item, why in self.kept:
             lines.append(f"  kept {item.describe(root)}: {why}")
@@ -227,8 +238,9 @@ class CleanSummary:
             return f"cache root  {self.root}\nno scope directories (rank-N, node) under it"
         removed = [item for r in self.reports for item in r.removed]
         freed = format_bytes(sum(item.size for item in removed))
+        done = "would remove" if any(r.dry_run for r in self.reports) else "removed"
         lines = [
-            f"cache root  {self.root}: {len(self.reports)} scope directories, removed "
+            f"cache root  {self.root}: {len(self.reports)} scope directories, {done} "
             f"{len(removed)} ({freed})"
         ]
         return "\n".join(lines + [r.format() for r in self.reports])
@@ -267,6 +279,7 @@ class StatusSummary:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         for report in self.reports:
             root, name = report.scope_dir, report.scope_dir.name
+            lines += [f"{name}: {_shard_line(entry)}" for entry in report.shards or ()]
             if report.verified:
                 lines.append(f"{name}: verified {verified_text(report.verified)}")
             lines += [f"{name}: {lock.describe()}" for lock in report.locks_held]
@@ -280,6 +293,21 @@ class StatusSummary:
                 f"{', '.join(dirty)}"
             )
         return "\n".join(lines)
+
+
+def _shard_json(entry: CacheEntry) -> dict[str, Any]:
+    return {
+        "url": entry.url,
+        "path": str(entry.path),
+        "size": entry.size,
+        "last_used": entry.last_used,
+        "verified": entry.verified,
+    }
+
+
+def _shard_line(entry: CacheEntry) -> str:
+    used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.last_used))
+    return f"{entry.url or entry.path} ({format_bytes(entry.size)}, last used {used})"
 
 
 def unreadable_json(unreadable: list[tuple[Path, str]]) -> list[dict[str, str]]:

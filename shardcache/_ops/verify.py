@@ -150,7 +150,9 @@ def verify(
     require_scope_dir(cache.settings)
     report = VerifyReport(scope_dir=cache.layout.scope_dir)
     entries = scan(cache.layout, with_meta=True, unreadable=report.unreadable)[0]
-    progress = FetchProgress(len(entries), stream, LOG_EVERY, label="verify", verb="checked")
+    # --quick reads no byte: its progress counts shards, not bytes checked a second.
+    verb = None if quick else "checked"
+    progress = FetchProgress(len(entries), stream, LOG_EVERY, label="verify", verb=verb)
 
     def check(entry: CacheEntry) -> VerifyItem:
         item = _verify_quick(cache, entry) if quick else _verify_one(cache, entry, expected)

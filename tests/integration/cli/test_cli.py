@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from repo import ROOT
+from slurm_stand_ins import slurm_stand_ins
 
 import shardcache
 from shardcache import ShardCache
@@ -438,7 +439,7 @@ def test_interrupted_warm_exits_130_and_leaves_no_temp_file(s3, tmp_path) -> Non
         **os.environ,
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}",
         "SHARDCACHE_DIR": str(tmp_path / "cache"),
-        "SHARDCACHE_CHUNK_SIZE": "64K",  # a progress report (and chance to stop) per 64 KiB
+        "SHARDCACHE_CHUNK_SIZE": "64KiB",  # a progress report (and chance to stop) per 64 KiB
     }
     # SIGINT as a terminal's Ctrl-C gives it, whatever this process passes on: an ignored
     # SIGINT (a shell's background job; children inherit SIG_IGN, which Python keeps) or a
@@ -482,18 +483,7 @@ def test_sbatch_template_gives_the_warm_threads_to_the_warm_step_alone(tmp_path)
     """scripts/sbatch-example.sh run by bash with stand-ins for srun and scontrol that
     record each step's arguments and environment (tests/system/test_slurm.py submits it to a
     real cluster)."""
-    bin_dir, steps = tmp_path / "bin", tmp_path / "steps"
-    bin_dir.mkdir()
-    steps.mkdir()
-    (bin_dir / "srun").write_text(
-        "#!/bin/bash\n"
-        'n=$(find "$STEPS" -name "*.args" | wc -l)\n'
-        'printf "%s\\n" "$@" > "$STEPS/$n.args"\n'
-        'env > "$STEPS/$n.env"\n'
-    )
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
+    bin_dir, steps = slurm_stand_ins(tmp_path)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "STEPS": str(steps),

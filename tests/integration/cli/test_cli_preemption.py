@@ -47,7 +47,7 @@ def test_sigterm_mid_download_removes_the_part_and_exits_143(s3, fault_proxy, tm
         **os.environ,
         "AWS_ENDPOINT_URL": fault_proxy.endpoint_url,
         "SHARDCACHE_DIR": str(cache_dir),
-        "SHARDCACHE_CHUNK_SIZE": "64K",
+        "SHARDCACHE_CHUNK_SIZE": "64KiB",
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardcache", "warm", url],

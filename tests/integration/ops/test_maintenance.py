@@ -230,6 +230,14 @@ def test_status_and_clean_from_the_command_line(tmp_path: Path) -> None:
         assert f"pid {dead_pid} no longer exists" in shown.stdout
         as_json = json.loads(run("status", "--json").stdout)
         assert [lock["holder"]["pid"] for lock in as_json["locks_held"]] == [pid]
+        dry = run("clean", "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert dry.stdout.startswith(
+            f"clean {cache.layout.scope_dir}: would remove 1 (1.0 KB); --dry-run: nothing removed"
+        )
+        assert f"pid {dead_pid} no longer exists" in dry.stdout
+        assert json.loads(run("clean", "-n", "--json").stdout)["dry_run"] is True
+        assert len(json.loads(run("status", "--json").stdout)["orphans"]) == 1  # still there
         cleaned = run("clean")
         assert cleaned.returncode == 0, cleaned.stderr
         assert cleaned.stdout.startswith(f"clean {cache.layout.scope_dir}: removed 1 (1.0 KB)")

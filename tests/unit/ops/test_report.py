@@ -190,6 +190,16 @@ def test_plot_draws_a_png(job, tmp_path, capsys) -> None:
     assert blue.sum() > 500
 
 
+def test_plot_of_records_without_a_job_id_says_so(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    write_records(tmp_path / "m" / "r0.jsonl", [record(rank=0, job_id=None, samples=10)])
+    out = tmp_path / "wait.png"
+    assert main(["report", str(tmp_path / "m"), "--plot", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"report: plotted the records (they name no job id) to {out}" in err
+    assert "None" not in err and out.exists()
+
+
 def test_plot_without_matplotlib_says_what_to_install(job, tmp_path, capsys, monkeypatch) -> None:
     root, _expected = job
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError

@@ -38,3 +38,11 @@ def test_builtin_bases_let_generic_handlers_catch() -> None:
     for fetch_error in (errors.TransientFetchError, errors.PermanentFetchError):
         assert issubclass(fetch_error, OSError)
     assert issubclass(errors.PipeCommandError, OSError)
+
+
+def test_dir_lists_the_names_loaded_on_first_use() -> None:
+    names = dir(shardcache)
+    assert set(shardcache.__all__) <= set(names)
+    for lazy in ("ResumableDataset", "MixtureDataset", "WebDataset", "split_by_node", "Step"):
+        assert lazy in names
+    assert names == sorted(names)
