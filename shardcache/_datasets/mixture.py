@@ -190,7 +190,7 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         consumers together), and with prepare(workers=) the workers' orders for them."""
         lay = self._schedule.lay(epoch)
         for i, part in enumerate(self._parts):
-            part._lay = Lay(lay, i, len(self._parts))
+            part._lay = Lay(lay, i, len(self._parts), self._schedule.lay)
         if self._workers is not None and self._prepared != lay:
             self._orders = {}
             slots, consumers, per_unit = self._parts[0].worker_slots(self._workers)
@@ -353,7 +353,8 @@ def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:
     if state.get("version") != VERSION:
         raise ResumeError(
             f"mixture state version {state.get('version')!r} cannot be read by this "
-            f"shardcache (it reads version {VERSION})",
+            f"shardcache (it reads version {VERSION}); resume with the shardcache version "
+            "that wrote it, or start the epoch again (do not load the state)",
             expected=VERSION,
             seen=state.get("version"),
         )

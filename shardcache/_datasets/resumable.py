@@ -243,7 +243,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         shard across the job."""
         _, world_size, local_world_size = self._ranks()
         per_cache = self._ranks_per_cache(world_size, local_world_size)
-        self._epoch_split().unit_shares(world_size // per_cache)
+        self._epoch_split().unit_shares(world_size // per_cache, per_cache)
         return self
 
     def worker_slots(self, workers: int) -> tuple[range, int, int]:
@@ -329,7 +329,7 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         in every epoch: what to warm so that training makes no request."""
         rank, world_size, local_world_size = self._ranks()
         per_node = self._ranks_per_cache(world_size, local_world_size)
-        owned = self._epoch_split().shard_units(world_size // per_node)[rank // per_node]
+        owned = self._epoch_split().shard_units(world_size // per_node, per_node)[rank // per_node]
         return [self._read_urls[shard] for shard in owned]
 
     # -- iteration ------------------------------------------------------------------
