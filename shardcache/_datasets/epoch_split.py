@@ -17,9 +17,13 @@ at most one between consumers (and between units) and every consumer gets the sa
 ``T / J`` exactly when ``J`` divides the mixture's ``T``. Only what cannot be split
 equally in total (``T % J``) is padded (the last source repeats ``J - T % J`` samples) or
 dropped (the last extra samples laid); a source with fewer samples than consumers goes to
-some of them only. A source's units own samples to match: the units its lay gives one
-more own one more (:func:`lay_quotas`), so an epoch of no more samples than the source
-holds repeats none, and one of more leaves none out.
+some of them only. A source's units own what a lone dataset's would (the same in every
+epoch) while each reads no more than that of it (the pad counted as the unit's consumers
+spread it); else samples to match: the units its lay gives one more own one more
+(:func:`lay_quotas`, :func:`filled`), so an epoch of no more samples than the source
+holds repeats none, and one of more leaves none out. A mixture's source walks on through
+its unit's samples over epochs (:meth:`EpochSplit.walked`): the epoch's window starts
+where the unit's reads of the epochs before left it, whatever the schedule asked then.
 
 Stable across epochs (what keeps later epochs in the cache): the shards, in an order drawn
 from the seed alone, are handed out to the units by :func:`~shardcache._datasets.cache_shares.
@@ -76,21 +80,27 @@ class Lay:
 
 
 def consumer_counts(
-    counts: Sequence[int], consumers: int, remainder: str, per_unit: int = 1
+    counts: Sequence[int],
+    consumers: int,
+    remainder: str,
+    per_unit: int = 1,
+    slots: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Each source's samples for each of ``consumers`` (``per_unit`` at a time sharing a
     cache): ``count // consumers``, plus one for the consumers its extra samples are laid
     on, each source's from where the previous one's ended. The lay goes round the caches
     first (the first consumer of every cache, then the second...), so a source's samples
     also differ by at most one between caches; it is cut (``"drop"``) or the last source's
-    extended (``"pad"``) to whole rounds, so every consumer gets the same total."""
+    extended (``"pad"``) to whole rounds, so every consumer gets the same total. With
+    ``slots``, those consumers' counts only."""
     total, units = sum(counts), consumers // per_unit
     rest = total % consumers
     end = sum(c % consumers for c in counts) - rest  # the extra samples laid, in all
     if remainder == "pad" and rest:
         end += consumers
     padded = max((i for i, c in enumerate(counts) if c), default=len(counts) - 1)
-    place = [(slot % per_unit) * units + slot // per_unit for slot in range(consumers)]
+    slots = range(consumers) if slots is None else slots
+    place = [(slot % per_unit) * units + slot // per_unit for slot in slots]
     out, start = [], 0
     for i, count in enumerate(counts):
         stop = start + count % consumers
@@ -173,7 +183,7 @@ class EpochSplit:
         self._laid = lay is not None
         self._own: dict[tuple[int, int], list[int]] = {}
         self._relaid: dict[Lay, EpochSplit] = {self.lay: self}  # shared by relaid() copies
-        self._walks: dict[tuple[int, int], tuple[int, list[int]]] = {}  # shared too
+        self._walks: dict[tuple[int, int, int], tuple[int, int]] = {}  # shared too
         self._order = _stable_order(len(starts), seed, shuffle)
         order = self._order
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
@@ -247,26 +257,25 @@ class EpochSplit:
         wanted = sum(own[unit * per_unit : (unit + 1) * per_unit])
         walked = None
         if self.lay.history is not None:
-            walked = self.walked(epoch, consumers, per_unit)[unit]
+            walked = self.walked(epoch, consumers, per_unit, unit)
         runs, held = self._epoch_runs(
             epoch, (consumers // per_unit, per_unit), unit, wanted, walked
         )
         return self._deal(runs, self._base, own, per_unit, slot, held)
 
-    def walked(self, epoch: int, consumers: int, per_unit: int) -> list[int]:
-        """The samples of this source each unit read in the epochs before ``epoch`` (by the
-        :class:`Lay`'s history, as a job of ``consumers`` would have): where each unit's
-        walk through its samples stands (kept, so each epoch's counts are split once)."""
+    def walked(self, epoch: int, consumers: int, per_unit: int, unit: int) -> int:
+        """The samples of this source ``unit`` read in the epochs before ``epoch`` (by the
+        :class:`Lay`'s history, as a job of ``consumers`` would have): where its walk
+        through its samples stands (kept, so each epoch's counts are split once)."""
         assert self.lay.history is not None
-        units = consumers // per_unit
-        done, sums = self._walks.get((consumers, per_unit), (0, [0] * units))
+        key = (consumers, per_unit, unit)
+        done, walked = self._walks.get(key, (0, 0))
         if done > epoch:  # an earlier epoch again: from the start
-            done, sums = 0, [0] * units
+            done, walked = 0, 0
         for before in range(done, epoch):
-            reads = self._unit_reads(self.lay.history(before), consumers, per_unit)
-            sums = [a + b for a, b in zip(sums, reads, strict=True)]
-        self._walks[(consumers, per_unit)] = (epoch, sums)
-        return list(sums)
+            walked += self._unit_reads(self.lay.history(before), consumers, per_unit, unit)[0]
+        self._walks[key] = (epoch, walked)
+        return walked
 
     def _epoch_runs(
         self, epoch: int, units: tuple[int, int], unit: int, wanted: int, walked: int | None
@@ -333,14 +342,18 @@ class EpochSplit:
             self._shares[key] = shares
         return self._shares[key]
 
-    def _unit_reads(self, counts: Sequence[int], consumers: int, per_unit: int) -> list[int]:
-        """The samples of this split each unit reads in an epoch of ``counts`` (a
-        :class:`Lay`'s) with ``consumers``, ``per_unit`` a cache."""
-        laid = consumer_counts(counts, consumers, self.remainder, per_unit)
+    def _unit_reads(
+        self, counts: Sequence[int], consumers: int, per_unit: int, unit: int | None = None
+    ) -> list[int]:
+        """The samples of this split each unit (or only ``unit``) reads in an epoch of
+        ``counts`` (a :class:`Lay`'s) with ``consumers``, ``per_unit`` a cache."""
+        units = range(consumers // per_unit) if unit is None else [unit]
+        slots = [u * per_unit + k for u in units for k in range(per_unit)]
+        laid = consumer_counts(counts, consumers, self.remainder, per_unit, slots)
         mine = range(self.lay.index, len(counts), self.lay.width or len(counts))
-        reads = [0] * (consumers // per_unit)
-        for slot in range(consumers):
-            reads[slot // per_unit] += sum(laid[i][slot] for i in mine)
+        reads = [0] * len(units)
+        for at in range(len(slots)):
+            reads[at // per_unit] += sum(laid[i][at] for i in mine)
         return reads
 
     def relaid(self, lay: Lay) -> EpochSplit:

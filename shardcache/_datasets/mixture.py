@@ -14,8 +14,10 @@
 Each source is a :class:`~shardcache._datasets.resumable.ResumableDataset` of its own with the
 epoch size the mixture gives it (``samples=``, or its ``weight``'s share of
 ``epoch_size``), so each keeps what that dataset guarantees: a sample-level split, each
-shard read by the same cache in every epoch, fewer samples than the source holds cycling
-through it over epochs and more repeating it, exact and elastic resume. The sources are
+shard read by the same cache in every epoch, exact and elastic resume; and each source
+walks on through its samples over epochs, each cache's window starting where its reads
+of the epochs before left it, however the counts changed (one cache: no sample comes
+again before every other came as often). The sources are
 split between the consumers (rank x DataLoader worker) together
 (:func:`~shardcache._datasets.epoch_split.consumer_counts`): every consumer the same
 total, a source's counts differing by at most one between consumers, exactly the counts

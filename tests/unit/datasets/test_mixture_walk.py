@@ -166,7 +166,7 @@ def files(tmp_path: Path) -> MixtureFiles:
     return MixtureFiles(tmp_path, [[8, 5, 7], [9, 12, 6]])
 
 
-def mixture(files: MixtureFiles, **options) -> MixtureDataset:
+def mixture(files: MixtureFiles, schedule=changing) -> MixtureDataset:
     return MixtureDataset(
         [Source(urls, name=name, index=index, weight=1) for name, urls, index in files.parts],
         epoch_size=20,
@@ -175,8 +175,7 @@ def mixture(files: MixtureFiles, **options) -> MixtureDataset:
         threads=1,
         rank=0,
         world_size=1,
-        schedule=changing,
-        **options,
+        schedule=schedule,
     )
 
 
@@ -227,3 +226,31 @@ def test_a_stepped_epoch_the_consumers_do_not_divide_repeats_no_sample_of_a_sour
         s for slot in range(9) for s in samples_of(split, split.fresh(1, 9, 3, slot).pieces)
     )
     assert seen.total() == 22 and set(seen.values()) == {1}
+
+
+def test_a_state_whose_earlier_epochs_asked_otherwise_is_refused_naming_the_source(
+    files: MixtureFiles,
+) -> None:
+    """A state of epoch 2 resumes with the schedule it was taken with, and with one that
+    differs only after epoch 2; one whose epoch 0 asked m0 for 8, not 7 (its walk would
+    start elsewhere), is refused naming the source and both totals (7 + 11 = 18 and 19)."""
+    dataset = mixture(files)
+    dataset.set_epoch(2)
+    whole = pairs(dataset)
+    dataset = mixture(files)
+    dataset.set_epoch(2)
+    iterator = iter(dataset)
+    assert pairs(next(iterator) for _ in range(5)) == whole[:5]
+    state = json.loads(json.dumps(dataset.state_dict()))
+    iterator.close()
+    later = [changing(0), changing(1), changing(2), {"m0": 1, "m1": 1}]
+    for schedule in (changing, later):
+        resumed = mixture(files, schedule=schedule)
+        resumed.load_state_dict(state)
+        assert pairs(resumed) == whole[5:]
+    earlier = [{"m0": 8, "m1": 12}, changing(1), changing(2)]
+    with pytest.raises(
+        ResumeError, match=r"epochs before its epoch 2 \(source 'm0' samples 18 in the state, 19"
+    ) as e:
+        mixture(files, schedule=earlier).load_state_dict(state)
+    assert (e.value.epoch, e.value.source) == (2, "m0")
