@@ -29,6 +29,7 @@ schedule's.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import math
@@ -152,6 +153,7 @@ class MixtureSchedule:
         epoch_size = self.epoch_size
         self.schedule = schedule
         self._steps: dict[int, tuple[EpochStep, ...]] = {}
+        self._kept_before: tuple[int, dict[str, Any]] = (-1, {})
         if schedule is None:
             return
         if epoch_size is None:
@@ -287,16 +289,9 @@ class MixtureSchedule:
     def record(self, epoch: int) -> dict[str, Any]:
         """The schedule at ``epoch`` (plain JSON), for the state; ``before``: each source's
         samples in the epochs before and a digest of their steps (where it walks on from)."""
-        lays = [self.lay(e) for e in range(epoch)]
-        n = len(self.names)
         return {
             "epoch": epoch,
-            "before": {
-                "samples": {
-                    name: sum(sum(lay[i::n]) for lay in lays) for i, name in enumerate(self.names)
-                },
-                "digest": hashlib.blake2b(repr(lays).encode(), digest_size=8).hexdigest(),
-            },
+            "before": copy.deepcopy(self._before(epoch)),
             "steps": [
                 {
                     "at": step.at,
@@ -306,6 +301,19 @@ class MixtureSchedule:
                 for step in self.steps(epoch)
             ],
         }
+
+    def _before(self, epoch: int) -> dict[str, Any]:
+        """Each source's samples in the epochs before ``epoch``, and a digest of their
+        steps (the last epoch's kept: a state is taken at every checkpoint)."""
+        if self._kept_before[0] != epoch:
+            lays = [self.lay(e) for e in range(epoch)]
+            n = len(self.names)
+            samples = {
+                name: sum(sum(lay[i::n]) for lay in lays) for i, name in enumerate(self.names)
+            }
+            digest = hashlib.blake2b(repr(lays).encode(), digest_size=8).hexdigest()
+            self._kept_before = (epoch, {"samples": samples, "digest": digest})
+        return self._kept_before[1]
 
     def check(self, recorded: Any) -> None:
         """Refuse a state whose epoch's schedule (``recorded``, :meth:`record`'s) is not
