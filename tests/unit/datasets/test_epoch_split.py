@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from split_samples import delivered, starts_of
 
 from shardcache import ConfigError, SampleIndexError
 from shardcache._datasets.epoch_split import (
@@ -19,20 +20,6 @@ from shardcache._datasets.epoch_split import (
     indexing_shares,
 )
 from shardcache._datasets.resume_plan import Piece
-
-
-def starts_of(counts: list[int]) -> list[list[int]]:
-    """Fake sample offsets: sample i of a shard starts at byte 1024 * i."""
-    return [[1024 * i for i in range(n)] for n in counts]
-
-
-def delivered(split: EpochSplit, pieces: list[Piece]) -> list[tuple[int, int]]:
-    """(shard, sample index) of every sample the pieces cover, in order."""
-    out = []
-    for piece in pieces:
-        run = split.run_of(piece)
-        out += [(run.shard, i) for i in range(run.first, run.stop)]
-    return out
 
 
 @st.composite

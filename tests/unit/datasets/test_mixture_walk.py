@@ -30,12 +30,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mixture_files import MixtureFiles, pairs
+from mixture_files import MixtureFiles, pairs, schedule_entries
+from split_samples import delivered, starts_of
 
-from shardcache import MixtureDataset, ResumeError, Source, Step
+from shardcache import MixtureDataset, ResumeError, Source
 from shardcache._datasets.epoch_split import EpochSplit, Lay
 from shardcache._datasets.mixture_schedule import MixtureSchedule
-from shardcache._datasets.resume_plan import Piece
 
 EPOCHS = 6
 SETTINGS = settings(
@@ -46,27 +46,13 @@ SETTINGS = settings(
 
 
 @st.composite
-def weights_of(draw: st.DrawFn, k: int) -> dict[str, int]:
-    weights = draw(st.lists(st.integers(0, 3), min_size=k, max_size=k))
-    if not any(weights):
-        weights[draw(st.integers(0, k - 1))] = 1
-    return {f"m{i}": w for i, w in enumerate(weights)}
-
-
-@st.composite
 def walks(draw: st.DrawFn, units: st.SearchStrategy[int], most: int) -> dict:
     k = draw(st.integers(2, 3))
     unit_count, per_unit = draw(units), draw(st.integers(1, 3))
     consumers = unit_count * per_unit
     shards = [draw(st.lists(st.integers(1, most), min_size=1, max_size=3)) for _ in range(k)]
     epoch_size = draw(st.integers(max(consumers, 2), 4 * most))
-    entries: list = []
-    for _ in range(draw(st.integers(1, 4))):
-        if draw(st.booleans()):
-            entries.append(draw(weights_of(k)))
-        else:
-            ats = sorted(set(draw(st.lists(st.integers(1, epoch_size - 1), max_size=2))))
-            entries.append([Step(at, draw(weights_of(k))) for at in [0, *ats]])
+    entries = draw(schedule_entries(k, epoch_size, draw(st.integers(1, 4))))
     return {
         "shards": shards,
         "entries": entries,
@@ -79,14 +65,6 @@ def walks(draw: st.DrawFn, units: st.SearchStrategy[int], most: int) -> dict:
     }
 
 
-def samples_of(split: EpochSplit, pieces: list[Piece]) -> list[tuple[int, int]]:
-    out = []
-    for piece in pieces:
-        run = split.run_of(piece)
-        out += [(run.shard, i) for i in range(run.first, run.stop)]
-    return out
-
-
 def epochs_of(spec: dict, index: int):
     """Each epoch of source ``index``: its split (re-laid, as the mixture's) and every
     consumer's samples."""
@@ -95,7 +73,7 @@ def epochs_of(spec: dict, index: int):
     schedule = MixtureSchedule(
         names, [1] * k, [1] * k, (spec["epoch_size"], spec["remainder"]), spec["entries"]
     )
-    starts = [[1024 * i for i in range(n)] for n in spec["shards"][index]]
+    starts = starts_of(spec["shards"][index])
     options = {"seed": spec["seed"], "shuffle": spec["shuffle"], "remainder": spec["remainder"]}
     split = EpochSplit(starts, lay=Lay(schedule.lay(0), index, k, schedule.lay), **options)
     consumers = spec["units"] * spec["per_unit"]
@@ -107,7 +85,7 @@ def epochs_of(spec: dict, index: int):
         assert [alone.fresh(epoch, consumers, spec["per_unit"], c) for c in range(consumers)] == (
             shares
         )
-        yield split, [samples_of(split, share.pieces) for share in shares]
+        yield split, [delivered(split, share.pieces) for share in shares]
 
 
 @SETTINGS
@@ -216,14 +194,14 @@ def test_a_stepped_epoch_the_consumers_do_not_divide_repeats_no_sample_of_a_sour
     every cache holds what its 3 consumers read of it (the holdings count the pad as the
     consumers spread it, not as 3 caches alone would), so each sample comes once."""
     split = EpochSplit(
-        [[1024 * i for i in range(n)] for n in (7, 7, 8)],
+        starts_of([7, 7, 8]),
         seed=1,
         shuffle=False,
         remainder="pad",
         lay=Lay((4, 9, 1, 10), 1, 2),
     )
     seen = Counter(
-        s for slot in range(9) for s in samples_of(split, split.fresh(1, 9, 3, slot).pieces)
+        s for slot in range(9) for s in delivered(split, split.fresh(1, 9, 3, slot).pieces)
     )
     assert seen.total() == 22 and set(seen.values()) == {1}
 
