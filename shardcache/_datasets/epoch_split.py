@@ -17,9 +17,13 @@ at most one between consumers (and between units) and every consumer gets the sa
 ``T / J`` exactly when ``J`` divides the mixture's ``T``. Only what cannot be split
 equally in total (``T % J``) is padded (the last source repeats ``J - T % J`` samples) or
 dropped (the last extra samples laid); a source with fewer samples than consumers goes to
-some of them only. A source's units own samples to match: the units its lay gives one
-more own one more (:func:`lay_quotas`), so an epoch of no more samples than the source
-holds repeats none, and one of more leaves none out.
+some of them only. A source's units own what a lone dataset's would (the same in every
+epoch) while each reads no more than that of it (the pad counted as the unit's consumers
+spread it); else samples to match: the units its lay gives one more own one more
+(:func:`lay_quotas`, :func:`filled`), so an epoch of no more samples than the source
+holds repeats none, and one of more leaves none out. A mixture's source walks on through
+its unit's samples over epochs (:meth:`EpochSplit.walked`): the epoch's window starts
+where the unit's reads of the epochs before left it, whatever the schedule asked then.
 
 Stable across epochs (what keeps later epochs in the cache): the shards, in an order drawn
 from the seed alone, are handed out to the units by :func:`~shardcache._datasets.cache_shares.
@@ -42,8 +46,8 @@ from __future__ import annotations
 import bisect
 import copy
 import hashlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from .._base.errors import ConfigError, SampleIndexError
@@ -59,11 +63,15 @@ class Lay:
     """The samples an epoch of every source split together (a mixture's, in its order;
     a lone dataset is one source), and which of them this split is. A mixture whose
     weights change within the epoch lays its steps one after another, ``width`` sources
-    a step (0: one step), so this split's counts are at ``index``, ``index + width``..."""
+    a step (0: one step), so this split's counts are at ``index``, ``index + width``...
+    ``history`` gives every epoch's counts (a mixture's schedule): the source then walks
+    on through its samples from where the epochs before left it
+    (:meth:`EpochSplit.walked`)."""
 
     counts: tuple[int, ...]
     index: int = 0
     width: int = 0
+    history: Callable[[int], Sequence[int]] | None = field(default=None, compare=False)
 
     @property
     def positions(self) -> range:
@@ -72,21 +80,27 @@ class Lay:
 
 
 def consumer_counts(
-    counts: Sequence[int], consumers: int, remainder: str, per_unit: int = 1
+    counts: Sequence[int],
+    consumers: int,
+    remainder: str,
+    per_unit: int = 1,
+    slots: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Each source's samples for each of ``consumers`` (``per_unit`` at a time sharing a
     cache): ``count // consumers``, plus one for the consumers its extra samples are laid
     on, each source's from where the previous one's ended. The lay goes round the caches
     first (the first consumer of every cache, then the second...), so a source's samples
     also differ by at most one between caches; it is cut (``"drop"``) or the last source's
-    extended (``"pad"``) to whole rounds, so every consumer gets the same total."""
+    extended (``"pad"``) to whole rounds, so every consumer gets the same total. With
+    ``slots``, those consumers' counts only."""
     total, units = sum(counts), consumers // per_unit
     rest = total % consumers
     end = sum(c % consumers for c in counts) - rest  # the extra samples laid, in all
     if remainder == "pad" and rest:
         end += consumers
     padded = max((i for i, c in enumerate(counts) if c), default=len(counts) - 1)
-    place = [(slot % per_unit) * units + slot // per_unit for slot in range(consumers)]
+    slots = range(consumers) if slots is None else slots
+    place = [(slot % per_unit) * units + slot // per_unit for slot in slots]
     out, start = [], 0
     for i, count in enumerate(counts):
         stop = start + count % consumers
@@ -169,11 +183,12 @@ class EpochSplit:
         self._laid = lay is not None
         self._own: dict[tuple[int, int], list[int]] = {}
         self._relaid: dict[Lay, EpochSplit] = {self.lay: self}  # shared by relaid() copies
+        self._walks: dict[tuple[int, int, int], tuple[int, int]] = {}  # shared too
         self._order = _stable_order(len(starts), seed, shuffle)
         order = self._order
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
-        self._shares: dict[int, list[list[Run]]] = {}
-        self._last_order: tuple[tuple[int, ...] | None, list[Run]] = (None, [])
+        self._shares: dict[tuple[int, int], list[list[Run]]] = {}
+        self._last_order: tuple[tuple[int | None, ...] | None, list[Run], int] = (None, [], 0)
         self.digest = hashlib.blake2b(
             repr(self.counts).encode(), digest_size=12
         ).hexdigest()  # the sample layout a state was taken with
@@ -240,27 +255,54 @@ class EpochSplit:
         own = self.own_counts(consumers, per_unit)
         unit = slot // per_unit
         wanted = sum(own[unit * per_unit : (unit + 1) * per_unit])
-        runs = self._epoch_runs(epoch, consumers // per_unit, unit, wanted)
-        return self._deal(runs, self._base, own, per_unit, slot)
+        walked = None
+        if self.lay.history is not None:
+            walked = self.walked(epoch, consumers, per_unit, unit)
+        runs, held = self._epoch_runs(
+            epoch, (consumers // per_unit, per_unit), unit, wanted, walked
+        )
+        return self._deal(runs, self._base, own, per_unit, slot, held)
 
-    def _epoch_runs(self, epoch: int, units: int, unit: int, wanted: int) -> list[Run]:
+    def walked(self, epoch: int, consumers: int, per_unit: int, unit: int) -> int:
+        """The samples of this source ``unit`` read in the epochs before ``epoch`` (by the
+        :class:`Lay`'s history, as a job of ``consumers`` would have): where its walk
+        through its samples stands (kept, so each epoch's counts are split once)."""
+        assert self.lay.history is not None
+        key = (consumers, per_unit, unit)
+        done, walked = self._walks.get(key, (0, 0))
+        if done > epoch:  # an earlier epoch again: from the start
+            done, walked = 0, 0
+        for before in range(done, epoch):
+            walked += self._unit_reads(self.lay.history(before), consumers, per_unit, unit)[0]
+        self._walks[key] = (epoch, walked)
+        return walked
+
+    def _epoch_runs(
+        self, epoch: int, units: tuple[int, int], unit: int, wanted: int, walked: int | None
+    ) -> tuple[list[Run], int]:
         """The ``wanted`` samples (or all, when more) the unit reads in the epoch, in the
-        epoch's order (the last unit's kept: its consumers ask in turn).
+        epoch's order, and how many samples it owns (the last unit's kept: its consumers
+        ask in turn); ``units`` is the units and the consumers of each.
 
         Fewer than the unit owns: the epoch's window of an endless cycle through them (an
         order drawn from the seed alone), so consecutive epochs deliver every sample
-        before any comes again."""
-        key = (epoch, units, unit, wanted)
+        before any comes again. With ``walked`` (a mixture's: the unit's samples read in
+        the epochs before), the window starts there and is taken whatever ``wanted`` is,
+        so however the counts change between epochs, every sample comes once before any
+        comes again (and, when more than it owns, each as often as the others to one)."""
+        key = (epoch, units, unit, wanted, walked)
         if self._last_order[0] != key:
-            runs = list(self.unit_shares(units)[unit])
-            if 0 < wanted < sum(len(r) for r in runs):
+            runs = list(self.unit_shares(*units)[unit])
+            held = sum(len(r) for r in runs)
+            if walked is not None or 0 < wanted < held:
                 if self.shuffle:
                     runs.sort(key=lambda r: (_digest(self.seed, "cycle", r.shard), r.first))
-                runs = list(_take(runs, epoch * wanted, wanted))
+                start = epoch * wanted if walked is None else walked
+                runs = list(_take(runs, start, wanted))
             if self.shuffle:
                 runs.sort(key=lambda r: (_digest(self.seed, epoch, r.shard), r.first))
-            self._last_order = (key, runs)
-        return self._last_order[1]
+            self._last_order = (key, runs, held)
+        return self._last_order[1], self._last_order[2]
 
     def share(self, left: Sequence[Piece], consumers: int, per_unit: int, slot: int) -> Share:
         """Consumer ``slot``'s equal part of an elastic resume's undelivered pieces: each
@@ -269,7 +311,7 @@ class EpochSplit:
         samples = sum(len(r) for r in runs)
         each = self.per_consumer(samples, consumers) if samples else 0
         units = consumers // per_unit
-        owner = owners(self.unit_shares(units), len(self.counts))
+        owner = owners(self.unit_shares(units, per_unit), len(self.counts))
         held: list[list[Run]] = [[] for _ in range(units)]
         for run in runs:
             held[owner[run.shard]].append(run)
@@ -277,24 +319,42 @@ class EpochSplit:
         mine = even_out(held, quotas(samples, loads))[slot // per_unit]
         return self._deal(mine, runs, [each] * consumers, per_unit, slot)
 
-    def unit_shares(self, units: int) -> list[list[Run]]:
-        """The samples each of ``units`` owns in every fresh epoch (computed once)."""
-        if units not in self._shares:
-            lay = self.lay
-            if len(lay.counts) == 1:
-                self._shares[units] = cache_shares(self._order, self.counts, units)
-            else:  # a mixture's source: the larger shares where its lay gives more
+    def unit_shares(self, units: int, per_unit: int = 1) -> list[list[Run]]:
+        """The samples each of ``units`` (of ``per_unit`` consumers each) owns in a fresh
+        epoch (computed once). A mixture's source owns its lone hand-out, the same in
+        every epoch (so its walk goes on through the same samples), while no unit reads
+        more than that of it; else the larger shares where its lay reads more."""
+        key = (units, per_unit)
+        if key not in self._shares:
+            lay, shares = self.lay, cache_shares(self._order, self.counts, units)
+            reads = [0] * units
+            if len(lay.counts) > 1:  # a mixture's source
+                reads = self._unit_reads(lay.counts, units * per_unit, per_unit)
+            if any(r > sum(map(len, mine)) for r, mine in zip(reads, shares, strict=True)):
                 held = whole_runs(self._order, self.counts, units)
-                laid = consumer_counts(lay.counts, units, self.remainder)  # a unit's reads
-                asked = [sum(laid[i][unit] for i in lay.positions) for unit in range(units)]
                 if len(lay.positions) == 1:  # where its one lay starts (round the units)
                     parts = lay_quotas(self.total, units, sum(lay.counts[: lay.index]) % units)
-                elif sum(asked) <= self.total:  # each unit owns what it reads, and the rest
-                    parts = filled(asked, self.total)
+                elif sum(reads) <= self.total:  # each unit owns what it reads, and the rest
+                    parts = filled(reads, self.total)
                 else:
-                    parts = quotas(self.total, asked)
-                self._shares[units] = even_out(held, parts)
-        return self._shares[units]
+                    parts = quotas(self.total, reads)
+                shares = even_out(held, parts)
+            self._shares[key] = shares
+        return self._shares[key]
+
+    def _unit_reads(
+        self, counts: Sequence[int], consumers: int, per_unit: int, unit: int | None = None
+    ) -> list[int]:
+        """The samples of this split each unit (or only ``unit``) reads in an epoch of
+        ``counts`` (a :class:`Lay`'s) with ``consumers``, ``per_unit`` a cache."""
+        units = range(consumers // per_unit) if unit is None else [unit]
+        slots = [u * per_unit + k for u in units for k in range(per_unit)]
+        laid = consumer_counts(counts, consumers, self.remainder, per_unit, slots)
+        mine = range(self.lay.index, len(counts), self.lay.width or len(counts))
+        reads = [0] * len(units)
+        for at in range(len(slots)):
+            reads[at // per_unit] += sum(laid[i][at] for i in mine)
+        return reads
 
     def relaid(self, lay: Lay) -> EpochSplit:
         """This split with another :class:`Lay` (a mixture's epoch of other weights): the
@@ -302,31 +362,36 @@ class EpochSplit:
         if lay not in self._relaid:
             split = copy.copy(self)
             split.lay, split._laid = lay, True
-            split._own, split._shares, split._last_order = {}, {}, (None, [])
+            split._own, split._shares, split._last_order = {}, {}, (None, [], 0)
             if len(self._relaid) > RELAID_KEPT:  # the oldest goes (each holds its shares)
                 del self._relaid[next(iter(self._relaid))]
             self._relaid[lay] = split
         return self._relaid[lay]
 
-    def shard_units(self, units: int) -> list[list[int]]:
+    def shard_units(self, units: int, per_unit: int = 1) -> list[list[int]]:
         """The shards each of ``units`` reads in every epoch (for warming; a unit that owns
         no sample reads from every shard)."""
-        return [sorted({r.shard for r in (runs or self._base)}) for runs in self.unit_shares(units)]
+        return [
+            sorted({r.shard for r in (runs or self._base)})
+            for runs in self.unit_shares(units, per_unit)
+        ]
 
-    def _deal(
+    def _deal(  # noqa: PLR0917
         self,
         runs: Sequence[Run],
         everything: Sequence[Run],
         counts: Sequence[int],
         per_unit: int,
         slot: int,
+        held: int | None = None,
     ) -> Share:
         """Consumer ``slot``'s ``counts[slot]`` samples of its unit's ``runs``, after those
         of the unit's consumers before it (they repeat when the unit owns fewer than its
-        consumers read); a unit owning nothing repeats samples of ``everything``, from a
-        place of its own."""
+        consumers read: ``held``, when ``runs`` is the walk's window); a unit owning
+        nothing repeats samples of ``everything``, from a place of its own."""
         each = counts[slot]
-        start, owned = sum(counts[slot - slot % per_unit : slot]), sum(len(r) for r in runs)
+        start = sum(counts[slot - slot % per_unit : slot])
+        owned = sum(len(r) for r in runs) if held is None else held
         if not owned:
             runs, start = everything, sum(counts[:slot])
         repeated = max(0, start + each - max(owned, start))

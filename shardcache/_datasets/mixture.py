@@ -14,8 +14,10 @@
 Each source is a :class:`~shardcache._datasets.resumable.ResumableDataset` of its own with the
 epoch size the mixture gives it (``samples=``, or its ``weight``'s share of
 ``epoch_size``), so each keeps what that dataset guarantees: a sample-level split, each
-shard read by the same cache in every epoch, fewer samples than the source holds cycling
-through it over epochs and more repeating it, exact and elastic resume. The sources are
+shard read by the same cache in every epoch, exact and elastic resume; and each source
+walks on through its samples over epochs, each cache's window starting where its reads
+of the epochs before left it, however the counts changed (one cache: no sample comes
+again before every other came as often). The sources are
 split between the consumers (rank x DataLoader worker) together
 (:func:`~shardcache._datasets.epoch_split.consumer_counts`): every consumer the same
 total, a source's counts differing by at most one between consumers, exactly the counts
@@ -193,7 +195,7 @@ class MixtureDataset(Fluent, torch.utils.data.IterableDataset):
         consumers together), and with prepare(workers=) the workers' orders for them."""
         lay = self._schedule.lay(epoch)
         for i, part in enumerate(self._parts):
-            part._lay = Lay(lay, i, len(self._parts))
+            part._lay = Lay(lay, i, len(self._parts), self._schedule.lay)
         if self._workers is not None and self._prepared != lay:
             self._orders = {}
             slots, consumers, per_unit = self._parts[0].worker_slots(self._workers)
@@ -359,7 +361,8 @@ def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:
     if state.get("version") != VERSION:
         raise ResumeError(
             f"mixture state version {state.get('version')!r} cannot be read by this "
-            f"shardcache (it reads version {VERSION})",
+            f"shardcache (it reads version {VERSION}); resume with the shardcache version "
+            "that wrote it, or start the epoch again (do not load the state)",
             expected=VERSION,
             seen=state.get("version"),
         )

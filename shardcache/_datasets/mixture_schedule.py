@@ -20,12 +20,17 @@ each consumer mixing step by step.
 
 A state records the schedule's values at its epoch: every step's start, weights and
 counts (what the rest of that epoch follows; later epochs follow the schedule given at
-resume). :meth:`MixtureSchedule.check` refuses a state whose epoch differs, naming the first
-difference: the epoch, the step and the source, the state's value and the schedule's.
+resume), and each source's samples in the epochs before (where its walk through its
+samples stands: :meth:`~shardcache._datasets.epoch_split.EpochSplit.walked`).
+:meth:`MixtureSchedule.check` refuses a state whose epoch, or epochs before, differ, naming
+the first difference: the epoch, the step and the source, the state's value and the
+schedule's.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -148,6 +153,7 @@ class MixtureSchedule:
         epoch_size = self.epoch_size
         self.schedule = schedule
         self._steps: dict[int, tuple[EpochStep, ...]] = {}
+        self._kept_before: tuple[int, dict[str, Any]] = (-1, {})
         if schedule is None:
             return
         if epoch_size is None:
@@ -281,9 +287,11 @@ class MixtureSchedule:
     # -- the state ------------------------------------------------------------------
 
     def record(self, epoch: int) -> dict[str, Any]:
-        """The schedule at ``epoch`` (plain JSON), for the state."""
+        """The schedule at ``epoch`` (plain JSON), for the state; ``before``: each source's
+        samples in the epochs before and a digest of their steps (where it walks on from)."""
         return {
             "epoch": epoch,
+            "before": copy.deepcopy(self._before(epoch)),
             "steps": [
                 {
                     "at": step.at,
@@ -293,6 +301,19 @@ class MixtureSchedule:
                 for step in self.steps(epoch)
             ],
         }
+
+    def _before(self, epoch: int) -> dict[str, Any]:
+        """Each source's samples in the epochs before ``epoch``, and a digest of their
+        steps (the last epoch's kept: a state is taken at every checkpoint)."""
+        if self._kept_before[0] != epoch:
+            lays = [self.lay(e) for e in range(epoch)]
+            n = len(self.names)
+            samples = {
+                name: sum(sum(lay[i::n]) for lay in lays) for i, name in enumerate(self.names)
+            }
+            digest = hashlib.blake2b(repr(lays).encode(), digest_size=8).hexdigest()
+            self._kept_before = (epoch, {"samples": samples, "digest": digest})
+        return self._kept_before[1]
 
     def check(self, recorded: Any) -> None:
         """Refuse a state whose epoch's schedule (``recorded``, :meth:`record`'s) is not
@@ -305,7 +326,9 @@ class MixtureSchedule:
                 seen=recorded,
             )
         epoch = recorded["epoch"]
-        theirs, mine = recorded.get("steps") or [], self.record(epoch)["steps"]
+        now = self.record(epoch)
+        _check_before(epoch, recorded.get("before") or {}, now["before"])
+        theirs, mine = recorded.get("steps") or [], now["steps"]
         for k in range(max(len(theirs), len(mine))):  # where the steps start, then in them
             old_at = theirs[k].get("at") if k < len(theirs) else None
             new_at = mine[k]["at"] if k < len(mine) else None
@@ -345,6 +368,33 @@ def split_by(left: Steps, own: Sequence[int]) -> Steps:
         weights = column if any(column) else [0] * (len(left) - 1) + [1]
         columns.append(weighted_counts(weights, count))
     return [list(row) for row in zip(*columns, strict=True)]
+
+
+def _check_before(epoch: int, theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """Refuse a state whose epochs before ``epoch`` asked other samples of a source (or
+    the same in other steps) than this schedule: each source walks on from them."""
+    old = theirs.get("samples") or {}
+    differs = [(n, old.get(n), now) for n, now in mine["samples"].items() if old.get(n) != now]
+    if not differs and theirs.get("digest") == mine["digest"]:
+        return
+    name, before, now = differs[0] if differs else (None, theirs.get("digest"), mine["digest"])
+    where = (
+        f"source {name!r} samples {before!r} in the state, {now!r} in this schedule"
+        if name is not None
+        else f"each source's samples the same, their steps not: {before!r} in the state, "
+        f"{now!r} in this schedule"
+    )
+    raise ResumeError(
+        f"the state was taken with another mixture schedule in the epochs before its epoch "
+        f"{epoch} ({where}): each source walks on through its samples from where those "
+        "epochs left it; give the schedule the state was taken with for them (a schedule "
+        "may differ only in the epochs after the state's)",
+        what="schedule",
+        epoch=epoch,
+        source=name,
+        expected=now,
+        seen=before,
+    )
 
 
 def _steps_of(entry: Any, epoch: int) -> list[Step]:

@@ -245,7 +245,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         self._count_workers(workers)
         _, world_size, local_world_size = self._ranks()
         per_cache = self._ranks_per_cache(world_size, local_world_size)
-        self._epoch_split().unit_shares(world_size // per_cache)
+        self._epoch_split().unit_shares(world_size // per_cache, per_cache)
         return self
 
     def worker_slots(self, workers: int) -> tuple[range, int, int]:
@@ -331,7 +331,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         in every epoch: what to warm so that training makes no request."""
         rank, world_size, local_world_size = self._ranks()
         per_node = self._ranks_per_cache(world_size, local_world_size)
-        owned = self._epoch_split().shard_units(world_size // per_node)[rank // per_node]
+        owned = self._epoch_split().shard_units(world_size // per_node, per_node)[rank // per_node]
         return [self._read_urls[shard] for shard in owned]
 
     # -- iteration ------------------------------------------------------------------

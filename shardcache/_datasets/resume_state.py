@@ -32,7 +32,7 @@ from .resume_plan import Piece
 
 FORMAT = "shardcache.resume"
 MIXTURE_FORMAT = "shardcache.mixture"  # a MixtureDataset's state: one of these per source
-MIXTURE_VERSION = 3  # 3: the epoch's schedule recorded; 2: sources split together
+MIXTURE_VERSION = 4  # 4: sources walk on over epochs; 3: schedule recorded; 2: split together
 VERSION = 4  # 4: whole shards handed out by count; 3: by samples; 2: contiguous spans
 State = dict[str, Any]
 # A fresh epoch's plan of a consumer: (consumers, consumers per cache, slot) -> pieces.

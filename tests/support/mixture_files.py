@@ -8,9 +8,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hypothesis import strategies as st
 from tars import shard_samples, tar_bytes
 
-from shardcache import ShardCache
+from shardcache import ShardCache, Step
 from shardcache._datasets.sample_index import index_document, learn, write_index
 
 Pair = tuple[str, str]  # (source, key)
@@ -58,3 +59,26 @@ def global_batches(
         steps.append([own[s % workers][s // workers] for s in range(len(own[0]) * workers)])
     assert len({len(s) for s in steps}) == 1
     return [[p for rank in steps for p in rank[t]] for t in range(len(steps[0]))]
+
+
+@st.composite
+def weights_of(draw: st.DrawFn, k: int) -> dict[str, int]:
+    """Weights 0-3 of sources ``m0`` .. ``m{k-1}``, at least one above 0."""
+    weights = draw(st.lists(st.integers(0, 3), min_size=k, max_size=k))
+    if not any(weights):
+        weights[draw(st.integers(0, k - 1))] = 1
+    return {f"m{i}": w for i, w in enumerate(weights)}
+
+
+@st.composite
+def schedule_entries(draw: st.DrawFn, k: int, epoch_size: int, epochs: int) -> list:
+    """A schedule of ``epochs`` entries for sources ``m0`` .. ``m{k-1}``: each the weights
+    of the whole epoch or 1-3 ``Step`` s at random samples."""
+    entries: list = []
+    for _ in range(epochs):
+        if draw(st.booleans()):
+            entries.append(draw(weights_of(k)))
+        else:
+            ats = sorted(set(draw(st.lists(st.integers(1, epoch_size - 1), max_size=2))))
+            entries.append([Step(at, draw(weights_of(k))) for at in [0, *ats]])
+    return entries

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mixture_files import MixtureFiles, Pair, global_batches, pairs
+from mixture_files import MixtureFiles, Pair, global_batches, pairs, schedule_entries
 from tars import shard_samples, tar_bytes
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -46,14 +46,6 @@ LAYOUTS = [(r, w) for r in (1, 2, 3) for w in (1, 2)]  # ranks x workers
 
 
 @st.composite
-def weights_of(draw: st.DrawFn, k: int) -> dict[str, int]:
-    weights = draw(st.lists(st.integers(0, 3), min_size=k, max_size=k))
-    if not any(weights):
-        weights[draw(st.integers(0, k - 1))] = 1
-    return {f"m{i}": w for i, w in enumerate(weights)}
-
-
-@st.composite
 def scheduled(draw: st.DrawFn) -> dict:
     ranks, workers = draw(st.sampled_from(LAYOUTS))
     other = draw(st.sampled_from([(r, w) for r, w in LAYOUTS if r * w != ranks * workers]))
@@ -61,13 +53,7 @@ def scheduled(draw: st.DrawFn) -> dict:
     k = draw(st.integers(2, 3))
     shards = [draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)) for _ in range(k)]
     epoch_size = draw(st.integers(most, 40))
-    entries = []
-    for _ in range(3):
-        if draw(st.booleans()):
-            entries.append(draw(weights_of(k)))
-        else:
-            ats = sorted(set(draw(st.lists(st.integers(1, epoch_size - 1), max_size=2))))
-            entries.append([Step(at, draw(weights_of(k))) for at in [0, *ats]])
+    entries = draw(schedule_entries(k, epoch_size, 3))
     return {
         "shards": shards,
         "schedule": entries,
