@@ -17,16 +17,19 @@ each copy their caches hold, and the lock made then takes those instead of a ``H
 at all when every shard was learned by some cache). Which identities stand in for a
 request, and why:
 
-* **the cache's own record** of the copy it holds: the bytes this cache reads;
-* **another cache's record, given in this job's exchange**, while the lock is made right
-  after it (:meth:`LockUse.record`): the bytes that cache reads, read from the store by
-  this job's learning (or held since, as this cache's own copies are);
-* **never an identity kept from an earlier job** (a kept index carries none): it says what
-  a shard was then, not that it was not rewritten since, and the lock may be newer than
-  it. Reading the shard catches only a rewrite that moves its samples. So a resume
-  (:meth:`LockUse.read_urls`, before this job learns or exchanges anything) asks the store
-  for every shard its cache does not hold, and a shard rewritten after the lock was made
-  is named, whatever a kept index says.
+* **the cache's own record** of a copy it holds: the bytes this cache reads;
+* **another cache's record, given in this job's exchange**, and only for the lock made
+  right after it (:meth:`LockUse.record`): the lock then records the bytes the job's
+  caches hold and read, fetched from the store by this job's learning or held since (as
+  this cache's own copies are); a ``HEAD`` would ask the store the learning just read;
+* **nothing else.** A resume's check (:meth:`LockUse.read_urls`) runs before this job
+  learns or exchanges anything. An identity kept from an earlier job (a kept index
+  carries none) or another cache's copy says what a shard was when it was fetched, not
+  that it was not rewritten since (the lock may be newer); this process may fetch the
+  shard from the store (another layout, an evicted copy), and reading it catches only a
+  rewrite that moves its samples. So a resume asks the store for every shard its cache
+  does not hold, and a shard rewritten after the lock was made is named, whatever a kept
+  index or another cache holds.
 """
 
 from __future__ import annotations
