@@ -212,16 +212,21 @@ def identities(
     threads: int,
     from_cache: bool = True,
     ask: Callable[[str], bool] | None = None,
+    held: Mapping[str, ShardIdentity] | None = None,
 ) -> tuple[dict[str, ShardIdentity | None], int]:
     """Each URL's identity now (None: gone from the store) and how many the store was asked
-    for: a cached copy's from its record (unless not ``from_cache``), a local file's from
-    ``stat``, others by one ``HEAD`` each (``threads`` at a time), except those ``ask``
-    says not to ask for (left out of the result)."""
+    for: a cached copy's from its record (unless not ``from_cache``), then ``held``'s (the
+    copies other caches of the job hold, as they gave them), a local file's from ``stat``,
+    others by one ``HEAD`` each (``threads`` at a time), except those ``ask`` says not to
+    ask for (left out of the result)."""
     found: dict[str, ShardIdentity | None] = {}
     asked: list[str] = []
+    held = held or {}
     for url in urls:
         local = url_protocol(url) in LOCAL_PROTOCOLS
         known = cached_identity(cache, url) if from_cache and not local else None
+        if known is None and not local:
+            known = held.get(url)
         if known is not None:
             found[url] = known
         elif local or ask is None or ask(url):

@@ -22,7 +22,14 @@ offsets before the first sample. Without ``index=``, they come from, cheapest fi
 * **this cache alone**: every shard through this process's cache (one read of each shard
   per cache): no process group to share the work with.
 
-Whatever is learned is kept for the next job. Whole shards were chosen over ranged reads of
+Whatever is learned is kept for the next job. Each rank's records carry, beside the
+offsets, the identity (size, ETag, version id, checksum) of each of its shards whose copy
+its cache holds, as the cache's metadata record has it (no request); ``job_index(...,
+identities=)`` hands them to the caller, for the dataset lock
+(:mod:`~shardcache._datasets.lock_check`), which then asks the store for no shard another
+cache holds. These are observations of this job only: a kept index carries none.
+
+Whole shards were chosen over ranged reads of
 the tar headers: a shard's headers can only be walked one member at a time (each header
 gives the next one's offset), so a ranged walk costs one GET per member (2,000 for 1,000
 samples of two files), and the shard's bytes are wanted in the cache anyway, since each
@@ -47,6 +54,7 @@ from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._disk.metadata import write_record
 from ..distributed import gather_objects
+from .dataset_lock import ShardIdentity, cached_identity
 from .epoch_split import indexing_shares
 from .sample_index import (
     SampleIndex,
@@ -118,10 +126,12 @@ def job_index(
     threads: int,
     handler: Callable[[BaseException], bool] | None,
     keep: str,
+    identities: dict[str, ShardIdentity] | None = None,
 ) -> SampleIndex:
     """Every shard's samples: a kept index, else learned (``mine``: the shards this rank
     learns while the job's other ranks learn theirs; None: no process group, all here;
-    ``alone``: this is the job's only rank)."""
+    ``alone``: this is the job's only rank). ``identities`` gets the identity of each
+    shard another rank's cache holds a copy of, as that rank gave it."""
     say = logger.info if rank == 0 else logger.debug
     beside = beside_data(urls, digest) if keep == "data" else None
     kept, where = _find_kept(urls, digest, cache, beside)
@@ -146,6 +156,8 @@ def job_index(
         )
         return found
     found = _merged(parts, urls, digest)
+    if identities is not None:
+        identities.update(_identities(parts))
     if all(p.get("kept") for p in parts):
         say("sample offsets of %d shards: the index kept at %s", len(urls), where)
         return found
@@ -172,14 +184,31 @@ def _part(
     handler: Callable[[BaseException], bool] | None,
 ) -> dict[str, Any]:
     """What this rank gives the job: its shards' records (from the kept index, or learned),
-    or the error that stopped it (so that every rank raises, none waits)."""
+    each with the identity of the copy this cache holds (none when it holds none), or the
+    error that stopped it (so that every rank raises, none waits)."""
     if kept is not None:
-        return {"kept": True, "records": {url: kept[url].as_json(url) for url in own}}
-    try:
-        learned = learn(own, cache, threads=threads, handler=handler)
-    except (ShardCacheError, OSError) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"kept": False, "records": {url: learned[url].as_json(url) for url in own}}
+        found = kept
+    else:
+        try:
+            found = learn(own, cache, threads=threads, handler=handler)
+        except (ShardCacheError, OSError) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+    records = {}
+    for url in own:
+        records[url] = found[url].as_json(url)
+        if (identity := cached_identity(cache, url)) is not None:
+            records[url]["identity"] = identity.as_json(url)
+    return {"kept": kept is not None, "records": records}
+
+
+def _identities(parts: Sequence[Mapping[str, Any]]) -> dict[str, ShardIdentity]:
+    """The identities the ranks gave with their records (of the copies their caches hold)."""
+    return {
+        url: ShardIdentity.of_record(record["identity"])
+        for part in parts
+        for url, record in part["records"].items()
+        if isinstance(record.get("identity"), Mapping)
+    }
 
 
 def _gathered(part: Mapping[str, Any]) -> list[Any] | None:

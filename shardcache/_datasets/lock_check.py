@@ -10,6 +10,26 @@ location, so a state stays small whatever the shard count. The check costs a met
 read per shard the cache holds and one ``HEAD`` per shard it does not (none for a shard
 whose S3 version the lock records: that version is read as it is), once per process that
 prepares the dataset.
+
+When the job learns its sample index (:mod:`~shardcache._datasets.job_index`), each cache
+holds only its share of the shards; the ranks give, with their records, the identity of
+each copy their caches hold, and the lock made then takes those instead of a ``HEAD`` (none
+at all when every shard was learned by some cache). Which identities stand in for a
+request, and why:
+
+* **the cache's own record** of a copy it holds: the bytes this cache reads;
+* **another cache's record, given in this job's exchange**, and only for the lock made
+  right after it (:meth:`LockUse.record`): the lock then records the bytes the job's
+  caches hold and read, fetched from the store by this job's learning or held since (as
+  this cache's own copies are); a ``HEAD`` would ask the store the learning just read;
+* **nothing else.** A resume's check (:meth:`LockUse.read_urls`) runs before this job
+  learns or exchanges anything. An identity kept from an earlier job (a kept index
+  carries none) or another cache's copy says what a shard was when it was fetched, not
+  that it was not rewritten since (the lock may be newer); this process may fetch the
+  shard from the store (another layout, an evicted copy), and reading it catches only a
+  rewrite that moves its samples. So a resume asks the store for every shard its cache
+  does not hold, and a shard rewritten after the lock was made is named, whatever a kept
+  index or another cache holds.
 """
 
 from __future__ import annotations
@@ -78,14 +98,23 @@ class LockUse:
             return None
         return self._against(lock, urls, cache, threads)
 
-    def record(self, urls: Sequence[str], cache: ShardCache, *, threads: int) -> list[str]:
-        """Make the lock of ``urls`` as the cache holds them and write it (the first writer
-        wins); the URLs to read by under the lock the file holds."""
+    def record(
+        self,
+        urls: Sequence[str],
+        cache: ShardCache,
+        *,
+        threads: int,
+        held: Mapping[str, ShardIdentity] | None = None,
+    ) -> list[str]:
+        """Make the lock of ``urls`` as the cache holds them (and as ``held``: the copies
+        the job's other caches hold, as they gave them while learning the sample index
+        just now) and write it (the first writer wins); the URLs to read by under the lock
+        the file holds."""
         assert self.location is not None
         theirs = read_lock(self.location)  # another process may have written it meanwhile
         if theirs is not None:
-            return self._against(theirs, urls, cache, threads)
-        now, self.requests = identities(urls, cache, threads=threads)
+            return self._against(theirs, urls, cache, threads, held)
+        now, self.requests = identities(urls, cache, threads=threads, held=held)
         mine = make_lock(now)
         lock = write_lock(self.location, mine, exclusive=True)
         if lock.digest == mine.digest:
@@ -97,10 +126,15 @@ class LockUse:
             )
             self.lock = lock
             return list(urls)
-        return self._against(lock, urls, cache, threads)
+        return self._against(lock, urls, cache, threads, held)
 
     def _against(
-        self, lock: DatasetLock, urls: Sequence[str], cache: ShardCache, threads: int
+        self,
+        lock: DatasetLock,
+        urls: Sequence[str],
+        cache: ShardCache,
+        threads: int,
+        held: Mapping[str, ShardIdentity] | None = None,
     ) -> list[str]:
         """Check ``urls`` against ``lock``: the URLs to read them by (a changed shard, or
         one not cached, pinned to its recorded S3 version); the others that changed raise
@@ -119,7 +153,7 @@ class LockUse:
             )
         # A recorded version not in the cache is read as it is: no request to compare it.
         now, self.requests = identities(
-            urls, cache, threads=threads, ask=lambda url: _version(lock, url) is None
+            urls, cache, threads=threads, ask=lambda url: _version(lock, url) is None, held=held
         )
         direct = {
             url: pin_version(url, version)

@@ -46,6 +46,7 @@ from .._cache.shard_cache import ShardCache
 from .._config.settings import Settings
 from .._observe import metrics
 from ..distributed import rank_info
+from .dataset_lock import ShardIdentity
 from .delivery_check import Checker, DeliveryCheck, mode_of, skipper
 from .delivery_digest import BATCH, Recorder, SampleHasher
 from .epoch_split import EpochSplit, Lay
@@ -280,23 +281,23 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         return self._split
 
     def _sample_index(self) -> SampleIndex:
-        """The shards' sample offsets by the URLs they are read by: under a lockfile (when
-        given) checked first, or made once the shards were read to learn them."""
+        """The sample offsets by the URLs read: a lockfile checked first, or made after."""
         if self._lock.location is None:
-            return self._offsets(self.urls)
+            return self._offsets(self.urls, {})
         cache = self._cache()
         threads = self._threads or cache.settings.threads
         read = self._lock.read_urls(self.urls, cache, threads=threads)
-        samples = self._offsets(read or self.urls)
+        held: dict[str, ShardIdentity] = {}  # the copies the job's other caches hold
+        samples = self._offsets(read or self.urls, held)
         if read is None:  # no lockfile yet: made of the copies just read
-            read = self._lock.record(self.urls, cache, threads=threads)
+            read = self._lock.record(self.urls, cache, threads=threads, held=held)
             if read != self.urls:  # another process's lock won and pins some shards
-                samples = self._offsets(read)
+                samples = self._offsets(read, {})
         self._read_urls = read
         return samples
 
-    def _offsets(self, urls: list[str]) -> SampleIndex:
-        """The sample offsets of ``urls`` (the shards' own, or pinned to versions)."""
+    def _offsets(self, urls: list[str], held: dict[str, ShardIdentity]) -> SampleIndex:
+        """The sample offsets of ``urls`` (plain, or pinned); ``held``: see job_index()."""
         if self.index is not None:  # the index file names the shards' plain URLs
             return dict(zip(urls, load_index(self.index, self.urls).values(), strict=True))
         cache = self._cache()
@@ -316,6 +317,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
             threads=self._threads or cache.settings.threads,
             handler=self._stage.handler,
             keep=self.keep_index,
+            identities=held,
         )
 
     def share_taken(self) -> tuple[int, int]:

@@ -424,8 +424,24 @@ def test_a_mixture_epoch_holds_exactly_the_samples_asked(s3, tmp_path: Path) -> 
 
 
 # The layouts (ranks, workers) of a chain of killed runs, in turn: each resumes the previous
-# one's last checkpoint, exactly when the layout stays, elastically when it changes.
+# one's last checkpoint, exactly when the layout stays, elastically when it changes; and the
+# rank batch each run is killed at (its checkpoints: that one and the one before).
 CHAIN = ((2, 2), (2, 2), (3, 1), (2, 1), (1, 2), (3, 2))
+KILL_AT = (4, 6, 11)  # CI's 3 kills: epoch 0 before its step, after it, epoch 1
+# The chain's mixture schedule: epoch 0 0.6 / 0.3 / 0.1 for its first 36 samples, then web
+# leaves (weight 0); epoch 1 other weights, web back; from epoch 2 on books leaves, then
+# joins again for the last 20 %.
+CHAIN_ANNEAL = 36
+CHAIN_SCHEDULE = [
+    [[0, {}], [CHAIN_ANNEAL, {"web": 0, "code": 0.6, "books": 0.4}]],
+    {"web": 0.3, "code": 0.3, "books": 0.4},
+    [[0, {"books": 0}], [96, {"web": 0.2, "code": 0.2, "books": 0.6}]],
+]
+CHAIN_COUNTS = (  # each epoch's planned samples of each source (the last for later ones)
+    {"web": 22, "code": 11 + 50, "books": 3 + 34},
+    {"web": 36, "code": 36, "books": 48},
+    {"web": 64 + 5, "code": 32 + 5, "books": 14},
+)
 
 
 def _sample_of(key: str) -> tuple[str, str, int]:
@@ -457,42 +473,28 @@ def _with_tallies_of(later: Any, earlier: Any) -> None:
             _with_tallies_of(value, twin)
 
 
-@pytest.mark.slow
-def test_a_mixture_killed_again_and_again_proves_what_it_delivered(s3, tmp_path: Path) -> None:
-    """A 3-source MixtureDataset under torchrun, a DDP model stepping once a batch, SIGKILLed
-    at a checkpoint and resumed from it again and again (exactly, then elastically into
-    other layouts: CHAIN), checking what the job delivered against the plan at every
-    checkpoint and after every epoch (rank 0, over every rank's state). Each check must
-    match, and its tallies must be the documented hash of exactly the samples the trainer
-    logged in that epoch up to there, over the whole chain. Then a resume from a checkpoint
-    whose state was advanced past one batch that it did not deliver stops with
-    DeliveryMismatchError. (CI: 3 kills; SHARDCACHE_TORTURE=full: 12.)"""
-    kills = scale(3, 12)
-    epochs = 2 + kills // 3
-    job = Job(
-        s3,
-        tmp_path,
-        _put_mixture(s3),
-        f"--mixture-epoch-size={MIX_EPOCH}",
-        f"--epochs={epochs}",
-        "--check-delivery",
-        "--model",
-    )
+def _killed_chain(job: Job, kills: int) -> list[tuple[str, int]]:
+    """Run ``kills`` runs of CHAIN, each SIGKILLed at its KILL_AT checkpoint and resumed by
+    the next, then one to the end (``last``); each run's name and ranks."""
     runs: list[tuple[str, int]] = []
     previous: list[str] = []
     for i in range(kills):
         ranks, workers = CHAIN[i % len(CHAIN)]
-        run, at = f"k{i}", 3 + 2 * (i % 2)  # checkpoints at batches `at` and `at + 1`
-        points = ["--checkpoint-at", str(at), str(at + 1), "--then-wait"]
+        run, at = f"k{i}", KILL_AT[i % len(KILL_AT)]  # checkpoints at `at - 1` and `at`
+        points = ["--checkpoint-at", str(at - 1), str(at), "--then-wait"]
         job.run_and_kill(
             run, *previous, f"--ckpt-prefix={run}-", *points, ranks=ranks, workers=workers
         )
         runs.append((run, ranks))
-        previous = [f"--resume={job.out / f'{run}-{at + 1}'}"]
+        previous = [f"--resume={job.out / f'{run}-{at}'}"]
     job.run("last", 2, 2, *previous, "--checkpoint-at", "2")
-    runs.append(("last", 2))
+    return [*runs, ("last", 2)]
 
-    # Every check matched, and its tallies are those of the samples the trainer logged.
+
+def _checked_runs(job: Job, runs: list[tuple[str, int]], epochs: int) -> dict[int, list[str]]:
+    """Every run's delivery checks matched and their tallies are those of the samples the
+    trainer logged (in that epoch, over the runs before and this one up to the check);
+    each epoch's end was checked once. Each epoch's logged samples."""
     logged: dict[int, list[str]] = {epoch: [] for epoch in range(epochs)}
     ends = []
     for run, ranks in runs:
@@ -516,10 +518,84 @@ def test_a_mixture_killed_again_and_again_proves_what_it_delivered(s3, tmp_path:
                 k for r in range(ranks) for e, ks in batches[r] if e == epoch for k in ks
             ]
         assert sum(c["at"] == "checkpoint" for c in checks) == (1 if run == "last" else 2), run
-    assert sorted(ends) == list(range(epochs))  # each epoch's end checked once, in one run
-    for epoch in range(epochs):  # the planned counts of each source, repeats of padding only
+        if run == "k1":  # where the first kills landed: epoch 0 before its step, after it
+            assert (len(logged[0]), len(logged[1])) == (60, 0)
+        if run == "k2":  # and epoch 1 (the elastic run went on past epoch 0's end)
+            assert (len(logged[0]), len(logged[1])) == (MIX_EPOCH, 36)
+    assert sorted(ends) == list(range(epochs))
+    return logged
+
+
+def _steps_followed(job: Job, runs: list[tuple[str, int]]) -> None:
+    """Each consumer of the first two runs (2 ranks x 2 workers, the second resumed from
+    the first exactly, killed at 6 and 15 samples a consumer) mixes epoch 0 step by step:
+    web only in its first 9 samples (36 of 4 consumers'); the runs after them, resumed
+    elastically after the step, deliver no web in epoch 0."""
+    first = [_consumers({r: job.batches(run, r) for r in (0, 1)}, 0) for run in ("k0", "k1")]
+    for before, after in zip(*first, strict=True):
+        keys = before + after
+        assert len(before) < CHAIN_ANNEAL // 4 < len(keys), keys  # killed before, after
+        assert {k.split("/")[0] for k in keys[: CHAIN_ANNEAL // 4]} >= {"web"}, keys
+        assert not [k for k in keys[CHAIN_ANNEAL // 4 :] if k.startswith("web/")], keys
+    annealed = Counter(
+        k.split("/")[0]
+        for run, ranks in runs[2:]
+        for r in range(ranks)
+        for e, ks in job.batches(run, r)
+        if e == 0
+        for k in ks
+    )
+    assert annealed.total() > 0 and "web" not in annealed, annealed
+
+
+def _books_rejoin(job: Job) -> list[int]:
+    """The epochs from 2 on that the last run (2 x 2, resumed elastically in an earlier
+    epoch) read whole: each consumer's first 24 samples (96 / 4) hold no books, then books
+    joins again. Those epochs."""
+    last = {r: job.batches("last", r) for r in (0, 1)}
+    epochs = {e for r in (0, 1) for e, _ in last[r]}
+    whole = sorted(e for e in epochs if e >= 2 and e > min(epochs))
+    for epoch in whole:
+        for keys in _consumers(last, epoch):
+            assert len(keys) == MIX_EPOCH // 4
+            sources = [k.split("/")[0] for k in keys]
+            assert "books" not in sources[:24] and "books" in sources[24:], (epoch, sources)
+    return whole
+
+
+@pytest.mark.slow
+def test_a_mixture_killed_again_and_again_proves_what_it_delivered(s3, tmp_path: Path) -> None:
+    """A 3-source MixtureDataset with a schedule (CHAIN_SCHEDULE: a step within epoch 0
+    where web leaves, other weights in epoch 1, books leaving and joining within each later
+    epoch) under torchrun, a DDP model stepping once a batch, SIGKILLed at a checkpoint and
+    resumed from it again and again (exactly, then elastically into other layouts: CHAIN),
+    the kills landing before epoch 0's step, after it and after the change of epoch 1.
+    What the job delivered is checked against the plan at every checkpoint and after every
+    epoch (rank 0, over every rank's state). Each check must match, and its tallies must be
+    the documented hash of exactly the samples the trainer logged in that epoch up to
+    there, over the whole chain. Then a resume from a checkpoint (after epoch 0's step)
+    whose state was advanced past one batch that it did not deliver stops with
+    DeliveryMismatchError. (CI: 3 kills; SHARDCACHE_TORTURE=full: 12.)"""
+    kills = scale(3, 12)
+    epochs = 2 + kills // 3
+    job = Job(
+        s3,
+        tmp_path,
+        _put_mixture(s3),
+        f"--mixture-epoch-size={MIX_EPOCH}",
+        f"--schedule={json.dumps(CHAIN_SCHEDULE)}",
+        f"--epochs={epochs}",
+        "--check-delivery",
+        "--model",
+    )
+    runs = _killed_chain(job, kills)
+    logged = _checked_runs(job, runs, epochs)
+    for epoch in range(epochs):  # the schedule's counts of each source, repeats of padding only
         by_source = Counter(key.split("/")[0] for key in logged[epoch])
-        assert by_source["web"] >= 72 and by_source["code"] >= 36 and by_source["books"] >= 12
+        planned = CHAIN_COUNTS[min(epoch, len(CHAIN_COUNTS) - 1)]
+        assert all(by_source[name] >= count for name, count in planned.items()), epoch
+    _steps_followed(job, runs)
+    assert _books_rejoin(job) or kills > 3  # CI: epoch 2; the full chain may end later
 
     # A checkpoint whose state moved past one batch that was never delivered (rank 0's
     # state of the batch after it, with the tallies of the batch before) is refused.

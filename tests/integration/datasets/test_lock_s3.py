@@ -19,7 +19,7 @@ from shardcache import (
     ResumeError,
     ShardCache,
 )
-from shardcache._datasets.dataset_lock import read_lock
+from shardcache._datasets.dataset_lock import ShardIdentity, cached_identity, identities, read_lock
 
 BUCKET = "locked"
 SHARDS = 20
@@ -230,3 +230,24 @@ def test_a_lockfile_in_the_bucket_is_written_once_and_read_back(s3, tmp_path: Pa
     with pytest.raises(DatasetChangedError) as caught:
         _dataset(tmp_path / "c", where).prepare()
     assert caught.value.changed == [URLS[i] for i in REWRITTEN]
+
+
+def test_copies_other_caches_hold_stand_in_for_heads_but_not_for_this_caches_own(
+    s3, tmp_path: Path
+) -> None:
+    """What a job's ranks gave with their index records (the identities of the copies their
+    caches hold) takes the place of a HEAD for a shard this cache does not hold; this
+    cache's own record of a copy it holds comes first."""
+    _bucket(s3, versioning=False)
+    mine, theirs = ShardCache(tmp_path / "mine"), ShardCache(tmp_path / "theirs")
+    for url in URLS[:10]:
+        theirs.fetch(url)
+    for url in URLS[10:]:
+        mine.fetch(url)
+    held = {url: cached_identity(theirs, url) for url in URLS[:10]}
+    held[URLS[12]] = ShardIdentity(1, etag='"not-this-copy"')  # this cache holds its own
+    s3.clear_requests()
+    now, asked = identities(URLS, mine, threads=2, held=held)
+    assert asked == 0 and s3.count("HEAD", BUCKET) == 0
+    stored, heads = identities(URLS, ShardCache(tmp_path / "cold"), threads=2)
+    assert heads == SHARDS and now == stored  # what HEADs give, and this cache's own copy
