@@ -321,12 +321,14 @@ def warm(
     ``stream`` (a tqdm bar when it is a terminal, else a plain line every ``log_every``
     seconds and at the end); None shows none. On ``KeyboardInterrupt`` (or any exception in
     the calling thread) downloads in flight are unwound at their next bytes (no temp file
-    stays; ``stream`` is told first) and the exception propagates.
+    stays; ``stream`` is told first) and the exception propagates. A cache directory that
+    cannot be used raises :class:`~shardcache.CacheDirError` before anything is fetched.
     """
     threads = thread_count(cache, threads)
     if max_failures is not None and max_failures < 1:
         raise ValueError(f"max_failures must be at least 1 or None, got {max_failures}")
     urls = list(urls)
+    cache.check_dir()  # a directory that cannot be used: one error, before any download
     before = cache.stats()
     started = time.monotonic()
     progress = FetchProgress(len(urls), stream, log_every)
