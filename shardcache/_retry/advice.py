@@ -39,6 +39,7 @@ def missing_bucket_text(url: str, cause: str, endpoint: str | None) -> str:
     bucket = url.split("://", 1)[-1].split("/", 1)[0]
     return (
         f"{url}: the bucket {bucket!r} does not exist at {_endpoint_words(url, endpoint)} "
-        f"({cause}), so no shard in it can be read. Check the bucket's name in the URL, and "
+        f"({cause}), so no shard in it can be read; failed at once, without retries. Check "
+        "the bucket's name in the URL, and "
         "that the endpoint is the store that holds it."
     )
