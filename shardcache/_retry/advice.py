@@ -21,7 +21,12 @@ def not_found_advice(url: str) -> str:
 
 
 def _endpoint_words(url: str, endpoint: str | None) -> str:
-    return endpoint or f"{url_protocol(url)}'s default endpoint (none is set)"
+    if endpoint:
+        return endpoint
+    protocol = url_protocol(url)
+    if protocol in ("http", "https"):
+        return "the host in the URL"
+    return f"{protocol}'s default endpoint (no endpoint is set)"
 
 
 def refused_text(url: str, what: str, refused_by: str, endpoint: str | None) -> str:

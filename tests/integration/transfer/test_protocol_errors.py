@@ -141,13 +141,18 @@ def test_http_server_without_range_support_serves_large_shards(tmp_path: Path) -
     assert requests == [("HEAD", None), ("GET", None)]
 
 
-def test_http_connection_refused_is_transient(tmp_path: Path) -> None:
+def test_http_connection_refused_on_loopback_fails_at_once_naming_the_host(
+    tmp_path: Path,
+) -> None:
     with socket.socket() as sock:  # a port that was just free: nothing listens on it now
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with pytest.raises(TransientFetchError, match=r"(?i)connect") as caught:
+    with pytest.raises(PermanentFetchError) as caught:
         _cache(tmp_path).fetch(f"http://127.0.0.1:{port}/a.tar")
-    assert caught.value.attempts == RETRIES + 1
+    assert caught.value.attempts == 1  # nothing listens on this machine's port: not retried
+    message = str(caught.value)
+    assert "the connection was refused by 127.0.0.1" in message
+    assert "requests go to the host in the URL" in message and "not retried on loopback" in message
 
 
 @needs_root
