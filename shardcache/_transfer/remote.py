@@ -136,9 +136,12 @@ class Remote:
         for name, value in (
             ("storage_options endpoint_url", options.get("endpoint_url")),
             ("storage_options client_kwargs.endpoint_url", client.get("endpoint_url")),
+            ("storage_options account_url", options.get("account_url")),
         ):
             if isinstance(value, str) and value:
                 return f"{value} (from {name})"
+        if options.get("connection_string"):
+            return "the BlobEndpoint of storage_options connection_string"
         found = s3_endpoint_variable() if protocol in {"s3", "s3a"} else None
         return None if found is None else f"{found[1]} (from {found[0]})"
 
