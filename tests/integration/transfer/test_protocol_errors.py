@@ -155,6 +155,19 @@ def test_http_connection_refused_on_loopback_fails_at_once_naming_the_host(
     assert "requests go to the host in the URL" in message and "not retried on loopback" in message
 
 
+def test_s3_connection_refused_names_the_endpoint_of_the_storage_options(
+    s3, tmp_path: Path
+) -> None:
+    with socket.socket() as sock:  # a port that was just free: nothing listens on it now
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    options = {**s3.storage_options(), "endpoint_url": endpoint}  # wins over AWS_ENDPOINT_URL
+    with pytest.raises(PermanentFetchError) as caught:
+        _cache(tmp_path, storage_options=options).fetch("s3://bucket/a.tar")
+    assert caught.value.attempts == 1 and caught.value.endpoint.startswith(endpoint)
+    assert f"requests go to {endpoint} (from storage_options endpoint_url)" in str(caught.value)
+
+
 @needs_root
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
 def test_http_failed_name_lookup_is_transient(tmp_path: Path) -> None:
