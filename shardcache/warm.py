@@ -260,9 +260,10 @@ def _by_error(failed: list[WarmFailure]) -> dict[str, list[str]]:
 
 
 class _Stopper:
-    """Decides when a warm run stops early (``reason`` set): ``max_failures`` failed shards,
-    or :data:`SAME_ERROR_STOP` failures in a row of one error type not in
-    :data:`SHARD_ERRORS`."""
+    """Decides when a warm run stops early (``reason`` set): at once for an error about the
+    whole store (``store_wide``: a missing bucket, a refused connection), after
+    ``max_failures`` failed shards, or after :data:`SAME_ERROR_STOP` failures in a row of
+    one error type not in :data:`SHARD_ERRORS`."""
 
     def __init__(self, max_failures: int | None) -> None:
         self.max_failures = max_failures
@@ -289,7 +290,12 @@ class _Stopper:
             self._streak = (type(exc), count + 1 if kind is type(exc) else 1)
             if self.reason is not None:
                 return
-            if self.max_failures is not None and self._failures >= self.max_failures:
+            if getattr(exc, "store_wide", False):
+                self.reason = (
+                    f"{type(exc).__name__} is about the store, not one shard (every shard would "
+                    "fail alike): fix it and run warm again"
+                )
+            elif self.max_failures is not None and self._failures >= self.max_failures:
                 self.reason = f"{self._failures} shards failed (max_failures {self.max_failures})"
             elif self._streak[1] >= SAME_ERROR_STOP and not isinstance(exc, SHARD_ERRORS):
                 self.reason = (
@@ -321,12 +327,14 @@ def warm(
     ``stream`` (a tqdm bar when it is a terminal, else a plain line every ``log_every``
     seconds and at the end); None shows none. On ``KeyboardInterrupt`` (or any exception in
     the calling thread) downloads in flight are unwound at their next bytes (no temp file
-    stays; ``stream`` is told first) and the exception propagates.
+    stays; ``stream`` is told first) and the exception propagates. A cache directory that
+    cannot be used raises :class:`~shardcache.CacheDirError` before anything is fetched.
     """
     threads = thread_count(cache, threads)
     if max_failures is not None and max_failures < 1:
         raise ValueError(f"max_failures must be at least 1 or None, got {max_failures}")
     urls = list(urls)
+    cache.check_dir()  # a directory that cannot be used: one error, before any download
     before = cache.stats()
     started = time.monotonic()
     progress = FetchProgress(len(urls), stream, log_every)

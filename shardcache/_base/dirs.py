@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from .errors import CacheDirError
+from .fsinfo import Mount, mount_for
 from .redact import get_logger
 from .trust import Trust
 
@@ -24,6 +25,26 @@ DIR_HINT = (
 # here for a while (NFS attribute/lookup caches: ENOENT), a handle may point at something
 # replaced on the server (ESTALE), a dying server may return EIO. The one list of them.
 NOT_YET_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EIO, errno.EINTR})
+# On a local file system "not yet" is a race (a directory removed while being made), over
+# in milliseconds, or never over (a mkdir in /proc): retried this long (seconds), not for
+# a network file system's cache time.
+LOCAL_PATIENCE = 1.0
+FULL_HINT = (
+    "Free space there (shardcache evict, or remove other files), lower SHARDCACHE_MAX_BYTES, "
+    "or set SHARDCACHE_DIR (or cache_dir=) to a node-local disk with room."
+)
+READ_ONLY_HINT = (
+    "The file system is read-only (mounted so, or remounted read-only after errors: see "
+    "dmesg): set SHARDCACHE_DIR (or cache_dir=) to a writable node-local directory."
+)
+
+
+def patience(path: Path, timeout: float) -> tuple[float, Mount]:
+    """How long "not yet" errors making ``path`` are worth retrying (``timeout`` on a
+    network file system, whose lookup caches lag, else at most ``LOCAL_PATIENCE``), and the
+    mount it is on."""
+    mount = mount_for(path)
+    return (timeout if mount.is_network else min(timeout, LOCAL_PATIENCE)), mount
 
 
 def _describe_parent(path: Path) -> str:
@@ -85,12 +106,13 @@ def dir_error(target: Path, exc: OSError, action: str) -> CacheDirError:
     """Turn an OSError met while ``action`` (e.g. "creating") ``target`` into a CacheDirError."""
     where = Path(exc.filename) if exc.filename else target
     code = exc.errno
+    hint = DIR_HINT
     if code in (errno.EACCES, errno.EPERM):
         seen = f"permission denied {action} {where} ({_describe_parent(where)})"
     elif code == errno.EROFS:
-        seen = f"read-only file system at {where}"
+        seen, hint = f"read-only file system at {where}", READ_ONLY_HINT
     elif code in (errno.ENOSPC, errno.EDQUOT):
-        seen = f"no space or quota left at {where} ({exc.strerror})"
+        seen, hint = f"no space or quota left at {where} ({exc.strerror})", FULL_HINT
     elif code == errno.ENOTDIR:
         blocker = _file_in_the_way(where) or where
         return not_a_dir(target, blocker)
@@ -103,11 +125,11 @@ def dir_error(target: Path, exc: OSError, action: str) -> CacheDirError:
         seen = f"{name} ({exc.strerror or exc}) {action} {where}"
     return CacheDirError(
         f"Cannot use cache directory {target}: expected a writable directory, but saw "
-        f"{seen}. {DIR_HINT}",
+        f"{seen}. {hint}",
         path=str(target),
         expected="a writable directory",
         seen=seen,
-        hint=DIR_HINT,
+        hint=hint,
         errno=code,
     )
 
@@ -162,14 +184,16 @@ def ensure_dir(
 
     EEXIST is success; the result is verified with ``stat``. ENOENT/ESTALE/EIO (a
     component another node just made may not be visible yet) are retried with jittered
-    exponential backoff until ``timeout``. Never grants world-write. With ``trust``, the
+    exponential backoff until ``timeout`` on a network file system, for at most
+    ``LOCAL_PATIENCE`` on a local one. Never grants world-write. With ``trust``, the
     directories it makes get the cache's mode and group instead of ``mode``. Returns the
     absolute path; raises ``CacheDirError`` saying what was in the way and what to do.
     """
     target = Path(path).absolute()
     mode &= ~0o002
     start = time.monotonic()
-    deadline = start + timeout
+    deadline: float | None = None  # set by the first "not yet" error
+    mount: Mount | None = None
     delay = 0.005
     attempts = 0
     while True:
@@ -183,12 +207,21 @@ def ensure_dir(
             now = time.monotonic()
             if exc.errno not in NOT_YET_ERRNOS:
                 raise dir_error(target, exc, "creating") from exc
+            if deadline is None:
+                waited, mount = patience(target, timeout)
+                deadline = start + waited
             if now >= deadline:
                 error = dir_error(target, exc, "creating")
+                why = (
+                    "on NFS a directory made on another node can take up to the "
+                    "attribute-cache time (actimeo, 60 s by default) to appear."
+                    if mount is not None and mount.is_network
+                    else f"the file system ({mount.describe() if mount else '?'}) is local: "
+                    "it does not allow a directory there."
+                )
                 raise CacheDirError(
                     f"{error.message} Still failing after {attempts} attempts over "
-                    f"{now - start:.1f}s; on NFS a directory made on another node can take "
-                    "up to the attribute-cache time (actimeo, 60 s by default) to appear.",
+                    f"{now - start:.1f}s; {why}",
                     **error.details,
                     attempts=attempts,
                     elapsed=now - start,

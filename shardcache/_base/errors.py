@@ -69,6 +69,10 @@ class ShardCacheError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    def __repr__(self) -> str:
+        # Not the args: webdataset appends a shard's stream object to them.
+        return f"{type(self).__name__}({self.message!r})"
+
 
 class ConfigError(ShardCacheError, ValueError):
     """A setting has a value we cannot use (names the variable, value and accepted form)."""

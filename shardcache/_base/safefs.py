@@ -34,13 +34,14 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
-from .dirs import DIR_HINT, NOT_YET_ERRNOS, dir_error, ensure_dir, kind_of, not_a_dir
+from .dirs import DIR_HINT, NOT_YET_ERRNOS, dir_error, ensure_dir, kind_of, not_a_dir, patience
 from .errors import CacheDirError
 from .trust import Trust
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Directories not visible yet (NFS), or removed again just after being made (a tmp
-# cleaner), are made again with backoff for this long.
+# cleaner), are made again with backoff for this long on a network file system (on a
+# local one, dirs.LOCAL_PATIENCE).
 MKDIR_TIMEOUT = 30.0
 REMEMBERED_DEPTH = 2  # directories this deep below the root are remembered (scope/data, ...)
 DIR_MEMO = 16  # directory descriptors a SafeFS keeps at most (oldest closed first)
@@ -160,7 +161,8 @@ class SafeFS:
         parts = self._parts(path)
         if not create:
             return self._walk(path, parts, create=False)
-        deadline = time.monotonic() + MKDIR_TIMEOUT
+        start = time.monotonic()
+        deadline: float | None = None  # set by the first "not yet" error
         delay = 0.005
         while True:
             try:
@@ -168,7 +170,9 @@ class SafeFS:
             except CacheDirError:
                 raise
             except OSError as exc:
-                if exc.errno not in NOT_YET_ERRNOS or time.monotonic() >= deadline:
+                if deadline is None and exc.errno in NOT_YET_ERRNOS:
+                    deadline = start + patience(path, MKDIR_TIMEOUT)[0]
+                if exc.errno not in NOT_YET_ERRNOS or time.monotonic() >= (deadline or 0):
                     raise dir_error(path, exc, "creating") from exc
             time.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .._base.errors import FetchError, ShardCacheError
+from .._base.dirs import dir_error
+from .._base.errors import CacheDirError, FetchError, ShardCacheError
 from .._base.fsinfo import Mount, mount_for
 from .._base.trust import Trust
 from .._config.settings import PREFETCH_OPTIONS, Settings, prefetch_overrides
@@ -310,8 +311,30 @@ class ShardCache:
         fetch = self._fetch_streaming if early else self._fetch_pinned
         return self._prefetcher(fetch, urls, prefetch_overrides(**options))
 
+    def check_dir(self) -> None:
+        """Make the cache directory and write a file in it: raises
+        :class:`~shardcache.CacheDirError` (what is in the way, what to do) when it is not
+        a directory, cannot be made, is read-only or full. Every prefetch starts with it,
+        so such a problem is reported once, before any download."""
+        root = self.layout.root
+        self.layout.make_dir(root)
+        probe = self.layout.temp_path(root / "write-check")
+        try:
+            fd = self.layout.fs.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                os.write(fd, b"\0")  # a full disk refuses the first block
+            finally:
+                os.close(fd)
+                self.layout.fs.unlink(probe)
+        except CacheDirError:
+            raise
+        except OSError as exc:
+            raise dir_error(root, exc, "writing a file in") from exc
+
     def _prefetcher(self, fetch: Fetch, urls: Iterable[str], given: dict[str, Any]) -> Prefetcher:
-        """A prefetcher of ``urls`` through ``fetch``: ``given`` options over the settings'."""
+        """A prefetcher of ``urls`` through ``fetch``: ``given`` options over the settings';
+        the cache directory is checked first (:meth:`check_dir`)."""
+        self.check_dir()
         defaults = {
             option: getattr(self.settings, name) for option, name in PREFETCH_OPTIONS.items()
         }

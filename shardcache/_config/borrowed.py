@@ -14,8 +14,17 @@ from collections.abc import Mapping
 
 def s3_endpoint(env: Mapping[str, str] | None = None) -> str | None:
     """The S3 endpoint botocore would use when none is passed in code, or None (AWS)."""
+    found = s3_endpoint_variable(env)
+    return None if found is None else found[1]
+
+
+def s3_endpoint_variable(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """The variable that sets the S3 endpoint (botocore's order) and its value, or None."""
     env = os.environ if env is None else env
-    return env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if env.get(name):
+            return name, env[name]
+    return None
 
 
 def gcsfs_extended(env: Mapping[str, str] | None = None) -> bool:

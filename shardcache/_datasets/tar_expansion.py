@@ -10,8 +10,11 @@ and ``rename_files`` applied as webdataset applies them, ``__url__`` and ``__loc
 set, keys in webdataset's order; an error goes to the handler with the stream and URL added
 to its ``args``, and a handler that returns False ends the stream.
 
-A shard whose first block is not an uncompressed tar header (a compressed tar, an empty
-file, not a tar at all) is expanded by webdataset itself, with its errors as before.
+A compressed tar (gzip, bzip2, xz) is expanded by webdataset itself; what its
+:mod:`tarfile` raises on a damaged one (``tarfile.ReadError``, ``EOFError``, ...) reaches the
+handler as a :class:`~shardcache.ShardFormatError` naming the shard. An empty file, a file
+too short for a tar header and a file that is not a tar at all are a ``ShardFormatError``
+(webdataset: ``tarfile.ReadError``).
 
 A shard's last sample is delivered once its stream was read to the end: a shard read while
 it downloads ends only once verified (:mod:`shardcache._store.growing`), so the last sample
@@ -31,12 +34,16 @@ Two differences, both on damaged shards, both so that nothing is lost unseen:
 
 from __future__ import annotations
 
+import lzma
+import tarfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
 import webdataset as wds
 
-from .tar_members import BLOCK, Sample, is_header, samples
+from .._base.errors import ShardCacheError, ShardFormatError
+from .tar_members import ADVICE, BLOCK, Sample, compression, samples
 
 Handler = Callable[[BaseException], bool]
 
@@ -87,16 +94,18 @@ def expand(
         except Exception as exn:
             _report(exn, shard, handle)
         else:
-            if is_header(head):
+            kind = compression(head)
+            if kind is None:
                 yield from _parsed(
                     _Replayed(head, stream), shard, handle, select_files, rename_files
                 )
             else:
                 replayed = {**shard, "stream": _Replayed(head, stream)}
+                named = _named_errors(handle, shard["url"], kind)
                 files = wds.tariterators.tar_file_expander(
-                    [replayed], handler=handle, select_files=select_files, rename_files=rename_files
+                    [replayed], handler=named, select_files=select_files, rename_files=rename_files
                 )
-                yield from wds.tariterators.group_by_keys(files, handler=handle)
+                yield from wds.tariterators.group_by_keys(files, handler=named)
         if stopped:
             return
 
@@ -136,6 +145,30 @@ def _parsed(
         return
     if last is not None:
         yield _as_webdataset_sample(last, url, local_path)
+
+
+# What tarfile and the decompressors raise on a damaged compressed tar.
+_FORMAT_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError)
+
+
+def _named_errors(handle: Handler, url: str, kind: str) -> Handler:
+    """``handle``, given a :class:`ShardFormatError` naming ``url`` for what webdataset's
+    tar expansion raises on a damaged ``kind``-compressed shard (an ``OSError`` from the
+    stream, a failed download or verification, passes as it is)."""
+
+    def named(exn: BaseException) -> bool:
+        if isinstance(exn, ShardCacheError) or not isinstance(exn, (*_FORMAT_ERRORS, OSError)):
+            return handle(exn)
+        cause = exn.args[0] if exn.args else type(exn).__name__
+        error = ShardFormatError(
+            f"{url}: the {kind}-compressed tar cannot be read ({type(exn).__name__}: "
+            f"{cause}); expected a complete {kind}-compressed tar file. {ADVICE}.",
+            where=url,
+        )
+        error.__cause__ = exn
+        return handle(error)
+
+    return named
 
 
 def _report(exn: Exception, shard: dict[str, Any], handle: Handler) -> None:

@@ -28,6 +28,16 @@ _REGULAR = (b"0", b"\0", b"7")  # regular file, old-style regular, contiguous
 _GNU_LONGNAME = b"L"
 _PAX = (b"x", b"X")
 _MAX_MEMBER = 1 << 40  # larger sizes come from damaged headers (base-256 fields reach 2**95)
+ADVICE = (
+    "Check the source object (tar tvf on a copy of it), then re-create or re-upload it, or "
+    "drop it from the shard list; a dataset's handler=wds.warn_and_continue skips such shards"
+)
+_COMPRESSED = {
+    b"\x1f\x8b": "gzip",
+    b"BZh": "bzip2",
+    b"\xfd7zXZ\x00": "xz",
+    b"\x28\xb5\x2f\xfd": "zstd",
+}
 
 
 @dataclass(frozen=True)
@@ -90,8 +100,8 @@ def _checked(header: bytes, where: str) -> None:
     if stored != computed:
         raise ShardFormatError(
             f"{where}: not a tar header (checksum {stored}, computed {computed}); expected a "
-            "tar member to start here. The shard is not a tar file, is damaged, or a resume "
-            "state points into a shard that changed since the state was taken.",
+            "tar member to start here. The shard is damaged, or a resume state points into a "
+            f"shard that changed since the state was taken. {ADVICE}.",
             where=where,
         )
 
@@ -141,8 +151,8 @@ def _read_exactly(stream: BinaryIO, count: int, where: str) -> bytes:
     data = stream.read(count)
     if len(data) != count:
         raise ShardFormatError(
-            f"{where}: the tar stream ends inside a member (wanted {count} bytes, got "
-            f"{len(data)}); the shard is truncated",
+            f"{where}: the shard ends inside a tar member (expected {count} more bytes, got "
+            f"{len(data)}): it is truncated. {ADVICE}.",
             where=where,
         )
     return data
@@ -158,6 +168,30 @@ def is_header(block: bytes) -> bool:
     except ShardFormatError:
         return False
     return True
+
+
+def compression(head: bytes) -> str | None:
+    """The compression ``head`` (a file's first bytes) starts with, if any."""
+    return next((name for magic, name in _COMPRESSED.items() if head.startswith(magic)), None)
+
+
+def _refuse_start(head: bytes, where: str) -> None:
+    """Raise what is wrong with a shard whose first block ``head`` is not a tar header,
+    unless it is the end-of-archive block of an empty tar."""
+    if len(head) == BLOCK and head.count(0) == BLOCK:
+        return
+    if not head:
+        seen = "the shard is empty (0 bytes)"
+    elif (kind := compression(head)) is not None:
+        seen = f"the shard is {kind}-compressed; this reader takes uncompressed tars only"
+    elif len(head) < BLOCK:
+        seen = f"the shard is {len(head)} bytes long, starting {head[:16]!r}"
+    else:
+        seen = f"the shard starts {head[:16]!r}, not a tar header"
+    raise ShardFormatError(
+        f"{where}: {seen}; expected a tar file (a {BLOCK}-byte header first). {ADVICE}.",
+        where=where,
+    )
 
 
 def _skip(stream: BinaryIO, count: int) -> None:
@@ -187,9 +221,17 @@ def members(
     pax: dict[str, str] = {}
     while True:
         header = stream.read(BLOCK)
-        if len(header) < BLOCK or header.count(0) == BLOCK:
+        if position == 0 and not is_header(header):
+            _refuse_start(header, where)  # not a tar at all (an empty tar is zero blocks)
+        if len(header) == 0 or header.count(0) == BLOCK:
             return  # the end-of-archive blocks (or a tar without them)
         here = f"{where} at byte {position}"
+        if len(header) < BLOCK:
+            raise ShardFormatError(
+                f"{here}: the shard ends inside a tar header (expected {BLOCK} bytes, got "
+                f"{len(header)}): it is truncated. {ADVICE}.",
+                where=here,
+            )
         _checked(header, here)
         kind = header[156:157]
         size = _pax_size(pax["size"], here) if "size" in pax else _octal(header[124:136], here)

@@ -45,7 +45,7 @@ from typing import Any, BinaryIO
 
 import webdataset as wds
 
-from .._base.errors import ShardCacheError, StallError
+from .._base.errors import ConfigError, ShardCacheError, StallError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._config.settings import prefetch_overrides, warn_unknown_env
@@ -163,6 +163,8 @@ class CacheStage:
             except StallError:
                 raise
             except ShardCacheError as exn:
+                if not pending:
+                    raise  # from the shard list (a splitter's ConfigError), not from a shard
                 failed = pending.popleft()
                 logger.debug("shard %s failed: %s", failed["url"], exn)
                 if not self.handler(exn):
@@ -345,14 +347,37 @@ def _as_sample(item: object) -> Sample:
 def split_by_node(src: Iterable[Any], group: Any = None) -> Iterator[Any]:
     """Like ``wds.split_by_node``, with ranks from shardcache's detection: an initialised
     torch.distributed group, then torchrun, then SLURM (which webdataset ignores)."""
-    if group is not None:
-        import torch.distributed as dist
-
-        rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
-    else:
-        info = rank_info()
-        rank, world_size = info.rank, info.world_size
+    rank, world_size, _ = _ranks(group)
     if world_size > 1:
         yield from islice(src, rank, None, world_size)
     else:
         yield from src
+
+
+def single_node_only(src: Iterable[Any], group: Any = None) -> Iterator[Any]:
+    """Like ``wds.single_node_only`` (every shard, refused in a job of several ranks), with
+    ranks from shardcache's detection: under ``srun`` webdataset sees one rank and lets every
+    rank read every shard."""
+    _, world_size, who = _ranks(group)
+    if world_size > 1:
+        raise ConfigError(
+            f"this process is {who}, and its WebDataset has no node splitter "
+            "(webdataset's default, nodesplitter=wds.single_node_only): every rank would read "
+            "every shard. Pass nodesplitter=shardcache.split_by_node (each rank its own "
+            "share), or nodesplitter=None if every rank is meant to read every shard.",
+            name="nodesplitter",
+            value="single_node_only",
+        )
+    yield from src
+
+
+def _ranks(group: Any) -> tuple[int, int, str]:
+    """This process's rank and world size in ``group`` (None: shardcache's detection), and
+    who it is in words."""
+    if group is not None:
+        import torch.distributed as dist
+
+        rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        return rank, world_size, f"rank {rank}/{world_size} of the given process group"
+    info = rank_info()
+    return info.rank, info.world_size, info.describe()

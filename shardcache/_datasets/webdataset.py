@@ -27,6 +27,11 @@ What differs from webdataset 1.0.2:
   shardcache's default cache (``SHARDCACHE_*``) is used: this class always caches, so
   ``cache_size=0`` (webdataset: "do not cache") uses the default cache too.
   ``url_to_name``, ``verbose`` and ``repeat`` mean nothing, as in 1.0.2.
+- ``nodesplitter=wds.split_by_node`` (and the default, ``wds.single_node_only``) become
+  :func:`shardcache.split_by_node` (and its ``single_node_only``): the same split wherever
+  webdataset's see the ranks, and also right under plain ``srun``, where webdataset's see
+  one rank and every rank would read every shard (the default then raises, as webdataset's
+  does under torch.distributed).
 - ``__local_path__`` names the cached copy, not the source file.
 - A directory URL (``DirectoryShardList``, a work queue that renames each file while it is
   served) is refused: reading ahead of it would race its renames.
@@ -50,7 +55,7 @@ from .._base.errors import ConfigError, ShardCacheError, UrlError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._config.borrowed import webdataset_cache
-from .wds import Handler, TarfileToSamples
+from .wds import Handler, TarfileToSamples, single_node_only, split_by_node
 
 logger = get_logger(__name__)
 
@@ -118,6 +123,7 @@ class WebDataset(wds.WebDataset):
             )
         # webdataset's own cache stays off (cache_dir=None); ours is resolved here.
         mapped = _cache_from_wds_options(cache, cache_dir, cache_size)
+        nodesplitter = next((o for w, o in _OUR_SPLITTERS if nodesplitter is w), nodesplitter)
         super().__init__(
             urls,
             handler,
@@ -145,6 +151,15 @@ class WebDataset(wds.WebDataset):
     def update_cache_info(self, args: Any) -> None:
         """Nothing: ``cache_dir``, ``cache_size`` and ``WDS_CACHE*`` were mapped to
         shardcache's cache before webdataset's constructor ran."""
+
+
+# webdataset's node splitters read ranks from torch.distributed and RANK/WORLD_SIZE only:
+# under plain srun every rank would read every shard. Ours give the same split wherever
+# webdataset's see the ranks, and read SLURM's too.
+_OUR_SPLITTERS = (
+    (shardlists.split_by_node, split_by_node),
+    (shardlists.single_node_only, single_node_only),
+)
 
 
 def _cache_from_wds_options(

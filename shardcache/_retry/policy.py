@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import random
+import re
 import socket
 import ssl
 import sys
@@ -42,8 +44,8 @@ from .._base.errors import (
     RemotePermissionError,
     TransientFetchError,
 )
-from .._base.url_kinds import LOCAL_PROTOCOLS, local_path, url_protocol
 from .._config.settings import SPECS
+from .advice import missing_bucket_text, not_found_advice, refused_text
 
 T = TypeVar("T")
 
@@ -75,6 +77,7 @@ _THROTTLING_CODES = {
     "TooManyRequestsException",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404", "NoSuchVersion"}
+_NO_BUCKET_CODES = {"NoSuchBucket", "ContainerNotFound"}  # S3's, Azure's
 _TRANSIENT_ERRNOS = {
     errno.ECONNRESET,
     errno.ECONNREFUSED,
@@ -91,7 +94,9 @@ _DENIED_CODES = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "Sig
 
 TRANSIENT, PERMANENT, NOT_FOUND = "transient", "permanent", "not found"
 DENIED, IS_A_DIRECTORY = "permission denied", "is a directory"
-UNTRUSTED = "certificate rejected"
+UNTRUSTED, REFUSED = "certificate rejected", "connection refused"
+REFUSED_RETRIES = 2  # of a refused connection (a server restarting); none on loopback
+_ADDRESS_RE = re.compile(r"\('([^']+)', \d+")  # asyncio's "Connect call failed ('h', port)"
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,7 @@ class RetryPolicy:
         that ends the run: the failure itself is re-raised unchanged, any other error is
         raised from it. ``n`` counts every attempt.
         """
-        n = counted = 0
+        n = counted = refusals = 0
         first_refusal: float | None = None
         while True:
             n += 1
@@ -157,7 +162,13 @@ class RetryPolicy:
                     first_refusal = clock()
                 refused_for = 0.0 if first_refusal is None else clock() - first_refusal
                 counted += self.counts(throttled, refused_for)
-                if not (retry_if(exc) and self.allows(counted)):
+                host = refused_host(exc)
+                refusals += host is not None
+                if not (
+                    retry_if(exc)
+                    and self.allows(counted)
+                    and (host is None or refusals <= refused_retries(host))
+                ):
                     error = give_up(exc, n)
                     if error is exc:
                         raise
@@ -232,6 +243,10 @@ def _kind_of_type(item: BaseException) -> str | None:
         return IS_A_DIRECTORY
     if isinstance(item, PermissionError):
         return DENIED
+    if isinstance(item, ConnectionRefusedError) or (
+        isinstance(item, OSError) and item.errno == errno.ECONNREFUSED
+    ):
+        return REFUSED
     if isinstance(item, _TRANSIENT_TYPES):
         return TRANSIENT
     if isinstance(item, OSError) and item.errno in _TRANSIENT_ERRNOS:
@@ -274,8 +289,41 @@ def _judge(exc: BaseException) -> tuple[str, BaseException]:
     return PERMANENT, exc
 
 
+def _code(exc: BaseException) -> str | None:
+    """The store's error code that decided ``exc``'s kind, if any."""
+    return _http_status_and_code(_judge(exc)[1])[1]
+
+
+def refused_host(exc: BaseException) -> str | None:
+    """The host that refused ``exc``'s connection ("" if it does not say), None if no
+    connection was refused."""
+    refused = False
+    for item in _chain(exc):
+        if not (
+            isinstance(item, ConnectionRefusedError)
+            or getattr(item, "errno", None) == errno.ECONNREFUSED
+        ):
+            continue
+        refused = True
+        host = getattr(item, "host", None)  # aiohttp's ClientConnectorError
+        if isinstance(host, str) and host:
+            return host
+        if (found := _ADDRESS_RE.search(str(item))) is not None:
+            return found.group(1)
+    return "" if refused else None
+
+
+def refused_retries(host: str) -> int:
+    """How often a connection ``host`` refused is tried again (none on loopback)."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return 0 if loopback else REFUSED_RETRIES
+
+
 def classify(exc: BaseException) -> str:
-    """TRANSIENT, NOT_FOUND, DENIED, IS_A_DIRECTORY, UNTRUSTED or PERMANENT for an error
+    """TRANSIENT, NOT_FOUND, DENIED, IS_A_DIRECTORY, UNTRUSTED, REFUSED or PERMANENT for an error
     raised while fetching, decided from its real cause (see :func:`_judge`)."""
     return _judge(exc)[0]
 
@@ -348,35 +396,45 @@ def retry_cause(exc: BaseException) -> str:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether trying again may help (:func:`classify` says TRANSIENT)."""
-    return classify(exc) == TRANSIENT
+    """Whether trying again may help (:func:`classify` says TRANSIENT, or REFUSED: tried
+    again at most :func:`refused_retries` times by :meth:`RetryPolicy.run`)."""
+    return classify(exc) in (TRANSIENT, REFUSED)
 
 
-def _not_found_advice(url: str) -> str:
-    """What to check when ``url`` does not exist, by its kind."""
-    protocol = url_protocol(url)
-    if protocol in LOCAL_PROTOCOLS:
-        return f"Check the path (read as {local_path(url)}) and that the file system is mounted."
-    if protocol == "s3":
-        return "Check the bucket and key (and the endpoint: AWS_ENDPOINT_URL / storage_options)."
-    if protocol in ("gs", "gcs"):
-        return "Check the bucket and object name (and endpoint_url in storage_options, if any)."
-    if protocol in ("abfs", "abfss", "az"):
-        return "Check the container and blob name (and the account in storage_options)."
-    return "Check the URL (and the endpoint in storage_options, if any)."
-
-
-def fetch_error(url: str, attempts: int, exc: BaseException, what: str = "download") -> FetchError:
+def fetch_error(
+    url: str,
+    attempts: int,
+    exc: BaseException,
+    what: str = "download",
+    endpoint: str | None = None,
+) -> FetchError:
     """The :class:`FetchError` to raise for ``exc`` after ``attempts`` attempts to ``what``
-    ``url``: its class and advice follow the kind of the error (:func:`classify`)."""
+    ``url``: its class and advice follow the kind of the error (:func:`classify`).
+    ``endpoint`` says where requests for ``url`` go and where that was set (None: the
+    store's default)."""
     kind, cause = classify(exc), describe(exc)
-    if kind == NOT_FOUND:
-        return RemoteNotFoundError(
-            f"{url} does not exist ({cause}); failed at once, without retries. "
-            f"{_not_found_advice(url)}",
+    if kind == REFUSED:
+        host = refused_host(exc) or "?"
+        tried = "not retried on loopback" if refused_retries(host) == 0 else f"{attempts} attempts"
+        return PermanentFetchError(
+            refused_text(url, what, f"{host} ({cause}; {tried})", endpoint),
             url=url,
             attempts=attempts,
             cause=cause,
+            endpoint=endpoint,
+            store_wide=True,  # every shard of this store would fail alike
+        )
+    if kind == NOT_FOUND:
+        missing = _code(exc) in _NO_BUCKET_CODES
+        return RemoteNotFoundError(
+            missing_bucket_text(url, cause, endpoint)
+            if missing
+            else f"{url} does not exist ({cause}); failed at once, without retries. "
+            f"{not_found_advice(url)}",
+            url=url,
+            attempts=attempts,
+            cause=cause,
+            store_wide=missing,
         )
     if kind == TRANSIENT and is_throttled(exc):
         return TransientFetchError(

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Protocol
 
 from fsspec.asyn import sync
 
-from .._base.errors import IntegrityError, UnverifiableError
+from .._base.errors import FetchError, IntegrityError, UnverifiableError
 from .._base.redact import get_logger, redact_options
 from .._base.url_kinds import LOCAL_PROTOCOLS, s3_version, url_protocol
 from .._retry.policy import RetryPolicy, _http_status_and_code
@@ -162,6 +162,10 @@ class Source(Protocol):
     def part_layout(self, info: ObjectInfo, parts: int, *, exact: bool) -> PartLayout | None: ...
 
     def part_checksums(self, info: ObjectInfo, algorithm: str, parts: int) -> list[str] | None: ...
+
+    def fetch_error(
+        self, url: str, attempts: int, exc: BaseException, what: str = "download"
+    ) -> FetchError: ...
 
 
 class LocalWriteError(Exception):

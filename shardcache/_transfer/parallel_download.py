@@ -28,7 +28,6 @@ from .._observe import metrics
 from .._retry.policy import (
     TruncatedBody,
     describe,
-    fetch_error,
     is_transient,
     retry_cause,
 )
@@ -250,7 +249,7 @@ class ParallelDownload(Strategy):
                 return exc
             if precondition_failed(exc):
                 return changed_underneath(info, n)
-            return fetch_error(info.url, n, exc)
+            return self.source.fetch_error(info.url, n, exc)
 
         def wait(seconds: float) -> None:
             if cancel.wait(seconds):

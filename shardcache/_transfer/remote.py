@@ -21,7 +21,7 @@ from .._base.errors import FetchError, IntegrityError, PermanentFetchError, UrlE
 from .._base.redact import get_logger
 from .._base.url_check import check_url
 from .._base.url_kinds import LOCAL_PROTOCOLS, local_path, s3_version, url_protocol
-from .._config.borrowed import gcsfs_extended
+from .._config.borrowed import gcsfs_extended, s3_endpoint_variable
 from .._observe import metrics
 from .._retry.policy import describe, fetch_error, is_transient, retry_cause
 from .._retry.throttle import throttled_call
@@ -127,6 +127,30 @@ class Remote:
             share_service_models(fs)
         return fs
 
+    def endpoint_of(self, url: str) -> str | None:
+        """Where requests for ``url`` go and what set it, in words; None for the store's
+        default endpoint (and for local files and commands)."""
+        protocol = url_protocol(url)
+        options = self.storage_options_for(protocol)
+        client = options.get("client_kwargs") or {}
+        for name, value in (
+            ("storage_options endpoint_url", options.get("endpoint_url")),
+            ("storage_options client_kwargs.endpoint_url", client.get("endpoint_url")),
+            ("storage_options account_url", options.get("account_url")),
+        ):
+            if isinstance(value, str) and value:
+                return f"{value} (from {name})"
+        if options.get("connection_string"):
+            return "the BlobEndpoint of storage_options connection_string"
+        found = s3_endpoint_variable() if protocol in {"s3", "s3a"} else None
+        return None if found is None else f"{found[1]} (from {found[0]})"
+
+    def fetch_error(
+        self, url: str, attempts: int, exc: BaseException, what: str = "download"
+    ) -> FetchError:
+        """:func:`~shardcache._retry.policy.fetch_error`, naming ``url``'s endpoint."""
+        return fetch_error(url, attempts, exc, what, self.endpoint_of(url))
+
     # -- metadata --------------------------------------------------------------------
 
     def info(self, url: str) -> ObjectInfo:
@@ -139,7 +163,7 @@ class Remote:
             lambda n: self._info_once(url),
             retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
             give_up=lambda exc, n: (
-                exc if isinstance(exc, _DECIDED) else fetch_error(url, n, exc, "stat")
+                exc if isinstance(exc, _DECIDED) else self.fetch_error(url, n, exc, "stat")
             ),
             on_retry=lambda exc, n: _stat_retry(url, exc),
         )
@@ -168,7 +192,7 @@ class Remote:
         if protocol in LOCAL_PROTOCOLS:
             st = os.stat(path)  # before any byte is read: a later change shows on the next hit
             if stat.S_ISDIR(st.st_mode):
-                raise fetch_error(url, 1, IsADirectoryError(url), "stat")
+                raise self.fetch_error(url, 1, IsADirectoryError(url), "stat")
             return ObjectInfo(url, st.st_size, mtime_ns=st.st_mtime_ns)
         if protocol in GCS_PROTOCOLS:
             return gcs_object_info(fs, url, path, self.options.throttle)
@@ -176,7 +200,7 @@ class Remote:
             return azure_object_info(fs, url, path, self.options.throttle)
         info = fs.info(path)
         if info.get("type") == "directory":
-            raise fetch_error(url, 1, IsADirectoryError(url), "stat")
+            raise self.fetch_error(url, 1, IsADirectoryError(url), "stat")
         size = info.get("size")
         if size is None:
             raise PermanentFetchError(
@@ -217,7 +241,9 @@ class Remote:
         return self.options.retry.run(
             once,
             retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
-            give_up=lambda exc, n: exc if isinstance(exc, _DECIDED) else fetch_error(url, n, exc),
+            give_up=lambda exc, n: (
+                exc if isinstance(exc, _DECIDED) else self.fetch_error(url, n, exc)
+            ),
             on_retry=lambda exc, n: _open_retry(url, exc),
         )
 
@@ -264,7 +290,7 @@ class Remote:
             lambda n: ask(fs, path),
             retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
             give_up=lambda exc, n: (
-                exc if isinstance(exc, _DECIDED) else fetch_error(info.url, n, exc, "stat")
+                exc if isinstance(exc, _DECIDED) else self.fetch_error(info.url, n, exc, "stat")
             ),
             on_retry=lambda exc, n: _stat_retry(info.url, exc),
         )
@@ -292,14 +318,14 @@ class Remote:
                 ),
                 retry_if=lambda exc: not isinstance(exc, _SETTLED) and is_transient(exc),
                 give_up=lambda exc, n: (
-                    exc if isinstance(exc, _SETTLED) else fetch_error(url, n, exc)
+                    exc if isinstance(exc, _SETTLED) else self.fetch_error(url, n, exc)
                 ),
             )
         if protocol not in {"s3", "s3a"}:
             return self.options.retry.run(
                 lambda n: fs.cat_file(path, start=start, end=end),
                 retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
-                give_up=lambda exc, n: fetch_error(url, n, exc),
+                give_up=lambda exc, n: self.fetch_error(url, n, exc),
             )
         info = ObjectInfo(url, None, etag)
         chunk = self.options.chunk_size
@@ -308,7 +334,7 @@ class Remote:
                 s3_body(fs, path, info, chunk, self.options.throttle, start=start, end=end)
             ),
             retry_if=lambda exc: not isinstance(exc, _DECIDED) and is_transient(exc),
-            give_up=lambda exc, n: fetch_error(url, n, exc),
+            give_up=lambda exc, n: self.fetch_error(url, n, exc),
             on_retry=lambda exc, n: metrics.retried(retry_cause(exc)),
         )
 

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 from .._base.redact import get_logger
 from .._base.url_kinds import url_protocol
 from .._observe import metrics
-from .._retry.policy import TruncatedBody, describe, fetch_error, is_transient, retry_cause
+from .._retry.policy import TruncatedBody, describe, is_transient, retry_cause
 from .azure import AZURE_PROTOCOLS, azure_gets
 from .download import (
     Expected,
@@ -92,7 +92,7 @@ class StreamDownload(Strategy):
         def give_up(exc: Exception, n: int) -> BaseException:
             if verification_failed(exc) or isinstance(exc, LocalWriteError):
                 return exc
-            return fetch_error(state.info.url, n, exc)
+            return self.source.fetch_error(state.info.url, n, exc)
 
         return self.options.retry.run(
             attempt,

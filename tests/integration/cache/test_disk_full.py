@@ -10,10 +10,14 @@ The read-only case uses ext4's ``errors=remount-ro`` (triggered through
 ``/sys/fs/ext4/<dev>/trigger_fs_error``): that is how a cache disk turns read-only under a
 running download. ``mount -o remount,ro`` cannot do it: Linux refuses it with EBUSY while
 any file on the mount is open for writing, as the download's temp file is.
+
+A cache directory that is full, read-only or cannot be made before anything starts is one
+``CacheDirError`` when iteration starts, before any request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -432,3 +436,58 @@ def test_preallocate_setting_is_validated_and_shown(
     assert main(["config"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("preallocate"))
     assert "off" in line and "env SHARDCACHE_PREALLOCATE" in line
+
+
+def _iterate_webdataset(s3: S3Server, root: Path) -> CacheDirError:
+    """The error of iterating a ``shardcache.WebDataset`` of 3 shards cached under ``root``,
+    with a handler that would skip every failed shard: a cache directory problem is not a
+    shard's, so it is raised, once, before any request reaches the store."""
+    import webdataset as wds
+
+    import shardcache
+
+    s3.put_objects(BUCKET, {f"s-{i}.tar": _blob(2048, i) for i in range(3)})
+    s3.clear_requests()
+    urls = [f"s3://{BUCKET}/s-{i}.tar" for i in range(3)]
+    dataset = shardcache.WebDataset(
+        urls, handler=wds.warn_and_continue, shardshuffle=False, cache=ShardCache(root)
+    )
+    with pytest.raises(CacheDirError) as info:
+        list(dataset)
+    assert s3.count(None, BUCKET) == 0  # reported before any download
+    assert "NFS" not in str(info.value)
+    return info.value
+
+
+@needs_root
+def test_a_full_cache_disk_is_one_cache_dir_error_before_any_download(
+    s3: S3Server, tmpfs: Path
+) -> None:
+    (tmpfs / "cache").mkdir()
+    filler = os.open(tmpfs / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        with contextlib.suppress(OSError):  # ENOSPC: the disk is full
+            while True:
+                os.write(filler, b"\0" * PAGE)
+    finally:
+        os.close(filler)
+    error = _iterate_webdataset(s3, tmpfs / "cache")
+    assert error.errno == errno.ENOSPC and "no space or quota left" in str(error)
+    assert "Free space there (shardcache evict" in str(error)
+
+
+@needs_root
+def test_a_read_only_cache_disk_is_one_cache_dir_error_before_any_download(
+    s3: S3Server, mount_point: Callable[[list[str]], Path]
+) -> None:
+    read_only = mount_point(["-t", "tmpfs", "-o", "size=1m,ro", "tmpfs"])
+    error = _iterate_webdataset(s3, read_only / "cache")
+    assert error.errno == errno.EROFS and "read-only file system at" in str(error)
+    assert "The file system is read-only" in str(error)
+
+
+def test_a_cache_dir_a_local_file_system_refuses_fails_in_a_second_not_30(s3: S3Server) -> None:
+    started = time.monotonic()
+    error = _iterate_webdataset(s3, Path("/proc/shardcache-cannot-be-here"))
+    assert time.monotonic() - started < 10  # "not yet" is retried 1 s on a local file system
+    assert error.errno == errno.ENOENT and "the file system (proc at /proc" in str(error)

@@ -90,15 +90,15 @@ def test_warm_lists_failures_and_caches_the_rest(s3, shards, tmp_path) -> None:
 
 
 def test_warm_groups_failures_by_error_and_lists_all_with_json(s3, shards, tmp_path) -> None:
-    missing = [f"s3://nobucket/train-{i:06d}.tar" for i in range(30)]
+    missing = [f"s3://{BUCKET}/gone-{i:06d}.tar" for i in range(30)]
     result = _run(tmp_path, "warm", *missing, next(iter(shards)), "--threads", "4")
     assert result.returncode == 1
     lines = result.stdout.splitlines()
     assert lines[0].startswith("warm: 1 of 31 shards ok, 30 failed (hits 0, misses 1")
     assert lines[1:3] == [
         "failed shards (30):",
-        "  30 shards: RemoteNotFoundError: <url> does not exist (HTTP 404 NoSuchBucket: The "
-        "specified bucket does not exist); "
+        "  30 shards: RemoteNotFoundError: <url> does not exist (HTTP 404 NoSuchKey: The "
+        "specified key does not exist.); "
         "failed at once, without retries. Check the bucket and key (and the endpoint: "
         "AWS_ENDPOINT_URL / storage_options).",
     ]
@@ -119,7 +119,58 @@ def test_warm_groups_failures_by_error_and_lists_all_with_json(s3, shards, tmp_p
     assert report["plan"] == "every shard, world size 1"
 
 
-def test_warm_stops_when_the_same_cache_level_error_repeats(tmp_path) -> None:
+def test_a_missing_bucket_stops_warm_at_once_with_one_error(s3, shards, tmp_path) -> None:
+    missing = [f"s3://nobucket/train-{i:06d}.tar" for i in range(60)]
+    result = _run(tmp_path, "warm", *missing, "--threads", "2", "--json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert len(report["failed"]) <= 2 + 1  # the first, and what was in flight beside it
+    assert report["not_attempted"] == 60 - len(report["failed"])
+    assert report["stopped"].startswith("RemoteNotFoundError is about the store, not one shard")
+    errors = {f["error"] for f in report["failed"]}
+    assert all("the bucket 'nobucket' does not exist at http://127.0.0.1:" in e for e in errors)
+    assert all("(from AWS_ENDPOINT_URL)" in e and "without retries" in e for e in errors)
+    assert s3.count(None, "nobucket") <= 3  # one request a shard tried, no retry
+
+
+def test_a_refused_endpoint_stops_warm_at_once_naming_it(s3, shards, tmp_path) -> None:
+    closed = FaultProxy("127.0.0.1", s3.port).start()
+    endpoint = f"http://127.0.0.1:{closed.port}"
+    closed.stop()  # nothing listens on its port now: connections are refused
+    started = time.monotonic()
+    result = _run(tmp_path, "warm", SPEC, "--threads", "2", "--json", AWS_ENDPOINT_URL=endpoint)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["stopped"].startswith("PermanentFetchError is about the store")
+    assert report["not_attempted"] >= 8 - 3
+    error = report["failed"][0]["error"]
+    assert "the connection was refused by 127.0.0.1" in error and "not retried on loopback" in error
+    assert f"requests go to {endpoint} (from AWS_ENDPOINT_URL)" in error
+    assert "check that endpoint's host and port" in error
+    assert elapsed < 20, elapsed  # no retries: before, 26 s of backoff per shard
+
+
+def test_warm_stops_when_the_same_store_level_error_repeats(s3, shards, tmp_path) -> None:
+    # Access denied may be one object's ACL, so a streak of it, not the first, stops the run.
+    with FaultProxy("127.0.0.1", s3.port) as proxy:
+        proxy.add_fault("status:403", times=None)
+        endpoint = f"http://127.0.0.1:{proxy.port}"
+        many = [f"s3://{BUCKET}/denied-{i:03d}.tar" for i in range(40)]
+        result = _run(tmp_path, "warm", *many, "--threads", "2", AWS_ENDPOINT_URL=endpoint)
+    assert result.returncode == 1
+    first, stopped, header, group, *_listed = result.stdout.splitlines()
+    failed = int(first.split(" failed")[0].rsplit(" ", 1)[1])
+    assert header == f"failed shards ({failed}):"
+    assert 5 <= failed <= 5 + 2, first  # the streak, and what was in flight
+    assert group.startswith(f"  {failed} shards: RemotePermissionError: ")
+    assert stopped.startswith(
+        "stopped early: 5 shards in a row failed with RemotePermissionError, an error that is "
+        "not about one shard"
+    )
+
+
+def test_a_cache_dir_that_is_a_file_fails_warm_once_before_any_download(tmp_path) -> None:
     sources = tmp_path / "src"
     sources.mkdir()
     for i in range(200):
@@ -127,21 +178,11 @@ def test_warm_stops_when_the_same_cache_level_error_repeats(tmp_path) -> None:
     (tmp_path / "cache").write_text("a file where the cache root should be")
     result = _run(tmp_path, "warm", f"{sources}/{{000..199}}.tar", "--threads", "2")
     assert result.returncode == 1
-    first, stopped, header, group, *listed = result.stdout.splitlines()
-    failed = int(first.split(" failed")[0].rsplit(" ", 1)[1])
-    assert header == f"failed shards ({failed}):"
-    assert 5 <= failed <= 5 + 2, first  # the streak, and what was in flight
-    assert first.startswith(
-        f"warm: 0 of 200 shards ok, {failed} failed, {200 - failed} not attempted"
-    )
-    assert stopped == (
-        "stopped early: 5 shards in a row failed with CacheDirError, an error that is not "
-        "about one shard (the other shards would fail alike): fix it and run warm again, "
-        "which fetches only what is missing"
-    )
-    assert group.startswith(f"  {failed} shards: CacheDirError: ")
-    assert listed[:5] == [f"    {sources}/{i:03d}.tar" for i in range(5)]
-    assert len(listed) == 5 + (failed > 5)  # "... and N more"
+    assert result.stdout == ""
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardcache: CacheDirError: Cannot create cache directory "), last
+    assert "a regular file exists at" in last and "NFS" not in last
+    assert result.stderr.count("CacheDirError") == 1
 
 
 def test_warm_stops_after_max_failures(s3, shards, tmp_path) -> None:

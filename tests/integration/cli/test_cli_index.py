@@ -197,15 +197,26 @@ def test_a_missing_local_shard_fails_with_exit_1(tmp_path, cache_dir, capsys) ->
     assert stdout == "" and not out.exists()
 
 
-def test_a_shard_that_is_not_a_tar_fails_with_exit_1(tmp_path, cache_dir, capsys) -> None:
+@pytest.mark.parametrize(
+    ("junk", "seen"),
+    [
+        (b"not a tar" * 1000, "the shard starts b'not a tarnot a t', not a tar header"),
+        (b"hello", "the shard is 5 bytes long, starting b'hello'"),
+        (b"", "the shard is empty (0 bytes)"),
+    ],
+    ids=["not-a-tar", "five-bytes", "empty"],
+)
+def test_a_shard_that_is_not_a_tar_fails_with_exit_1(
+    tmp_path, cache_dir, capsys, junk: bytes, seen: str
+) -> None:
     spec, _urls = _write_shards(tmp_path / "data", [2, 2])
-    junk = tmp_path / "junk.tar"
-    junk.write_bytes(b"not a tar" * 1000)
+    bad = tmp_path / "junk.tar"
+    bad.write_bytes(junk)
     out = tmp_path / "train.index.json"
-    code, stdout, stderr = _cli(capsys, "index", spec, str(junk), "-o", str(out))
+    code, stdout, stderr = _cli(capsys, "index", spec, str(bad), "-o", str(out))
     assert code == 1
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith(f"shardcache: ShardFormatError: {junk} at byte 0: not a tar header")
+    assert last.startswith(f"shardcache: ShardFormatError: {bad}: {seen}; expected a tar file")
     assert stdout == "" and not out.exists()
 
 

@@ -437,7 +437,7 @@ def test_without_a_handler_a_bad_shard_raises_where_it_is(tmp_path: Path) -> Non
     dataset = ResumableDataset(
         urls, shuffle_shards=False, cache=ShardCache(tmp_path / "cache"), rank=0, world_size=1
     )
-    with pytest.raises(shardcache.ShardFormatError, match=r"local-0\.tar at byte 0"):
+    with pytest.raises(shardcache.ShardFormatError, match=r"local-0\.tar: the shard starts b"):
         list(dataset)
 
 

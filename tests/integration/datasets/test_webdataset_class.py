@@ -7,6 +7,8 @@ import inspect
 import logging
 import multiprocessing as mp
 import pickle
+import subprocess
+import sys
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,10 +18,11 @@ import pytest
 import torch
 import webdataset as wds
 import webdataset.compat
+from processes import job_env
 from threads import PrefetchThreads
 
 import shardcache
-from shardcache import ConfigError, ShardCache, ShardCacheError, UrlError
+from shardcache import ConfigError, ShardCache, ShardCacheError, ShardFormatError, UrlError
 from shardcache._datasets.wds import TarfileToSamples
 from shardcache._ops.demo import make_shard
 
@@ -161,14 +164,16 @@ def test_a_damaged_shard_raises_by_default(
     urls: list[str], cache: ShardCache, prefetch_threads: PrefetchThreads
 ) -> None:
     Path(urls[1]).write_bytes(b"not a tar file" * 64)
-    with pytest.raises(Exception) as ours:
+    with pytest.raises(ShardFormatError, match=r"shard-001\.tar: the shard starts") as ours:
         list(shardcache.WebDataset(urls, shardshuffle=False, cache=cache))
     # The error (raised by webdataset's tar expansion, after our stage) stopped the
     # prefetcher, although its traceback, still held here, holds the stage's generator.
     prefetch_threads.assert_ended()
     with pytest.raises(Exception) as theirs:
         list(wds.WebDataset(urls, shardshuffle=False))
-    assert type(ours.value) is type(theirs.value)
+    # webdataset: tarfile.ReadError, its message the stream's repr; ours names the shard.
+    assert type(theirs.value) is tarfile.ReadError
+    assert "re-create or re-upload" in str(ours.value)
 
 
 @pytest.mark.parametrize("form", ["dict", "yaml"])
@@ -375,3 +380,56 @@ def test_another_webdataset_layout_fails_with_what_was_found(
     with pytest.raises(ShardCacheError, match=r"cannot find the stages.*'expander'") as caught:
         shardcache.WebDataset(urls, shardshuffle=False, cache=cache)
     assert "group_by_keys" in caught.value.stages
+
+
+# -- ranks under plain srun ----------------------------------------------------------------
+
+_SRUN_RANK = """
+import sys, webdataset as wds, shardcache
+urls, splitter = sys.argv[1].split(","), sys.argv[2]
+cache = shardcache.ShardCache(sys.argv[3])
+extra = {} if splitter == "default" else {"nodesplitter": wds.split_by_node}
+ds = shardcache.WebDataset(urls, shardshuffle=False, cache=cache, **extra)
+try:
+    print(" ".join(s["__key__"] for s in ds))
+except ValueError as exn:
+    print(type(exn).__name__, exn)
+"""
+
+
+def _srun_ranks(urls: list[str], splitter: str, tmp_path: Path, ranks: int) -> list[str]:
+    """What each of ``ranks`` processes launched as plain ``srun`` launches them (SLURM's
+    variables, no torch.distributed, no RANK/WORLD_SIZE) prints."""
+    env = job_env()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(name, None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SRUN_RANK, ",".join(urls), splitter, str(tmp_path / f"c{r}")],
+            env={**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": str(ranks), "SLURM_JOB_ID": "7"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(ranks)
+    ]
+    outputs = [p.communicate(timeout=90) for p in procs]
+    assert [p.returncode for p in procs] == [0] * ranks, [err for _, err in outputs]
+    return [out.strip() for out, _ in outputs]
+
+
+def test_webdatasets_split_by_node_splits_by_slurm_rank_under_plain_srun(
+    urls: list[str], tmp_path: Path
+) -> None:
+    # webdataset's own split_by_node sees one rank here: every rank would read every shard.
+    parts = [p.split() for p in _srun_ranks(urls, "split_by_node", tmp_path, 2)]
+    assert parts[0] == [f"{s:06d}_{i:04d}" for s in (0, 2) for i in range(PER_SHARD)]
+    assert sorted(parts[0] + parts[1]) == _all_keys()
+
+
+def test_the_default_splitter_refuses_several_slurm_ranks_naming_the_fix(
+    urls: list[str], tmp_path: Path
+) -> None:
+    for said in _srun_ranks(urls, "default", tmp_path, 2):
+        assert said.startswith("ConfigError "), said
+        assert "from slurm" in said and "nodesplitter=shardcache.split_by_node" in said

@@ -141,13 +141,31 @@ def test_http_server_without_range_support_serves_large_shards(tmp_path: Path) -
     assert requests == [("HEAD", None), ("GET", None)]
 
 
-def test_http_connection_refused_is_transient(tmp_path: Path) -> None:
+def test_http_connection_refused_on_loopback_fails_at_once_naming_the_host(
+    tmp_path: Path,
+) -> None:
     with socket.socket() as sock:  # a port that was just free: nothing listens on it now
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with pytest.raises(TransientFetchError, match=r"(?i)connect") as caught:
+    with pytest.raises(PermanentFetchError) as caught:
         _cache(tmp_path).fetch(f"http://127.0.0.1:{port}/a.tar")
-    assert caught.value.attempts == RETRIES + 1
+    assert caught.value.attempts == 1  # nothing listens on this machine's port: not retried
+    message = str(caught.value)
+    assert "the connection was refused by 127.0.0.1" in message
+    assert "requests go to the host in the URL" in message and "not retried on loopback" in message
+
+
+def test_s3_connection_refused_names_the_endpoint_of_the_storage_options(
+    s3, tmp_path: Path
+) -> None:
+    with socket.socket() as sock:  # a port that was just free: nothing listens on it now
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    options = {**s3.storage_options(), "endpoint_url": endpoint}  # wins over AWS_ENDPOINT_URL
+    with pytest.raises(PermanentFetchError) as caught:
+        _cache(tmp_path, storage_options=options).fetch("s3://bucket/a.tar")
+    assert caught.value.attempts == 1 and caught.value.endpoint.startswith(endpoint)
+    assert f"requests go to {endpoint} (from storage_options endpoint_url)" in str(caught.value)
 
 
 @needs_root

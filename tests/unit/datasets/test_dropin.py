@@ -232,13 +232,13 @@ def _refused_url() -> str:
 
 def test_unreachable_host_is_an_ioerror_as_in_webdataset(tmp_path: Path) -> None:
     """webdataset raises IOError when a shard cannot be opened (its own suite checks this for
-    an unreachable host); the drop-in's TransientFetchError, after its retries, is one too,
+    an unreachable host); the drop-in's FetchError for a refused connection is one too,
     and so are a missing file and a failed pipe: command."""
     cache = ShardCache(tmp_path / "c", retries=1, retry_backoff=0.01)
     stage = shardcache.tarfile_to_samples(cache=cache)
     with pytest.raises(IOError) as caught:
         _keys(stage, [_refused_url()])
-    assert isinstance(caught.value, shardcache.TransientFetchError)
+    assert isinstance(caught.value, shardcache.PermanentFetchError)  # refused on loopback
     with pytest.raises(IOError):
         _keys(stage, [str(tmp_path / "no-such-shard.tar")])
     with pytest.raises(IOError) as failed:

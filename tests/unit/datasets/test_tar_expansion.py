@@ -92,16 +92,33 @@ def test_a_stream_that_cannot_seek_is_read_through() -> None:
     assert [(s["__key__"], s["bin"]) for s in got] == [("a", b"x" * 700), ("b", b"y" * 5)]
 
 
-def test_a_compressed_or_empty_or_non_tar_shard_is_webdatasets_business() -> None:
+def test_a_compressed_shard_is_expanded_by_webdataset() -> None:
     good = tar_bytes([("a", {"bin": b"1"}), ("b", {"bin": b"2"})])
     assert _ours([gzip.compress(good), good]) == _webdataset([gzip.compress(good), good])
-    for bad in (b"", b"this is not a tar file" * 100):
-        with pytest.raises(tarfile.ReadError):
-            _ours([good, bad])
-        seen: list[BaseException] = []
-        skipped = _ours([bad, good], handler=_recording(seen, keep=True))
-        assert skipped == _webdataset([bad, good], handler=lambda e: True)
-        assert [type(e) for e in seen] == [tarfile.ReadError]
+
+
+@pytest.mark.parametrize(
+    ("bad", "seen"),
+    [
+        (b"", "the shard is empty (0 bytes)"),
+        (b"hello", "the shard is 5 bytes long, starting b'hello'"),
+        (b"this is not a tar file" * 100, "the shard starts b'this is not a ta', not a tar"),
+        (gzip.compress(b"x" * 5000)[:40], "the gzip-compressed tar cannot be read"),
+    ],
+    ids=["empty", "five-bytes", "not-a-tar", "truncated-gzip"],
+)
+def test_an_empty_or_non_tar_shard_is_a_shard_format_error_naming_it(bad: bytes, seen: str) -> None:
+    good = tar_bytes([("a", {"bin": b"1"}), ("b", {"bin": b"2"})])
+    with pytest.raises(ShardFormatError) as caught:
+        _ours([good, bad])
+    message = str(caught.value)
+    assert message.startswith(f"s3://b/1.tar: {seen}"), message
+    assert "expected a " in message and "re-create or re-upload" in message
+    assert " object at 0x" not in message + repr(caught.value)  # wds.warn_and_continue: repr
+    errors: list[BaseException] = []
+    skipped = _ours([bad, good], handler=_recording(errors, keep=True))
+    assert [k for s in skipped for name, k in s if name == "__key__"] == ["a", "b"]
+    assert [type(e) for e in errors] == [ShardFormatError]
 
 
 def _damaged() -> tuple[bytes, bytes]:

@@ -90,7 +90,7 @@ def test_an_offset_inside_a_member_is_refused() -> None:
 
 def test_a_truncated_shard_is_refused_with_where_it_ends() -> None:
     data = tar_bytes([("a", {"bin": b"x" * 2000})])
-    with pytest.raises(ShardFormatError, match="ends inside a member"):
+    with pytest.raises(ShardFormatError, match="ends inside a tar member"):
         _ours(data[:1200])
 
 

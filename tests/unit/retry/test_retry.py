@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardcache._retry.policy import RetryPolicy
+from shardcache._retry.policy import REFUSED_RETRIES, RetryPolicy, is_transient
 
 
 class Flaky(Exception):
@@ -157,3 +157,28 @@ def test_without_a_slowdown_time_every_refusal_counts() -> None:
             wait=lambda seconds: None,
         )
     assert calls == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("address", "attempts"),
+    [("10.1.2.3", 1 + REFUSED_RETRIES), ("127.0.0.1", 1), ("::1", 1)],
+    ids=["another-host", "loopback", "loopback-v6"],
+)
+def test_a_refused_connection_is_retried_at_most_twice_and_never_on_loopback(
+    address: str, attempts: int
+) -> None:
+    calls: list[int] = []
+
+    def refused(n: int) -> str:
+        calls.append(n)
+        raise ConnectionRefusedError(111, f"Connect call failed ('{address}', 9000)")
+
+    with pytest.raises(ConnectionRefusedError):
+        RetryPolicy(retries=5).run(
+            refused,
+            retry_if=is_transient,
+            give_up=lambda exc, n: exc,
+            on_retry=lambda exc, n: None,
+            wait=lambda seconds: None,
+        )
+    assert calls == list(range(1, attempts + 1))
