@@ -45,9 +45,12 @@ import torch.utils.data
 from .._base.errors import SampleIndexError, ShardCacheError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
+from .._config.rendezvous import Rendezvous, rendezvous
+from .._config.settings import env_setting
 from .._disk.metadata import write_record
 from ..distributed import gather_objects
 from .epoch_split import indexing_shares
+from .index_exchange import exchange, serve
 from .sample_index import (
     SampleIndex,
     ShardSamples,
@@ -60,8 +63,8 @@ from .sample_index import (
 logger = get_logger(__name__)
 
 _UNSHARED = (
-    "; no torch.distributed process group in this process shares the work with the other "
-    "ranks (call prepare() or set_epoch() in the training process after "
+    "no torch.distributed process group in this process shares the work with the other "
+    "ranks either (call prepare() or set_epoch() in the training process after "
     "init_process_group)"
 )
 KEEPS = ("cache", "data")  # where a learned index is kept: the cache root, also the data
@@ -112,56 +115,94 @@ def job_index(
     digest: str,
     cache: ShardCache,
     *,
-    mine: Sequence[int] | None,
-    rank: int,
-    alone: bool,
+    mine: Sequence[int],
+    layout: tuple[int, int, int],
     threads: int,
     handler: Callable[[BaseException], bool] | None,
     keep: str,
 ) -> SampleIndex:
     """Every shard's samples: a kept index, else learned (``mine``: the shards this rank
-    learns while the job's other ranks learn theirs; None: no process group, all here;
-    ``alone``: this is the job's only rank)."""
+    learns while the job's other ranks learn theirs, when they can share the work;
+    ``layout``: this rank, the world size and the ranks a cache has)."""
+    rank, world_size, per_cache = layout
     say = logger.info if rank == 0 else logger.debug
     beside = beside_data(urls, digest) if keep == "data" else None
     kept, where = _find_kept(urls, digest, cache, beside)
-    parts = None
-    if mine is not None:
-        own = [urls[shard] for shard in mine]
+    own = [urls[shard] for shard in mine]
+    giver = _giver()
+    if in_group(rank, world_size):
         parts = _gathered({"digest": digest, **_part(own, kept, cache, threads, handler)})
-    if parts is None:  # no process group in this process
-        if kept is not None:
-            say("sample offsets of %d shards: the index kept at %s", len(urls), where)
-            return kept
+        how = "gathered by torch.distributed"
+    elif not isinstance(meet := meeting(rank, world_size, cache), str):
+        key = f"{digest}/{world_size}x{per_cache}"
+        give = (
+            (lambda: {"digest": digest, **_part(own, kept, cache, threads, handler)})
+            if (giver)
+            else None
+        )
+        timeout = cache.settings.rendezvous_timeout
+        parts = exchange(meet, key, rank, world_size, give, wait=kept is None, timeout=timeout)
+        how = f"exchanged through {meet.describe()}"
+    else:
+        parts, how = None, meet
+    if parts is None and kept is not None:  # a rank with a kept index needs no other's part
+        say("sample offsets of %d shards: the index kept at %s", len(urls), where)
+        return kept
+    if parts is None:  # nobody to share the work with
         say(
             "learning the sample offsets of all %d shards through the cache %s (%d threads)%s",
             len(urls),
             cache.layout.scope_dir,
             threads,
-            "" if alone else _UNSHARED,
+            "" if world_size == 1 else f"; {how}: {_UNSHARED}",
         )
         found = learn(urls, cache, threads=threads, handler=handler)
-        say(
-            "the sample index: %s", _keep(found, urls, digest, cache, beside if rank == 0 else None)
-        )
+        kept_where = _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        say("the sample index: %s", kept_where)
         return found
     found = _merged(parts, urls, digest)
-    if all(p.get("kept") for p in parts):
+    if kept is not None:
         say("sample offsets of %d shards: the index kept at %s", len(urls), where)
         return found
     kept_where = (
-        f"kept at {where}"
-        if kept is not None
-        else _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        if giver
+        else "kept by the rank's first DataLoader worker"
     )
     say(
         "learned the sample offsets of %d shards once across the job's %d ranks (each "
-        "indexed its own cache's shards; gathered by torch.distributed); %s",
+        "indexed its own cache's shards; %s); %s",
         len(urls),
         len(parts),
+        how,
         kept_where,
     )
     return found
+
+
+def meeting(rank: int, world_size: int, cache: ShardCache | None) -> Rendezvous | str:
+    """Where this job's ranks meet without a process group (torchrun's store, or SLURM
+    task 0's), or why they cannot."""
+    if world_size == 1:
+        return "one rank"
+    port = cache.settings.rendezvous_port if cache else env_setting("rendezvous_port")
+    return rendezvous(rank, port)
+
+
+def serve_exchange(rank: int, world_size: int, cache: ShardCache | None) -> None:
+    """In SLURM task 0, making a dataset that may learn its index without a process
+    group: serve the step's store from now on, so that DataLoader workers find it."""
+    meet = meeting(rank, world_size, cache)
+    if not isinstance(meet, str) and meet.serve and not in_group(rank, world_size):
+        timeout = cache.settings.rendezvous_timeout if cache else env_setting("rendezvous_timeout")
+        serve(meet, timeout)
+
+
+def _giver() -> bool:
+    """Whether this process gives its rank's part: the training process, or its first
+    DataLoader worker (the others read the parts, none learns)."""
+    info = torch.utils.data.get_worker_info()
+    return info is None or info.id == 0
 
 
 def _part(

@@ -50,7 +50,7 @@ from ..distributed import rank_info
 from .delivery_check import Checker, DeliveryCheck, mode_of, skipper
 from .delivery_digest import BATCH, Recorder, SampleHasher
 from .epoch_split import EpochSplit, Lay
-from .job_index import in_group, job_index, rank_part, urls_digest
+from .job_index import in_group, job_index, rank_part, serve_exchange, urls_digest
 from .lock_check import LockUse
 from .resume_options import (
     flag,
@@ -154,6 +154,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         self._source: str | None = None  # the mixture source this is (MixtureDataset sets it)
         self._lay: Lay | None = None  # a mixture's counts, split together (MixtureDataset sets it)
         self._recorder: Recorder | None = None  # the running iteration's delivered samples
+        if self.index is None:  # SLURM task 0 without a process group serves the job's store
+            serve_exchange(*self._ranks()[:2], cache)
 
     # -- configuration --------------------------------------------------------------
 
@@ -299,18 +301,13 @@ class ResumableDataset(torch.utils.data.IterableDataset):
             return dict(zip(urls, load_index(self.index, self.urls).values(), strict=True))
         cache = self._cache()
         rank, world_size, local_world_size = self._ranks()
-        mine = None
-        if in_group(rank, world_size):  # this rank learns its part of its cache's shards
-            per_cache = self._ranks_per_cache(world_size, local_world_size)
-            shards = len(self.urls)
-            mine = rank_part(shards, self.seed, self.shuffle_shards, rank, world_size, per_cache)
+        per_cache = self._ranks_per_cache(world_size, local_world_size)
         return job_index(
             urls,
             self.identity.digest if urls == self.urls else urls_digest(urls),
             cache,
-            mine=mine,
-            rank=rank,
-            alone=world_size == 1,
+            mine=rank_part(len(urls), self.seed, self.shuffle_shards, rank, world_size, per_cache),
+            layout=(rank, world_size, per_cache),
             threads=self._threads or cache.settings.threads,
             handler=self._stage.handler,
             keep=self.keep_index,

@@ -1,0 +1,92 @@
+"""Ranks without a torch.distributed process group share learning the sample index through
+the job's store (shardcache._datasets.index_exchange): real processes, each a SLURM task by
+its variables (task 0 serves the store at SHARDCACHE_RENDEZVOUS_PORT on 127.0.0.1), over the
+moto S3 server. Each shard is fetched once across the job; a rank that never shows up is an
+IndexExchangeError naming it, on every rank that waited, once the bound has passed. (Real
+launchers: tests/system/test_index_exchange_jobs.py.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from processes import run_together
+from tars import shard_samples, tar_bytes
+
+BUCKET = "index-exchange"
+COUNTS = (5, 9, 6, 7, 8)
+SPEC = f"s3://{BUCKET}/train-{{000000..{len(COUNTS) - 1:06d}}}.tar"
+TARS = {f"train-{i:06d}.tar": tar_bytes(shard_samples(i, n)) for i, n in enumerate(COUNTS)}
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def slurm_env(rank: int, ntasks: int, port: int, timeout: str, s3_env: dict[str, str]) -> dict:
+    return {
+        **s3_env,
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SHARDCACHE_RENDEZVOUS_PORT": str(port),
+        "SHARDCACHE_RENDEZVOUS_TIMEOUT": timeout,
+    }
+
+
+def task(env: dict[str, str], root: str, start: Any, out: Any) -> None:
+    """One SLURM task: make the dataset, learn its index (prepare), report its counts or
+    the error that stopped it."""
+    os.environ.update(env)
+    from shardcache import IndexExchangeError, ResumableDataset, ShardCache
+
+    start.wait(60)
+    began = time.monotonic()
+    try:
+        dataset = ResumableDataset(SPEC, cache=ShardCache(root), threads=2).prepare()
+    except IndexExchangeError as exc:
+        out.put(
+            {
+                "rank": env["SLURM_PROCID"],
+                "missing": exc.missing,
+                "message": str(exc),
+                "waited": time.monotonic() - began,
+            }
+        )
+        return
+    out.put({"rank": env["SLURM_PROCID"], "counts": dataset._epoch_split().counts})
+
+
+def test_two_tasks_learn_each_shard_once_across_the_job(s3, tmp_path: Path) -> None:
+    s3.put_objects(BUCKET, TARS)
+    s3.clear_requests()
+    port = free_port()
+    envs = [slurm_env(rank, 2, port, "60s", s3.env()) for rank in range(2)]
+    results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
+    assert [r.get("counts") for r in results] == [list(COUNTS)] * 2, results
+    gets = [r.key for r in s3.requests("GET", f"/{BUCKET}/")]
+    assert sorted(gets) == sorted(TARS), gets  # each shard once, by the rank that reads it
+    assert len(list((tmp_path / "cache" / ".indexes").glob("*.json"))) == 1
+
+
+def test_a_task_that_never_shows_up_is_named(s3, tmp_path: Path) -> None:
+    s3.put_objects(BUCKET, TARS)
+    port = free_port()
+    envs = [slurm_env(rank, 3, port, "3s", s3.env()) for rank in range(2)]  # task 2 never runs
+    results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
+    for result in results:
+        assert result.get("missing") == [2], result
+        assert "ranks 2 of 3 gave no part of the sample index" in result["message"]
+        assert "SHARDCACHE_RENDEZVOUS_TIMEOUT" in result["message"]
+        assert 3 <= result["waited"] < 30, result
