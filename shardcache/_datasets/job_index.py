@@ -10,17 +10,31 @@ offsets before the first sample. Without ``index=``, they come from, cheapest fi
   (``<dir>/.shardcache-index-<digest>.json``, for every cache that reads them). Nothing
   is fetched; a shard changed since is caught when it is read (the index's offsets are
   checked sample by sample).
-* **the job, sharing the work**: with a torch.distributed process group in this process
-  (the training process after ``init_process_group``, at ``prepare()``, the first
-  ``set_epoch()`` or the first iteration; DataLoader workers have none), each rank learns
-  the offsets of its part of its cache's whole shards (:func:`~shardcache._datasets.
-  epoch_split.indexing_shares`, handed out by count, so known before any offset), which
-  that cache reads in every epoch anyway, through the cache; the records are then
-  gathered from every rank (``all_gather_object``, bounded by the process group's
-  timeout). Each shard is read once across the job, and the read fills the cache the
-  epoch reads from.
+* **the job, sharing the work**: each rank learns the offsets of its part of its cache's
+  whole shards (:func:`~shardcache._datasets.epoch_split.indexing_shares`, handed out by
+  count, so known before any offset), which that cache reads in every epoch anyway,
+  through the cache, and the parts go to every rank. With a torch.distributed process
+  group in this process (the training process after ``init_process_group``, at
+  ``prepare()``, the first ``set_epoch()`` or the first iteration) they are gathered
+  (``all_gather_object``, bounded by the group's timeout). Without one (no
+  ``init_process_group``, or DataLoader workers, which have none) they are exchanged
+  through the store the launcher already runs (:mod:`~shardcache._datasets.index_exchange`):
+  torchrun's agent store, or under plain ``srun`` one that task 0 serves from the making
+  of the dataset. Each rank's first DataLoader worker gives its part; the rank's other
+  workers wait for the parts and learn nothing. Each shard is read once across the job,
+  and the read fills the cache the epoch reads from.
 * **this cache alone**: every shard through this process's cache (one read of each shard
-  per cache): no process group to share the work with.
+  per cache): one rank, or a launcher with no store to meet at (the INFO line says why).
+
+Why those stores: they exist in every such job and outlive the DataLoader workers, which
+come and go with the epochs. torchrun's agent serves ``MASTER_ADDR:MASTER_PORT`` for the
+whole run and tells its workers they may use it (``TORCHELASTIC_USE_AGENT_STORE``; torch's
+own ``env://`` rendezvous connects to it as a client), so nothing new is opened. Plain
+``srun`` runs no store; task 0 serving one on the step's first node at a port derived from
+the job id is how PyTorch Lightning finds its ``MASTER_ADDR``/``MASTER_PORT`` under SLURM,
+needs no shared file system (a node-local cache root is seen by one node only) and no
+``scontrol``. A process group is not made for this: it needs every rank's training process,
+which a dataset iterated in DataLoader workers never has.
 
 Whatever is learned is kept for the next job. Whole shards were chosen over ranged reads of
 the tar headers: a shard's headers can only be walked one member at a time (each header
