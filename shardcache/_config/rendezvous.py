@@ -43,9 +43,10 @@ class Rendezvous:
         return f"{self.launcher}'s store at {self.host}:{self.port} ({who})"
 
 
-def rendezvous(rank: int, port: int, env: Mapping[str, str] | None = None) -> Rendezvous | str:
-    """The store this job's processes meet at, or why there is none. ``rank`` is the
-    process's rank; ``port`` the ``rendezvous_port`` setting (0: derived from the SLURM job)."""
+def rendezvous(port: int, env: Mapping[str, str] | None = None) -> Rendezvous | str:
+    """The store this job's processes meet at, or why there is none. ``port`` is the
+    ``rendezvous_port`` setting (0: derived from the SLURM job); the task that serves is
+    the launcher's task 0, whatever rank a dataset is given."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" in env:  # torchrun, possibly inside a SLURM job
         if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -68,7 +69,8 @@ def rendezvous(rank: int, port: int, env: Mapping[str, str] | None = None) -> Re
         return "neither torchrun nor a SLURM step launched this process"
     host = first_node(nodes, "SLURM_STEP_NODELIST")
     chosen = port or derived_port(job, step)
-    return Rendezvous("SLURM", host, chosen, rank == 0, f"slurm/{job}.{step}")
+    serve = env["SLURM_PROCID"].strip() == "0"
+    return Rendezvous("SLURM", host, chosen, serve, f"slurm/{job}.{step}")
 
 
 def derived_port(job: str, step: str) -> int:

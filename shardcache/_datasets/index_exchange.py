@@ -118,8 +118,15 @@ def _missing(
 ) -> IndexExchangeError:
     try:
         missing = [rank for rank, name in enumerate(names) if not store.check([name])]
-    except dist.DistError:  # the store itself went away
-        missing = list(range(len(names)))
+    except dist.DistError as gone:
+        return IndexExchangeError(
+            f"{meet.describe()} went away while this rank waited for the others' parts of "
+            f"the sample index ({str(gone)[:200]}): whatever serves it ended (a failed "
+            "task 0, the end of the job); see that process's error first, then " + _advice(meet),
+            missing=None,
+            store=f"{meet.host}:{meet.port}",
+            timeout=timeout,
+        )
     shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
     return IndexExchangeError(
         f"ranks {shown} of {len(names)} gave no part of the sample index through "

@@ -147,7 +147,7 @@ def job_index(
     if in_group(rank, world_size):
         parts = _gathered({"digest": digest, **_part(own, kept, cache, threads, handler)})
         how = "gathered by torch.distributed"
-    elif not isinstance(meet := meeting(rank, world_size, cache), str):
+    elif not isinstance(meet := meeting(world_size, cache), str):
         key = f"{digest}/{world_size}x{per_cache}"
         give = (
             (lambda: {"digest": digest, **_part(own, kept, cache, threads, handler)})
@@ -194,19 +194,19 @@ def job_index(
     return found
 
 
-def meeting(rank: int, world_size: int, cache: ShardCache | None) -> Rendezvous | str:
+def meeting(world_size: int, cache: ShardCache | None) -> Rendezvous | str:
     """Where this job's ranks meet without a process group (torchrun's store, or SLURM
     task 0's), or why they cannot."""
     if world_size == 1:
         return "one rank"
     port = cache.settings.rendezvous_port if cache else env_setting("rendezvous_port")
-    return rendezvous(rank, port)
+    return rendezvous(port)
 
 
 def serve_exchange(rank: int, world_size: int, cache: ShardCache | None) -> None:
     """In SLURM task 0, making a dataset that may learn its index without a process
     group: serve the step's store from now on, so that DataLoader workers find it."""
-    meet = meeting(rank, world_size, cache)
+    meet = meeting(world_size, cache)
     if not isinstance(meet, str) and meet.serve and not in_group(rank, world_size):
         timeout = cache.settings.rendezvous_timeout if cache else env_setting("rendezvous_timeout")
         serve(meet, timeout)
