@@ -1,6 +1,6 @@
 """Where a job's processes meet without a torch.distributed process group: torchrun's agent
-store, or a store that SLURM task 0 hosts on the first node of the step, for
-:mod:`shardcache._datasets.index_exchange`.
+store, or a store that SLURM task 0 hosts on the first node of the step, or a shared
+directory the user names, for :mod:`shardcache._datasets.index_exchange`.
 
 torchrun (static and c10d rendezvous alike) runs a ``TCPStore`` in the agent of node 0 at
 ``MASTER_ADDR:MASTER_PORT`` for the whole run and tells its workers so with
@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from .._base.errors import ConfigError
 
@@ -37,17 +38,27 @@ class Rendezvous:
     port: int
     serve: bool
     namespace: str
+    directory: Path | None = None  # the user's shared directory instead of a store
 
     def describe(self) -> str:
+        if self.directory is not None:
+            return f"the shared directory {self.directory}"
         who = "hosted by this rank" if self.serve else "as a client"
         return f"{self.launcher}'s store at {self.host}:{self.port} ({who})"
 
 
-def rendezvous(port: int, env: Mapping[str, str] | None = None) -> Rendezvous | str:
+def rendezvous(
+    port: int, directory: Path | None = None, env: Mapping[str, str] | None = None
+) -> Rendezvous | str:
     """The store this job's processes meet at, or why there is none. ``port`` is the
     ``rendezvous_port`` setting (0: derived from the SLURM job); the task that serves is
-    the launcher's task 0, whatever rank a dataset is given."""
+    the launcher's task 0, whatever rank a dataset is given. ``directory`` (the
+    ``rendezvous_dir`` setting) wins over any store: files there, under any launcher, in
+    a folder of the job's id (``SLURM_JOB_ID``, ``TORCHELASTIC_RUN_ID``; else ``nojob``)."""
     env = os.environ if env is None else env
+    if directory is not None:
+        job = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "nojob"
+        return Rendezvous("directory", "", 0, False, job, directory)
     if "TORCHELASTIC_RUN_ID" in env:  # torchrun, possibly inside a SLURM job
         if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return (

@@ -289,6 +289,14 @@ SPECS: dict[str, SettingSpec] = {
         0,
         65535,
     ),
+    "rendezvous_dir": SettingSpec(
+        "SHARDCACHE_RENDEZVOUS_DIR",
+        parse_path,
+        None,
+        "a directory every rank sees (a shared file system): without a process group the "
+        "ranks share learning the sample index through files there, under any launcher "
+        "(unset: torchrun's store, or SLURM task 0's)",
+    ),
     "rendezvous_timeout": SettingSpec(
         "SHARDCACHE_RENDEZVOUS_TIMEOUT",
         parse_duration,

@@ -1,6 +1,7 @@
 """The parts of a job's sample index exchanged without a torch.distributed process group,
 through the store the job already has (:mod:`shardcache._config.rendezvous`): torchrun's
-agent store, or the one SLURM task 0 serves for the step.
+agent store, or the one SLURM task 0 serves for the step; or through files in a shared
+directory the user names (``SHARDCACHE_RENDEZVOUS_DIR``).
 
 Each rank's part goes under ``part/<rank>`` in the job's namespace, once (a part already
 there is not learned again); a rank waits for the parts it lacks within the bound
@@ -17,14 +18,17 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.utils.data
 
-from .._base.errors import IndexExchangeError
+from .._base.dirs import ensure_dir
+from .._base.errors import IndexExchangeError, WaitTimeout
 from .._base.redact import get_logger
 from .._config.rendezvous import Rendezvous
+from ..distributed import wait_for
 
 logger = get_logger(__name__)
 
@@ -54,6 +58,9 @@ def exchange(
     returned."""
     if give is None and not wait:
         return None
+    if meet.directory is not None:
+        folder = meet.directory / meet.namespace / key
+        return _through_files(meet, folder, rank, world_size, give, wait=wait, timeout=timeout)
     store = dist.PrefixStore(f"shardcache/index/{meet.namespace}/{key}/", _client(meet, timeout))
     names = [f"part/{other}" for other in range(world_size)]
     if give is not None and not store.check([names[rank]]):
@@ -65,6 +72,46 @@ def exchange(
     except dist.DistError as exc:
         raise _missing(meet, store, names, timeout, exc) from exc
     return [json.loads(store.get(name)) for name in names]
+
+
+def _through_files(
+    meet: Rendezvous,
+    folder: Path,
+    rank: int,
+    world_size: int,
+    give: Callable[[], Mapping[str, Any]] | None,
+    *,
+    wait: bool,
+    timeout: float,
+) -> list[Any] | None:
+    """:func:`exchange` through ``part-<rank>.json`` files in a shared ``folder``, each
+    written whole (renamed into place). A part that failed is not written (it would stay
+    for the next job): the rank raises its own error, the others name it after the bound."""
+    paths = [folder / f"part-{other}.json" for other in range(world_size)]
+    if give is not None and not paths[rank].exists():
+        part = give()
+        if part.get("error"):
+            return [part if other == rank else {} for other in range(world_size)]
+        ensure_dir(folder)
+        temporary = folder / f".part-{rank}.{os.getpid()}.tmp"
+        with temporary.open("w") as stream:
+            json.dump(part, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, paths[rank])
+    if not wait:
+        return None
+    try:
+        wait_for(
+            lambda: all(path.exists() for path in paths),
+            "every rank's part of the sample index",
+            timeout,
+            path=paths[0],
+        )
+    except WaitTimeout as exc:
+        missing = [rank for rank, path in enumerate(paths) if not path.exists()]
+        raise _named(meet, missing, len(paths), timeout, exc) from exc
+    return [json.loads(path.read_text()) for path in paths]
 
 
 def _client(meet: Rendezvous, timeout: float) -> dist.Store:
@@ -127,25 +174,33 @@ def _missing(
             store=f"{meet.host}:{meet.port}",
             timeout=timeout,
         )
+    return _named(meet, missing, len(names), timeout, exc)
+
+
+def _named(
+    meet: Rendezvous, missing: list[int], ranks: int, timeout: float, exc: Exception
+) -> IndexExchangeError:
     shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
     return IndexExchangeError(
-        f"ranks {shown} of {len(names)} gave no part of the sample index through "
+        f"ranks {shown} of {ranks} gave no part of the sample index through "
         f"{meet.describe()} within {timeout:g}s ({type(exc).__name__}): " + _advice(meet),
         missing=missing,
-        store=f"{meet.host}:{meet.port}",
+        store=str(meet.directory) if meet.directory else f"{meet.host}:{meet.port}",
         timeout=timeout,
     )
 
 
 def _advice(meet: Rendezvous) -> str:
-    slurm = (
-        "task 0 serves it on the step's first node: check that every task reaches that "
-        "node at this port (SHARDCACHE_RENDEZVOUS_PORT sets another), "
-        if meet.launcher == "SLURM"
-        else ""
-    )
+    where = ""
+    if meet.directory is not None:
+        where = f"every rank must see {meet.directory} (a shared file system), "
+    elif meet.launcher == "SLURM":
+        where = (
+            "task 0 serves it on the step's first node: check that every task reaches that "
+            "node at this port (SHARDCACHE_RENDEZVOUS_PORT sets another), "
+        )
     return (
         "every rank must iterate the dataset (or call prepare()) with the same shards and "
-        f"layout; {slurm}raise SHARDCACHE_RENDEZVOUS_TIMEOUT if the ranks are slow to learn "
+        f"layout; {where}raise SHARDCACHE_RENDEZVOUS_TIMEOUT if the ranks are slow to learn "
         "their shards, or make an index ahead (shardcache index) and give it as index="
     )

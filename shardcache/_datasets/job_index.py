@@ -20,9 +20,10 @@ offsets before the first sample. Without ``index=``, they come from, cheapest fi
   ``init_process_group``, or DataLoader workers, which have none) they are exchanged
   through the store the launcher already runs (:mod:`~shardcache._datasets.index_exchange`):
   torchrun's agent store, or under plain ``srun`` one that task 0 serves from the making
-  of the dataset. Each rank's first DataLoader worker gives its part; the rank's other
-  workers wait for the parts and learn nothing. Each shard is read once across the job,
-  and the read fills the cache the epoch reads from.
+  of the dataset; or, under any launcher, files in a directory every rank sees that the
+  user names (``SHARDCACHE_RENDEZVOUS_DIR``). Each rank's first DataLoader worker gives
+  its part; the rank's other workers wait for the parts and learn nothing. Each shard is
+  read once across the job, and the read fills the cache the epoch reads from.
 * **this cache alone**: every shard through this process's cache (one read of each shard
   per cache): one rank, or a launcher with no store to meet at (the INFO line says why).
 
@@ -33,8 +34,10 @@ own ``env://`` rendezvous connects to it as a client), so nothing new is opened.
 ``srun`` runs no store; task 0 serving one on the step's first node at a port derived from
 the job id is how PyTorch Lightning finds its ``MASTER_ADDR``/``MASTER_PORT`` under SLURM,
 needs no shared file system (a node-local cache root is seen by one node only) and no
-``scontrol``. A process group is not made for this: it needs every rank's training process,
-which a dataset iterated in DataLoader workers never has.
+``scontrol``. A shared file system is not assumed (few clusters give every job one at a
+known path), so the directory is the user's to name. A process group is not made for
+this: it needs every rank's training process, which a dataset iterated in DataLoader
+workers never has.
 
 Whatever is learned is kept for the next job. Whole shards were chosen over ranged reads of
 the tar headers: a shard's headers can only be walked one member at a time (each header
@@ -199,8 +202,10 @@ def meeting(world_size: int, cache: ShardCache | None) -> Rendezvous | str:
     task 0's), or why they cannot."""
     if world_size == 1:
         return "one rank"
-    port = cache.settings.rendezvous_port if cache else env_setting("rendezvous_port")
-    return rendezvous(port)
+    settings = cache.settings if cache else None
+    port = settings.rendezvous_port if settings else env_setting("rendezvous_port")
+    directory = settings.rendezvous_dir if settings else env_setting("rendezvous_dir")
+    return rendezvous(port, directory)
 
 
 def serve_exchange(rank: int, world_size: int, cache: ShardCache | None) -> None:
@@ -262,6 +267,7 @@ def _merged(parts: Sequence[Mapping[str, Any]], urls: Sequence[str], digest: str
                 "give it as index=",
                 rank=rank,
             )
+    for rank, part in enumerate(parts):
         if part.get("digest") != digest:
             raise SampleIndexError(
                 f"rank {rank} has another shard list (digest {part.get('digest')!r}, this "

@@ -1,9 +1,10 @@
 """Ranks without a torch.distributed process group share learning the sample index through
-the job's store (shardcache._datasets.index_exchange): real processes, each a SLURM task by
-its variables (task 0 serves the store at SHARDCACHE_RENDEZVOUS_PORT on 127.0.0.1), over the
-moto S3 server. Each shard is fetched once across the job; a rank that never shows up is an
-IndexExchangeError naming it, on every rank that waited, once the bound has passed. (Real
-launchers: tests/system/test_index_exchange_jobs.py.)"""
+the job's store or a shared directory (shardcache._datasets.index_exchange): real processes,
+each a SLURM task by its variables (task 0 serves the store at SHARDCACHE_RENDEZVOUS_PORT on
+127.0.0.1), or ranks of no launcher (SHARDCACHE_RANK / _WORLD_SIZE) meeting in
+SHARDCACHE_RENDEZVOUS_DIR, over the moto S3 server. Each shard is fetched once across the
+job; a rank that never shows up is an IndexExchangeError naming it, on every rank that
+waited, once the bound has passed. (Real launchers: tests/system/test_index_exchange_jobs.py.)"""
 
 from __future__ import annotations
 
@@ -30,19 +31,31 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def slurm_env(rank: int, ntasks: int, port: int, timeout: str, s3_env: dict[str, str]) -> dict:
-    return {
-        **s3_env,
-        "SLURM_JOB_ID": "77",
-        "SLURM_STEP_ID": "0",
-        "SLURM_PROCID": str(rank),
-        "SLURM_LOCALID": str(rank),
-        "SLURM_NTASKS": str(ntasks),
-        "SLURM_NODEID": "0",
-        "SLURM_STEP_NODELIST": "127.0.0.1",
-        "SHARDCACHE_RENDEZVOUS_PORT": str(port),
-        "SHARDCACHE_RENDEZVOUS_TIMEOUT": timeout,
-    }
+def rank_env(mode: str, rank: int, ranks: int, where: str, timeout: str, s3_env: dict) -> dict:
+    """A rank's variables: a SLURM task's (task 0 serves the store at port ``where``), or,
+    with no launcher, shardcache's own rank and world size and the shared directory."""
+    if mode == "store":
+        launcher = {
+            "SLURM_JOB_ID": "77",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": str(ranks),
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_NODELIST": "127.0.0.1",
+            "SHARDCACHE_RENDEZVOUS_PORT": where,
+        }
+    else:
+        launcher = {
+            "SHARDCACHE_RANK": str(rank),
+            "SHARDCACHE_WORLD_SIZE": str(ranks),
+            "SHARDCACHE_RENDEZVOUS_DIR": where,
+        }
+    return {**s3_env, **launcher, "SHARDCACHE_RENDEZVOUS_TIMEOUT": timeout}
+
+
+def meeting_place(mode: str, root: Path) -> str:
+    return str(free_port()) if mode == "store" else str(root / "shared")
 
 
 def task(env: dict[str, str], root: str, start: Any, out: Any) -> None:
@@ -58,32 +71,35 @@ def task(env: dict[str, str], root: str, start: Any, out: Any) -> None:
     except IndexExchangeError as exc:
         out.put(
             {
-                "rank": env["SLURM_PROCID"],
                 "missing": exc.missing,
                 "message": str(exc),
                 "waited": time.monotonic() - began,
             }
         )
         return
-    out.put({"rank": env["SLURM_PROCID"], "counts": dataset._epoch_split().counts})
+    out.put({"counts": dataset._epoch_split().counts})
 
 
-def test_two_tasks_learn_each_shard_once_across_the_job(s3, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["store", "directory"])
+def test_two_ranks_learn_each_shard_once_across_the_job(s3, tmp_path: Path, mode: str) -> None:
     s3.put_objects(BUCKET, TARS)
     s3.clear_requests()
-    port = free_port()
-    envs = [slurm_env(rank, 2, port, "60s", s3.env()) for rank in range(2)]
+    where = meeting_place(mode, tmp_path)
+    envs = [rank_env(mode, rank, 2, where, "60s", s3.env()) for rank in range(2)]
     results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
     assert [r.get("counts") for r in results] == [list(COUNTS)] * 2, results
     gets = [r.key for r in s3.requests("GET", f"/{BUCKET}/")]
     assert sorted(gets) == sorted(TARS), gets  # each shard once, by the rank that reads it
     assert len(list((tmp_path / "cache" / ".indexes").glob("*.json"))) == 1
+    if mode == "directory":  # no launcher: the parts wait in the job-less folder
+        assert len(list((tmp_path / "shared" / "nojob").glob("*/*/part-*.json"))) == 2
 
 
-def test_a_task_that_never_shows_up_is_named(s3, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["store", "directory"])
+def test_a_rank_that_never_shows_up_is_named(s3, tmp_path: Path, mode: str) -> None:
     s3.put_objects(BUCKET, TARS)
-    port = free_port()
-    envs = [slurm_env(rank, 3, port, "3s", s3.env()) for rank in range(2)]  # task 2 never runs
+    where = meeting_place(mode, tmp_path)
+    envs = [rank_env(mode, rank, 3, where, "3s", s3.env()) for rank in range(2)]  # no rank 2
     results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
     for result in results:
         assert result.get("missing") == [2], result

@@ -50,27 +50,31 @@ def test_a_malformed_node_list_is_a_config_error(nodes: str) -> None:
 
 
 def test_torchrun_workers_meet_at_the_agent_store_as_clients() -> None:
-    assert meet_at(0, TORCHRUN) == Rendezvous(
+    assert meet_at(0, None, TORCHRUN) == Rendezvous(
         "torchrun", "10.0.0.5", 29400, False, "torchrun/run7/2"
     )
     # torchrun inside a SLURM job: torchrun's store, not a SLURM one.
-    assert meet_at(0, SLURM | TORCHRUN).launcher == "torchrun"
+    assert meet_at(0, None, SLURM | TORCHRUN).launcher == "torchrun"
 
 
 def test_torchrun_without_an_agent_store_gives_the_reason() -> None:
-    why = meet_at(0, TORCHRUN | {"TORCHELASTIC_USE_AGENT_STORE": "False"})
+    why = meet_at(0, None, TORCHRUN | {"TORCHELASTIC_USE_AGENT_STORE": "False"})
     assert isinstance(why, str) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in why
-    assert "MASTER_ADDR" in meet_at(0, {k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"})
+    assert "MASTER_ADDR" in meet_at(
+        0, None, {k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}
+    )
 
 
 def test_slurm_task_zero_serves_on_the_steps_first_node() -> None:
-    task1 = meet_at(0, SLURM)
+    task1 = meet_at(0, None, SLURM)
     assert task1 == Rendezvous("SLURM", "gpu007", derived_port("4711", "3"), False, "slurm/4711.3")
-    task0 = meet_at(0, SLURM | {"SLURM_PROCID": "0"})
+    task0 = meet_at(0, None, SLURM | {"SLURM_PROCID": "0"})
     assert task0 == Rendezvous("SLURM", "gpu007", task1.port, True, "slurm/4711.3")
     # The job's list when the step's is not given; the setting's port when given.
     job_list = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}
-    assert meet_at(28001, job_list) == Rendezvous("SLURM", "gpu001", 28001, False, "slurm/4711.3")
+    assert meet_at(28001, None, job_list) == Rendezvous(
+        "SLURM", "gpu001", 28001, False, "slurm/4711.3"
+    )
 
 
 def test_derived_ports_differ_between_steps_and_jobs_and_stay_in_their_range() -> None:
@@ -81,5 +85,12 @@ def test_derived_ports_differ_between_steps_and_jobs_and_stay_in_their_range() -
 
 
 def test_no_launcher_gives_the_reason() -> None:
-    assert "neither torchrun nor a SLURM step" in meet_at(0, {})
-    assert "neither" in meet_at(0, {"SLURM_JOB_ID": "1"})  # an allocation, not a step
+    assert "neither torchrun nor a SLURM step" in meet_at(0, None, {})
+    assert "neither" in meet_at(0, None, {"SLURM_JOB_ID": "1"})  # an allocation, not a step
+
+
+def test_a_shared_directory_wins_over_any_store(tmp_path) -> None:
+    for env, job in ((TORCHRUN, "run7"), (SLURM, "4711"), ({}, "nojob")):
+        met = meet_at(0, tmp_path, env)
+        assert met == Rendezvous("directory", "", 0, False, job, tmp_path), env
+        assert met.describe() == f"the shared directory {tmp_path}"
