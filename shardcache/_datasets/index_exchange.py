@@ -55,63 +55,82 @@ def exchange(
     """Every rank's part, in rank order, after giving this rank's (``give`` makes it, once
     in the job: None when another process of this rank gives it); without ``wait`` (this
     rank found a kept index and needs nobody's part) only this rank's is given, and None
-    returned."""
+    returned. A part that failed is given through a store (the others raise it at once),
+    not written to a shared directory (it would stay for the next job): the others name
+    its rank after the bound."""
     if give is None and not wait:
         return None
-    if meet.directory is not None:
-        folder = meet.directory / meet.namespace / key
-        return _through_files(meet, folder, rank, world_size, give, wait=wait, timeout=timeout)
-    store = dist.PrefixStore(f"shardcache/index/{meet.namespace}/{key}/", _client(meet, timeout))
-    names = [f"part/{other}" for other in range(world_size)]
-    if give is not None and not store.check([names[rank]]):
-        store.set(names[rank], json.dumps(give()).encode())
+    kind = _Files if meet.directory is not None else _Store
+    parts = kind(meet, key, world_size, timeout)
+    if give is not None and not parts.has(rank):
+        part = give()
+        if part.get("error") and meet.directory is not None:
+            return [part if other == rank else {} for other in range(world_size)]
+        parts.put(rank, json.dumps(part).encode())
     if not wait:
         return None
-    try:
-        store.wait(names, timedelta(seconds=timeout))
-    except dist.DistError as exc:
-        raise _missing(meet, store, names, timeout, exc) from exc
-    return [json.loads(store.get(name)) for name in names]
+    parts.wait()
+    return [json.loads(parts.get(other)) for other in range(world_size)]
 
 
-def _through_files(
-    meet: Rendezvous,
-    folder: Path,
-    rank: int,
-    world_size: int,
-    give: Callable[[], Mapping[str, Any]] | None,
-    *,
-    wait: bool,
-    timeout: float,
-) -> list[Any] | None:
-    """:func:`exchange` through ``part-<rank>.json`` files in a shared ``folder``, each
-    written whole (renamed into place). A part that failed is not written (it would stay
-    for the next job): the rank raises its own error, the others name it after the bound."""
-    paths = [folder / f"part-{other}.json" for other in range(world_size)]
-    if give is not None and not paths[rank].exists():
-        part = give()
-        if part.get("error"):
-            return [part if other == rank else {} for other in range(world_size)]
-        ensure_dir(folder)
-        temporary = folder / f".part-{rank}.{os.getpid()}.tmp"
-        with temporary.open("w") as stream:
-            json.dump(part, stream)
+class _Store:
+    """The parts as keys ``part/<rank>`` of the job's store."""
+
+    def __init__(self, meet: Rendezvous, key: str, world_size: int, timeout: float) -> None:
+        self.meet, self.timeout = meet, timeout
+        self.store = dist.PrefixStore(
+            f"shardcache/index/{meet.namespace}/{key}/", _client(meet, timeout)
+        )
+        self.names = [f"part/{rank}" for rank in range(world_size)]
+
+    def has(self, rank: int) -> bool:
+        return self.store.check([self.names[rank]])
+
+    def put(self, rank: int, data: bytes) -> None:
+        self.store.set(self.names[rank], data)
+
+    def get(self, rank: int) -> bytes:
+        return self.store.get(self.names[rank])
+
+    def wait(self) -> None:
+        try:
+            self.store.wait(self.names, timedelta(seconds=self.timeout))
+        except dist.DistError as exc:
+            raise _missing(self.meet, self.store, self.names, self.timeout, exc) from exc
+
+
+class _Files:
+    """The parts as files ``part-<rank>.json`` in the shared directory, in a folder of the
+    job and the index, each written whole (renamed into place)."""
+
+    def __init__(self, meet: Rendezvous, key: str, world_size: int, timeout: float) -> None:
+        assert meet.directory is not None
+        self.meet, self.timeout = meet, timeout
+        self.folder = meet.directory / meet.namespace / key
+        self.paths = [self.folder / f"part-{rank}.json" for rank in range(world_size)]
+
+    def has(self, rank: int) -> bool:
+        return self.paths[rank].exists()
+
+    def put(self, rank: int, data: bytes) -> None:
+        ensure_dir(self.folder)
+        temporary = self.folder / f".part-{rank}.{os.getpid()}.tmp"
+        with temporary.open("wb") as stream:
+            stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(temporary, paths[rank])
-    if not wait:
-        return None
-    try:
-        wait_for(
-            lambda: all(path.exists() for path in paths),
-            "every rank's part of the sample index",
-            timeout,
-            path=paths[0],
-        )
-    except WaitTimeout as exc:
-        missing = [rank for rank, path in enumerate(paths) if not path.exists()]
-        raise _named(meet, missing, len(paths), timeout, exc) from exc
-    return [json.loads(path.read_text()) for path in paths]
+        os.replace(temporary, self.paths[rank])
+
+    def get(self, rank: int) -> bytes:
+        return self.paths[rank].read_bytes()
+
+    def wait(self) -> None:
+        what, every = "every rank's part of the sample index", self.paths
+        try:
+            wait_for(lambda: all(map(Path.exists, every)), what, self.timeout, every[0])
+        except WaitTimeout as exc:
+            missing = [rank for rank, path in enumerate(every) if not path.exists()]
+            raise _named(self.meet, missing, len(every), self.timeout, exc) from exc
 
 
 def _client(meet: Rendezvous, timeout: float) -> dist.Store:

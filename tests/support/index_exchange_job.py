@@ -9,7 +9,10 @@ Per rank, one JSON line per epoch goes to ``<out>/rank-<r>.jsonl``: the epoch an
 sample key delivered. ``--mark-epochs URL``: after each epoch, once every rank has written
 ``<out>/done-<epoch>-<rank>`` (the ranks share ``--out``: one node), rank 0 sends ``HEAD
 <URL>/epoch-<e>`` and writes ``<out>/marked-<epoch>``, which the other ranks await before
-the next epoch; every wait is bounded (``--timeout``). shardcache's INFO lines go to stdout.
+the next epoch; every wait is bounded (``--timeout``). The arguments are those of
+tests/support/ddp_epoch_job.py (only ``--spec``, ``--cache``, ``--out``, ``--epochs``,
+``--workers``, ``--timeout`` and ``--mark-epochs`` are used). shardcache's INFO lines go
+to stdout.
 """
 
 from __future__ import annotations
@@ -18,11 +21,10 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch.utils.data
-from ddp_epoch_job import mark
+from ddp_epoch_job import mark, parse_args
 from processes import exit_at_once
 
 import shardcache
@@ -31,18 +33,6 @@ from shardcache.distributed import rank_info, wait_for
 
 def keys(batch: list[dict[str, Any]]) -> list[str]:
     return [sample["__key__"] for sample in batch]
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--cache", required=True, help="the cache directory")
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=60.0, help="bound of each wait (s)")
-    parser.add_argument("--mark-epochs", default=None, metavar="URL")
-    return parser.parse_args()
 
 
 def between_epochs(args: argparse.Namespace, epoch: int, rank: int, world_size: int) -> None:

@@ -23,36 +23,26 @@ from pathlib import Path
 import pytest
 from processes import job_env, torchrun
 from repo import SUPPORT
-from test_ddp_epochs import (
-    UNEQUAL,
-    all_keys,
-    requests_by_epoch,
-    shard_tars,
-)
+from test_ddp_epochs import UNEQUAL, all_keys, requests_by_epoch
 from test_slurm import (
     PYTHON,
     slurm,  # noqa: F401 (the module fixture: skipped or failed as test_slurm's tests)
     srun,
     task_env,
 )
+from test_slurm_epochs import (  # the unequal shards in the S3 server
+    BUCKET,
+    MARK_BUCKET,
+    SPEC,
+    shards,  # noqa: F401 (a fixture)
+)
 
 from shardcache.testing import S3Server
 
 JOB = SUPPORT / "index_exchange_job.py"
-BUCKET = "index-exchange-jobs"
-MARK_BUCKET = "index-exchange-marks"
-SPEC = f"s3://{BUCKET}/train-{{000000..{len(UNEQUAL) - 1:06d}}}.tar"
 RANKS = 2
 RUN_TIMEOUT = 120
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def shards(s3: S3Server) -> dict[str, bytes]:
-    tars = shard_tars(UNEQUAL)
-    s3.put_objects(BUCKET, tars)
-    s3.clear_requests()
-    return tars
 
 
 def job_args(root: Path, s3: S3Server) -> list[str]:
@@ -87,7 +77,9 @@ def check_job(root: Path, s3: S3Server, tars: dict[str, bytes]) -> None:
 
 
 def test_torchrun_workers_exchange_through_the_agent_store(
-    s3: S3Server, shards: dict[str, bytes], tmp_path: Path
+    s3: S3Server,
+    shards: dict[str, bytes],  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     command = torchrun(RANKS, JOB, *job_args(tmp_path, s3))
     done = subprocess.run(
@@ -107,7 +99,7 @@ def test_torchrun_workers_exchange_through_the_agent_store(
 def test_srun_tasks_exchange_through_task_zeros_store(
     slurm: str,  # noqa: F811
     s3: S3Server,
-    shards: dict[str, bytes],
+    shards: dict[str, bytes],  # noqa: F811
     tmp_path: Path,
 ) -> None:
     out = srun([PYTHON, str(JOB), *job_args(tmp_path, s3)], task_env(s3), tmp_path, ntasks=RANKS)
