@@ -59,15 +59,17 @@ def meeting_place(mode: str, root: Path) -> str:
 
 
 def task(env: dict[str, str], root: str, start: Any, out: Any) -> None:
-    """One SLURM task: make the dataset, learn its index (prepare), report its counts or
-    the error that stopped it."""
+    """One rank: make the dataset (task 0 of a SLURM step starts serving the store), then,
+    with the others, learn its index (prepare); report its counts or the error that
+    stopped it."""
     os.environ.update(env)
     from shardcache import IndexExchangeError, ResumableDataset, ShardCache
 
+    dataset = ResumableDataset(SPEC, cache=ShardCache(root), threads=2)  # task 0 serves
     start.wait(60)
     began = time.monotonic()
     try:
-        dataset = ResumableDataset(SPEC, cache=ShardCache(root), threads=2).prepare()
+        dataset.prepare()
     except IndexExchangeError as exc:
         out.put(
             {
@@ -80,29 +82,37 @@ def task(env: dict[str, str], root: str, start: Any, out: Any) -> None:
     out.put({"counts": dataset._epoch_split().counts})
 
 
-@pytest.mark.parametrize("mode", ["store", "directory"])
-def test_two_ranks_learn_each_shard_once_across_the_job(s3, tmp_path: Path, mode: str) -> None:
+def test_two_ranks_meeting_in_a_shared_directory_learn_each_shard_once(s3, tmp_path: Path) -> None:
+    """No launcher: each rank learns its own cache's shards, the parts meet as files.
+    (Through a store, under real torchrun and srun: tests/system/test_index_exchange_jobs.py.)"""
     s3.put_objects(BUCKET, TARS)
     s3.clear_requests()
-    where = meeting_place(mode, tmp_path)
-    envs = [rank_env(mode, rank, 2, where, "60s", s3.env()) for rank in range(2)]
+    where = meeting_place("directory", tmp_path)
+    envs = [rank_env("directory", rank, 2, where, "60s", s3.env()) for rank in range(2)]
     results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
     assert [r.get("counts") for r in results] == [list(COUNTS)] * 2, results
     gets = [r.key for r in s3.requests("GET", f"/{BUCKET}/")]
     assert sorted(gets) == sorted(TARS), gets  # each shard once, by the rank that reads it
     assert len(list((tmp_path / "cache" / ".indexes").glob("*.json"))) == 1
-    if mode == "directory":  # no launcher: the parts wait in the job-less folder
-        assert len(list((tmp_path / "shared" / "nojob").glob("*/*/part-*.json"))) == 2
+    # No launcher: the parts wait in the job-less folder, for the next job too.
+    assert len(list((tmp_path / "shared" / "nojob").glob("*/*/part-*.json"))) == 2
 
 
-@pytest.mark.parametrize("mode", ["store", "directory"])
-def test_a_rank_that_never_shows_up_is_named(s3, tmp_path: Path, mode: str) -> None:
+def test_a_rank_that_never_shows_up_is_named(s3, tmp_path: Path) -> None:
+    """Ranks 0 and 1 of 3, through a SLURM task 0's store and through a shared directory
+    (the two jobs at once): each names rank 2 once the 3 s bound has passed."""
     s3.put_objects(BUCKET, TARS)
-    where = meeting_place(mode, tmp_path)
-    envs = [rank_env(mode, rank, 3, where, "3s", s3.env()) for rank in range(2)]  # no rank 2
+    places = {mode: meeting_place(mode, tmp_path) for mode in ("store", "directory")}
+    envs = [
+        rank_env(mode, rank, 3, where, "3s", s3.env())
+        for mode, where in places.items()
+        for rank in range(2)
+    ]
     results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
+    assert len(results) == 4
     for result in results:
         assert result.get("missing") == [2], result
         assert "ranks 2 of 3 gave no part of the sample index" in result["message"]
         assert "SHARDCACHE_RENDEZVOUS_TIMEOUT" in result["message"]
         assert 3 <= result["waited"] < 30, result
+    assert sum("the shared directory" in r["message"] for r in results) == 2
