@@ -89,7 +89,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
     rest first (each cache cycles through its own); more, and samples repeat.
     ``index`` is a sample index file (path or URL) made by
     ``shardcache index``; None learns it (each cache its own shards, shared through
-    torch.distributed when a process group is initialised: see :meth:`prepare`) and keeps
+    torch.distributed when a process group is initialised, else through torchrun's or the
+    SLURM step's store or ``SHARDCACHE_RENDEZVOUS_DIR``: see :meth:`prepare`) and keeps
     it in the cache root, and also beside the shards with ``keep_index="data"``. ``rank``
     and ``world_size`` default to shardcache's detection (torch.distributed, torchrun,
     SLURM); DataLoader workers are found by ``torch.utils.data.get_worker_info()``.
@@ -242,7 +243,8 @@ class ResumableDataset(torch.utils.data.IterableDataset):
         Learning with a torch.distributed process group initialised here is a collective
         (every rank must call it; the first ``set_epoch()`` does it too): each rank
         indexes its own cache's shards and the offsets are gathered, one read of each
-        shard across the job."""
+        shard across the job. Without one they are exchanged through the launcher's store
+        (:mod:`~shardcache._datasets.job_index`), here or in the DataLoader workers."""
         _, world_size, local_world_size = self._ranks()
         per_cache = self._ranks_per_cache(world_size, local_world_size)
         self._epoch_split().unit_shares(world_size // per_cache)
