@@ -24,6 +24,7 @@
     │   ├── DeliveryMismatchError         what a job delivered is not what its plan says
     │   └── DatasetChangedError           shards differ from the dataset lockfile, no version kept
     ├── SampleIndexError(ValueError)      an index of sample offsets unusable (missing, stale)
+    │   └── IndexExchangeError            ranks missing from a job's exchange of the index
     ├── MetricsError(ValueError)          metrics files cannot be reported (newer version, none)
     ├── MissingExtraError(ImportError)    an optional extra is missing (says what to pip install)
     ├── StallError(TimeoutError)          a prefetch worker made no progress
@@ -185,6 +186,12 @@ class SampleIndexError(ShardCacheError, ValueError):
     what was expected, what was seen and what to do."""
 
 
+class IndexExchangeError(SampleIndexError):
+    """The job's ranks did not all give their part of the sample index within the bound
+    (no process group: through torchrun's or the SLURM step's store): ``missing`` lists
+    the ranks not heard from, ``store`` is where they were awaited, ``timeout`` the bound."""
+
+
 class MetricsError(ShardCacheError, ValueError):
     """Metrics records cannot be reported: a file of a newer schema version (names the file,
     line and version: upgrade shardcache), or no records at all where some were expected."""
@@ -215,6 +222,7 @@ __all__ = [
     "ConfigError",
     "DatasetChangedError",
     "FetchError",
+    "IndexExchangeError",
     "IntegrityError",
     "LockFileError",
     "LockTimeout",

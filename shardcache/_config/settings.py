@@ -69,6 +69,9 @@ class Settings:
     metrics: str | None = SPECS["metrics"].default
     metrics_interval: float = SPECS["metrics_interval"].default
     delivery_check: str = SPECS["delivery_check"].default
+    rendezvous_port: int = SPECS["rendezvous_port"].default
+    rendezvous_timeout: float = SPECS["rendezvous_timeout"].default
+    rendezvous_dir: Path | None = SPECS["rendezvous_dir"].default
     storage_options: dict[str, Any] = field(default_factory=dict)
     rank: int = SPECS["rank"].default
     local_rank: int = SPECS["local_rank"].default

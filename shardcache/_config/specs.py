@@ -280,6 +280,32 @@ SPECS: dict[str, SettingSpec] = {
         "count in the resume state) against its plan, on resume and at each consumer's end "
         "of epoch; raise: DeliveryMismatchError; warn: a warning; off: not checked",
     ),
+    "rendezvous_port": SettingSpec(
+        "SHARDCACHE_RENDEZVOUS_PORT",
+        parse_int,
+        0,
+        "plain srun, no process group: the port SLURM task 0 hosts the job's store at, on the "
+        "step's first node, to share learning the sample index (0: derived from the job id)",
+        0,
+        65535,
+    ),
+    "rendezvous_dir": SettingSpec(
+        "SHARDCACHE_RENDEZVOUS_DIR",
+        parse_path,
+        None,
+        "a directory every rank sees (a shared file system): without a process group the "
+        "ranks share learning the sample index through files there, under any launcher "
+        "(unset: torchrun's store, or SLURM task 0's)",
+    ),
+    "rendezvous_timeout": SettingSpec(
+        "SHARDCACHE_RENDEZVOUS_TIMEOUT",
+        parse_duration,
+        1800.0,
+        "how long a rank waits for the other ranks' parts of the sample index without a "
+        "process group (they learn their shards meanwhile)",
+        0.01,
+        7 * 86400,
+    ),
     "storage_options": SettingSpec(
         "SHARDCACHE_STORAGE_OPTIONS",
         parse_json_object,

@@ -10,17 +10,34 @@ offsets before the first sample. Without ``index=``, they come from, cheapest fi
   (``<dir>/.shardcache-index-<digest>.json``, for every cache that reads them). Nothing
   is fetched; a shard changed since is caught when it is read (the index's offsets are
   checked sample by sample).
-* **the job, sharing the work**: with a torch.distributed process group in this process
-  (the training process after ``init_process_group``, at ``prepare()``, the first
-  ``set_epoch()`` or the first iteration; DataLoader workers have none), each rank learns
-  the offsets of its part of its cache's whole shards (:func:`~shardcache._datasets.
-  epoch_split.indexing_shares`, handed out by count, so known before any offset), which
-  that cache reads in every epoch anyway, through the cache; the records are then
-  gathered from every rank (``all_gather_object``, bounded by the process group's
-  timeout). Each shard is read once across the job, and the read fills the cache the
-  epoch reads from.
+* **the job, sharing the work**: each rank learns the offsets of its part of its cache's
+  whole shards (:func:`~shardcache._datasets.epoch_split.indexing_shares`, handed out by
+  count, so known before any offset), which that cache reads in every epoch anyway,
+  through the cache, and the parts go to every rank. With a torch.distributed process
+  group in this process (the training process after ``init_process_group``, at
+  ``prepare()``, the first ``set_epoch()`` or the first iteration) they are gathered
+  (``all_gather_object``, bounded by the group's timeout). Without one (no
+  ``init_process_group``, or DataLoader workers, which have none) they are exchanged
+  through the store the launcher already runs (:mod:`~shardcache._datasets.index_exchange`):
+  torchrun's agent store, or under plain ``srun`` one that task 0 serves from the making
+  of the dataset; or, under any launcher, files in a directory every rank sees that the
+  user names (``SHARDCACHE_RENDEZVOUS_DIR``). Each rank's first DataLoader worker gives
+  its part; the rank's other workers wait for the parts and learn nothing. Each shard is
+  read once across the job, and the read fills the cache the epoch reads from.
 * **this cache alone**: every shard through this process's cache (one read of each shard
-  per cache): no process group to share the work with.
+  per cache): one rank, or a launcher with no store to meet at (the INFO line says why).
+
+Why those stores: they exist in every such job and outlive the DataLoader workers, which
+come and go with the epochs. torchrun's agent serves ``MASTER_ADDR:MASTER_PORT`` for the
+whole run and tells its workers they may use it (``TORCHELASTIC_USE_AGENT_STORE``; torch's
+own ``env://`` rendezvous connects to it as a client), so nothing new is opened. Plain
+``srun`` runs no store; task 0 serving one on the step's first node at a port derived from
+the job id is how PyTorch Lightning finds its ``MASTER_ADDR``/``MASTER_PORT`` under SLURM,
+needs no shared file system (a node-local cache root is seen by one node only) and no
+``scontrol``. A shared file system is not assumed (few clusters give every job one at a
+known path), so the directory is the user's to name. A process group is not made for
+this: it needs every rank's training process, which a dataset iterated in DataLoader
+workers never has.
 
 Whatever is learned is kept for the next job. Each rank's records carry, beside the
 offsets, the identity (size, ETag, version id, checksum) of each of its shards whose copy
@@ -52,10 +69,13 @@ import torch.utils.data
 from .._base.errors import SampleIndexError, ShardCacheError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
+from .._config.rendezvous import Rendezvous, rendezvous
+from .._config.settings import env_setting
 from .._disk.metadata import write_record
 from ..distributed import gather_objects
 from .dataset_lock import ShardIdentity, cached_identity
 from .epoch_split import indexing_shares
+from .index_exchange import exchange, serve
 from .sample_index import (
     SampleIndex,
     ShardSamples,
@@ -68,8 +88,8 @@ from .sample_index import (
 logger = get_logger(__name__)
 
 _UNSHARED = (
-    "; no torch.distributed process group in this process shares the work with the other "
-    "ranks (call prepare() or set_epoch() in the training process after "
+    "no torch.distributed process group in this process shares the work with the other "
+    "ranks either (call prepare() or set_epoch() in the training process after "
     "init_process_group)"
 )
 KEEPS = ("cache", "data")  # where a learned index is kept: the cache root, also the data
@@ -120,40 +140,52 @@ def job_index(
     digest: str,
     cache: ShardCache,
     *,
-    mine: Sequence[int] | None,
-    rank: int,
-    alone: bool,
+    mine: Sequence[int],
+    layout: tuple[int, int, int],
     threads: int,
     handler: Callable[[BaseException], bool] | None,
     keep: str,
     identities: dict[str, ShardIdentity] | None = None,
 ) -> SampleIndex:
     """Every shard's samples: a kept index, else learned (``mine``: the shards this rank
-    learns while the job's other ranks learn theirs; None: no process group, all here;
-    ``alone``: this is the job's only rank). ``identities`` gets the identity of each
-    shard another rank's cache holds a copy of, as that rank gave it."""
+    learns while the job's other ranks learn theirs, when they can share the work;
+    ``layout``: this rank, the world size and the ranks a cache has). ``identities`` gets
+    the identity of each shard another rank's cache holds a copy of, as that rank gave it."""
+    rank, world_size, per_cache = layout
     say = logger.info if rank == 0 else logger.debug
     beside = beside_data(urls, digest) if keep == "data" else None
     kept, where = _find_kept(urls, digest, cache, beside)
-    parts = None
-    if mine is not None:
-        own = [urls[shard] for shard in mine]
+    own = [urls[shard] for shard in mine]
+    giver = _giver()
+    if in_group(rank, world_size):
         parts = _gathered({"digest": digest, **_part(own, kept, cache, threads, handler)})
-    if parts is None:  # no process group in this process
-        if kept is not None:
-            say("sample offsets of %d shards: the index kept at %s", len(urls), where)
-            return kept
+        how = "gathered by torch.distributed"
+    elif not isinstance(meet := meeting(world_size, cache), str):
+        key = f"{digest}/{world_size}x{per_cache}"
+        give = (
+            (lambda: {"digest": digest, **_part(own, kept, cache, threads, handler)})
+            if (giver)
+            else None
+        )
+        timeout = cache.settings.rendezvous_timeout
+        parts = exchange(meet, key, rank, world_size, give, wait=kept is None, timeout=timeout)
+        how = f"exchanged through {meet.describe()}"
+    else:
+        parts, how = None, meet
+    if parts is None and kept is not None:  # a rank with a kept index needs no other's part
+        say("sample offsets of %d shards: the index kept at %s", len(urls), where)
+        return kept
+    if parts is None:  # nobody to share the work with
         say(
             "learning the sample offsets of all %d shards through the cache %s (%d threads)%s",
             len(urls),
             cache.layout.scope_dir,
             threads,
-            "" if alone else _UNSHARED,
+            "" if world_size == 1 else f"; {how}: {_UNSHARED}",
         )
         found = learn(urls, cache, threads=threads, handler=handler)
-        say(
-            "the sample index: %s", _keep(found, urls, digest, cache, beside if rank == 0 else None)
-        )
+        kept_where = _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        say("the sample index: %s", kept_where)
         return found
     found = _merged(parts, urls, digest)
     if identities is not None:
@@ -165,15 +197,45 @@ def job_index(
         f"kept at {where}"
         if kept is not None
         else _keep(found, urls, digest, cache, beside if rank == 0 else None)
+        if giver
+        else "kept by the rank's first DataLoader worker"
     )
     say(
         "learned the sample offsets of %d shards once across the job's %d ranks (each "
-        "indexed its own cache's shards; gathered by torch.distributed); %s",
+        "indexed its own cache's shards; %s); %s",
         len(urls),
         len(parts),
+        how,
         kept_where,
     )
     return found
+
+
+def meeting(world_size: int, cache: ShardCache | None) -> Rendezvous | str:
+    """Where this job's ranks meet without a process group (torchrun's store, or SLURM
+    task 0's), or why they cannot."""
+    if world_size == 1:
+        return "one rank"
+    settings = cache.settings if cache else None
+    port = settings.rendezvous_port if settings else env_setting("rendezvous_port")
+    directory = settings.rendezvous_dir if settings else env_setting("rendezvous_dir")
+    return rendezvous(port, directory)
+
+
+def serve_exchange(rank: int, world_size: int, cache: ShardCache | None) -> None:
+    """In SLURM task 0, making a dataset that may learn its index without a process
+    group: serve the step's store from now on, so that DataLoader workers find it."""
+    meet = meeting(world_size, cache)
+    if not isinstance(meet, str) and meet.serve and not in_group(rank, world_size):
+        timeout = cache.settings.rendezvous_timeout if cache else env_setting("rendezvous_timeout")
+        serve(meet, timeout)
+
+
+def _giver() -> bool:
+    """Whether this process gives its rank's part: the training process, or its first
+    DataLoader worker (the others read the parts, none learns)."""
+    info = torch.utils.data.get_worker_info()
+    return info is None or info.id == 0
 
 
 def _part(
@@ -236,6 +298,7 @@ def _merged(parts: Sequence[Mapping[str, Any]], urls: Sequence[str], digest: str
                 "give it as index=",
                 rank=rank,
             )
+    for rank, part in enumerate(parts):
         if part.get("digest") != digest:
             raise SampleIndexError(
                 f"rank {rank} has another shard list (digest {part.get('digest')!r}, this "

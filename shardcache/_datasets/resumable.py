@@ -51,7 +51,7 @@ from .delivery_check import Checker, DeliveryCheck, mode_of, skipper
 from .delivery_digest import BATCH, Recorder, SampleHasher
 from .epoch_split import EpochSplit, Lay
 from .fluent import Fluent
-from .job_index import in_group, job_index, rank_part, urls_digest
+from .job_index import in_group, job_index, rank_part, serve_exchange, urls_digest
 from .lock_check import LockUse
 from .resume_options import (
     flag,
@@ -90,7 +90,8 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     rest first (each cache cycles through its own); more, and samples repeat.
     ``index`` is a sample index file (path or URL) made by
     ``shardcache index``; None learns it (each cache its own shards, shared through
-    torch.distributed when a process group is initialised: see :meth:`prepare`) and keeps
+    torch.distributed when a process group is initialised, else through torchrun's or the
+    SLURM step's store or ``SHARDCACHE_RENDEZVOUS_DIR``: see :meth:`prepare`) and keeps
     it in the cache root, and also beside the shards with ``keep_index="data"``. ``rank``
     and ``world_size`` default to shardcache's detection (torch.distributed, torchrun,
     SLURM); DataLoader workers are found by ``torch.utils.data.get_worker_info()``.
@@ -155,6 +156,8 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         self._source: str | None = None  # the mixture source this is (MixtureDataset sets it)
         self._lay: Lay | None = None  # a mixture's counts, split together (MixtureDataset sets it)
         self._recorder: Recorder | None = None  # the running iteration's delivered samples
+        if self.index is None:  # SLURM task 0 without a process group serves the job's store
+            serve_exchange(*self._ranks()[:2], cache)
 
     # -- configuration --------------------------------------------------------------
 
@@ -242,7 +245,8 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         Learning with a torch.distributed process group initialised here is a collective
         (every rank must call it; the first ``set_epoch()`` does it too): each rank
         indexes its own cache's shards and the offsets are gathered, one read of each
-        shard across the job."""
+        shard across the job. Without one they are exchanged through the launcher's store
+        (:mod:`~shardcache._datasets.job_index`), here or in the DataLoader workers."""
         self._count_workers(workers)
         _, world_size, local_world_size = self._ranks()
         per_cache = self._ranks_per_cache(world_size, local_world_size)
@@ -302,18 +306,13 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
             return dict(zip(urls, load_index(self.index, self.urls).values(), strict=True))
         cache = self._cache()
         rank, world_size, local_world_size = self._ranks()
-        mine = None
-        if in_group(rank, world_size):  # this rank learns its part of its cache's shards
-            per_cache = self._ranks_per_cache(world_size, local_world_size)
-            shards = len(self.urls)
-            mine = rank_part(shards, self.seed, self.shuffle_shards, rank, world_size, per_cache)
+        per_cache = self._ranks_per_cache(world_size, local_world_size)
         return job_index(
             urls,
             self.identity.digest if urls == self.urls else urls_digest(urls),
             cache,
-            mine=mine,
-            rank=rank,
-            alone=world_size == 1,
+            mine=rank_part(len(urls), self.seed, self.shuffle_shards, rank, world_size, per_cache),
+            layout=(rank, world_size, per_cache),
             threads=self._threads or cache.settings.threads,
             handler=self._stage.handler,
             keep=self.keep_index,
