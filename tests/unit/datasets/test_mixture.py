@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -54,7 +55,7 @@ def mixture(tmp_path: Path, spec_of: dict, rank: int, world: int, **options) -> 
         [Source(spec_of[n], weight=w, name=n) for n, w in weights.items()],
         epoch_size=options.pop("epoch_size", 60),
         seed=options.pop("seed", 4),
-        cache=ShardCache(tmp_path / "cache"),
+        cache=options.pop("cache", None) or ShardCache(tmp_path / "cache"),
         threads=1,
         rank=rank,
         world_size=world,
@@ -460,6 +461,47 @@ def test_prepare_hands_each_worker_its_interleaving(tmp_path: Path, spec_of) -> 
     assert got == expected
     assert list(loader_of(prepared, how="spawn")) == expected[1]  # handed over by pickle
 
+    shutil.rmtree(tmp_path / "cache" / ".orders")  # what the reference's workers kept
     _order.cache_clear()
     with pytest.raises(AssertionError, match="a DataLoader worker computed the interleaving"):
         list(loader_of(dataset_of().prepare()))
+
+
+def test_unprepared_workers_compute_their_interleaving_in_the_first_epoch_only(
+    tmp_path: Path, spec_of
+) -> None:
+    """Without prepare(workers=), the workers of the first epoch compute their orders and
+    keep them in the cache root; the next epochs' workers (new processes) and another
+    dataset on the same cache read them, computing none, with the same batches. A damaged
+    kept order is computed again."""
+    from shardcache._datasets.interleave import _order
+
+    def loader_of(dataset: MixtureDataset, refuse: bool) -> StatefulDataLoader:
+        return StatefulDataLoader(
+            dataset,
+            batch_size=4,
+            num_workers=2,
+            collate_fn=_pairs,
+            timeout=60,
+            worker_init_fn=_no_interleaving_here if refuse else None,
+            multiprocessing_context="fork",
+        )
+
+    reference = mixture(tmp_path, spec_of, 1, 2, epoch_size=62, cache=ShardCache(tmp_path / "c0"))
+    expected = []
+    for epoch in (0, 1):
+        reference.set_epoch(epoch)
+        expected.append(list(loader_of(reference, refuse=False)))
+    _order.cache_clear()  # nothing inherited from this process
+    dataset = mixture(tmp_path, spec_of, 1, 2, epoch_size=62)
+    assert list(loader_of(dataset, refuse=False)) == expected[0]
+    kept = sorted((tmp_path / "cache" / ".orders").iterdir())
+    assert len(kept) == 2  # one a worker: their counts differ
+    dataset.set_epoch(1)
+    assert list(loader_of(dataset, refuse=True)) == expected[1]
+    again = mixture(tmp_path, spec_of, 1, 2, epoch_size=62)
+    assert list(loader_of(again, refuse=True)) == expected[0]
+
+    kept[0].write_text(kept[0].read_text().replace('"order": "A', '"order": "B'))
+    with pytest.raises(AssertionError, match="a DataLoader worker computed the interleaving"):
+        list(loader_of(again, refuse=True))
