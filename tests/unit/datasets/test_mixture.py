@@ -3,6 +3,7 @@ over local shards (the schedule's bounds as properties of the pure functions).""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import math
@@ -505,3 +506,31 @@ def test_unprepared_workers_compute_their_interleaving_in_the_first_epoch_only(
     kept[0].write_text(kept[0].read_text().replace('"order": "A', '"order": "B'))
     with pytest.raises(AssertionError, match="a DataLoader worker computed the interleaving"):
         list(loader_of(again, refuse=True))
+
+
+def test_a_kept_order_is_read_only_for_its_own_counts_and_a_root_that_cannot_keep_one_computes(
+    tmp_path: Path,
+) -> None:
+    """Stored: an order written is read back for its counts only; one damaged (counts off)
+    is not read; a cache root where none can be written keeps nothing and raises nothing."""
+    from shardcache._datasets.interleave import Stored, _order
+
+    stored = Stored(ShardCache(tmp_path / "cache").layout)
+    shares = (5, 3, 2)
+    assert stored.read(shares) is None
+    _order.cache_clear()
+    computed = _order(shares, stored)
+    assert computed == bytes(_online([0, 0, 0], shares))
+    assert stored.read(shares) == computed and stored.read((5, 2, 3)) is None
+    path = stored.path(shares)
+    document = json.loads(path.read_text())
+    document["order"] = base64.b64encode(b"\x02" * len(computed)).decode()  # counts off
+    path.write_text(json.dumps(document))
+    assert stored.read(shares) is None
+
+    other = Stored(ShardCache(tmp_path / "other").layout)
+    (tmp_path / "other").mkdir(exist_ok=True)
+    (tmp_path / "other" / ".orders").write_text("a file where the folder goes")
+    _order.cache_clear()
+    assert _order((4, 4), other) == bytes(_online([0, 0], (4, 4)))
+    assert other.read((4, 4)) is None
