@@ -34,19 +34,20 @@ mixture's; ``mixing_cpu_us_per_sample`` the CPU the mixing adds to a sample, fro
 medians.
 
 The mixture's order (which source each sample comes from,
-:func:`shardcache._datasets.interleave.picks`) is computed once a process for a consumer's
-shares and kept: the untimed epoch computes it, the timed ones read it. A DataLoader's
-workers are new
-processes every epoch (non-persistent, as ``ResumableDataset`` requires), so each computes it once
-an epoch unless the training process computed it for them (``MixtureDataset.prepare(workers=)``):
-``order_cpu_us_per_sample`` is that cost, measured apart (the order computed afresh).
+:func:`shardcache._datasets.interleave.picks`) is computed once for a consumer's shares and
+kept: the untimed epoch computes it, the timed ones read it. A DataLoader's workers are new
+processes every epoch (non-persistent, as ``ResumableDataset`` requires): the first epoch's
+workers compute theirs and keep them in the cache root, later epochs' read them, unless the
+training process computed them for the workers (``MixtureDataset.prepare(workers=)``):
+``order_cpu_us_per_sample`` is the computing, measured apart (the order computed afresh).
 
 With workers (``workers``): the same readers through a DataLoader of 2 forked workers
 (``batch_size=64``, each batch collated to its length: the readers' work, not the
 DataLoader's pickling), ``reps`` epochs each, order alternated, CPU per sample of the
 training process and its workers (``RUSAGE_CHILDREN``: non-persistent workers are reaped
 at the end of every epoch):
-one source, the mixture whose workers compute their order every epoch, and the mixture
+one source, the mixture without ``prepare(workers=)`` (its workers compute their orders in
+the first of these epochs and read them from the cache root in the others), and the mixture
 prepared with ``prepare(workers=2)``. ``workers_order_cpu_pct`` is what the workers' own
 orders cost a sample (unprepared - prepared, in % of the prepared mixture's CPU a sample).
 
@@ -242,8 +243,8 @@ def b14_mixture(b: Bench) -> dict[str, Any]:
         "workers": {
             "what": f"DataLoader of {WORKERS} forked workers, batch_size=64 collated to its "
             f"length, {cfg['reps']} epochs each; CPU per sample (us, the training process and "
-            "its workers); the mixture's workers computing their order every epoch, or "
-            f"handed it by prepare(workers={WORKERS})",
+            "its workers); the mixture's workers computing their order in the first epoch and "
+            f"reading it from the cache root after, or handed it by prepare(workers={WORKERS})",
             "cpu_us_per_sample": workers,
             "workers_order_cpu_pct": round(order_pct, 1),
             "workers_mixing_cpu_pct": round(mixing_pct, 1),

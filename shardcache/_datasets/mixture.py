@@ -44,6 +44,7 @@ new epoch rather than mixing two plans.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,7 @@ from .._observe import metrics
 from .delivery_check import DeliveryCheck
 from .epoch_split import Lay
 from .fluent import Fluent
-from .interleave import order, stepped_picks
+from .interleave import Stored, order, stepped_picks
 from .mixture_schedule import (
     MixtureSchedule,
     Schedule,
@@ -225,7 +226,7 @@ class MixtureDataset(Fluent, torch.utils.data.IterableDataset):
         """Every source's :meth:`ResumableDataset.prepare`; with ``workers`` (the
         DataLoader's ``num_workers``) also the interleaving of each of this rank's workers,
         computed here once and handed to the workers (forked or spawned) with the dataset,
-        instead of computed by every worker every epoch."""
+        instead of computed by the first epoch's workers (and kept in the cache root)."""
         for name, part in zip(self.names, self._parts, strict=True):
             with _naming(name):
                 part.prepare()
@@ -324,21 +325,31 @@ class MixtureDataset(Fluent, torch.utils.data.IterableDataset):
         return iter(stream)
 
     def _mixed(self, streams: list[Iterator[Any]]) -> Iterator[Any]:
+        """The sources' samples in the picks' order (each source tags its own). A sample
+        passes through C iterators only (``map``, ``next``), no Python frame of the
+        mixture's own: the mixing costs a sample about what a generator layer would cost
+        without its loop. The picks of a source that ended early (the handler left a shard
+        out) and the end of the share are :meth:`_rest`'s."""
         shares, taken = [], []
         for part in self._parts:
             own, delivered = part.share_taken()
             shares.append(own)
             taken.append(delivered)
-        steps = self._steps_now(shares)
-        names = self.names
+        stored = Stored(self._parts[0]._cache().layout)
+        picks = stepped_picks(taken, self._steps_now(shares), self._orders, stored)
+        # Stops at the picks' end, or at the first pick of a source that ended early.
+        fast = map(next, map(streams.__getitem__, picks))
+        return _Mixed(fast, self._rest(streams, picks), streams=streams)
+
+    def _rest(self, streams: list[Iterator[Any]], picks: Iterator[int]) -> Iterator[Any]:
+        """The picks left after a source ended early (none when every source lasts), each
+        source's share-end check and the epoch's end; the sources' streams closed."""
         try:
-            for i in stepped_picks(taken, steps, self._orders):
+            for i in picks:
                 sample = next(streams[i], None)
-                if sample is None:  # the handler left a shard out: the source ended early
-                    continue
-                sample["__source__"] = names[i]
-                yield sample
-            for name, part in zip(names, self._parts, strict=True):
+                if sample is not None:  # None: that source ended early too
+                    yield sample
+            for name, part in zip(self.names, self._parts, strict=True):
                 with _naming(name):
                     part._check_share_end()
         finally:
@@ -347,6 +358,22 @@ class MixtureDataset(Fluent, torch.utils.data.IterableDataset):
                 if close is not None:
                     close()
         metrics.end_epoch()  # the epoch its sources set (metrics.set_epoch)
+
+
+class _Mixed(itertools.chain):
+    """The mixed stream: ``itertools.chain`` (its ``__next__`` in C) that can be closed as
+    a generator, closing the sources' streams (each counts the samples it delivered)."""
+
+    def __new__(cls, *parts: Iterator[Any], streams: list[Iterator[Any]]) -> _Mixed:
+        mixed = super().__new__(cls, *parts)
+        mixed._parts, mixed._streams = parts, streams
+        return mixed
+
+    def close(self) -> None:
+        for stream in (*self._parts, *self._streams):
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
 
 
 def _source_states(state: Mapping[str, Any], names: list[str]) -> list[Any]:

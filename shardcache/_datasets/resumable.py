@@ -320,8 +320,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         )
 
     def share_taken(self) -> tuple[int, int]:
-        """In the process that iterates: the samples this consumer gets in the running
-        epoch and how many it has delivered (0, 0 before iterating)."""
+        """The samples this consumer gets in the running epoch, and has delivered (0, 0)."""
         progress = self._progress
         if progress is None:
             return 0, 0
@@ -396,13 +395,13 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
             progress.slot,
             draws=progress.draws,
         )
-        shuffler = ShuffleBuffer(progress, draws)
+        shuffler = ShuffleBuffer(progress, draws, self._source)
         record = recorder.positions.append
         skip = skipper(progress, recorder, self._epoch_split())
         metrics.set_epoch(progress.epoch)
         if progress.item == 0 and progress.taken == 0 and not progress.buffer:
             log_sizes(progress)
-        delivered = progress.delivered
+        delivered, source = progress.delivered, self._source
         try:
             ranged: set[int] = set()
             if progress.buffer and self._samples is not None:  # a resumed shuffle buffer
@@ -432,7 +431,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
                     advance(progress, item)
                 try:
                     for sample in piece_samples(
-                        progress, opened, self._samples, self._epoch_split()
+                        progress, opened, self._samples, self._epoch_split(), source
                     ):
                         if (out := shuffler.add(sample)) is not None:
                             progress.delivered += 1
@@ -444,8 +443,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
                 if progress.item == item:  # an empty piece, or one the handler gave up on
                     skip(item + 1, [])
                     advance(progress, item + 1)
-                # Counted once a piece, not once a sample.
-                metrics.count(samples=progress.delivered - delivered, source=self._source)
+                metrics.count(samples=progress.delivered - delivered, source=source)  # a piece
                 recorder.fold(at_least=BATCH)
                 delivered = progress.delivered
             skip(len(progress.plan), shuffler.drop_unrestored())

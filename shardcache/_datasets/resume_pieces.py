@@ -35,14 +35,16 @@ def piece_samples(
     opened: Mapping[str, Any],
     sample_index: SampleIndex | None,
     split: EpochSplit,
+    source: str | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The samples of the piece being read, from ``progress.offset``; the position moves
     past each sample before it is handed on. Each is checked against ``sample_index``
-    (the shards' sample offsets), when known."""
+    (the shards' sample offsets), when known, and tagged with ``source`` (a mixture
+    source's name), if given."""
 
     item = progress.item
     piece = progress.plan[item]
-    stream, url = opened["stream"], opened["url"]
+    stream, url, local_path = opened["stream"], opened["url"], opened.get("local_path")
     stream.seek(progress.offset)
     expected = progress.key
     starts = sample_index[url].starts if sample_index is not None else None
@@ -61,7 +63,7 @@ def piece_samples(
             progress.offset, progress.key = sample.end, sample.next_key
         yield {
             "position": (piece.shard, sample.offset, sample.key),
-            "sample": sample.as_dict(url, opened.get("local_path")),
+            "sample": sample.as_dict(url, local_path, source),
         }
         if progress.item != item:  # the piece is done (the shard may go on)
             return

@@ -27,11 +27,13 @@ RANGED_RESTORE_MAX = 16
 
 class ShuffleBuffer:
     """The seeded shuffle buffer, its positions mirrored in ``progress.buffer``: a full
-    buffer hands out a random held sample for each new one; the end drains it randomly."""
+    buffer hands out a random held sample for each new one; the end drains it randomly.
+    ``source`` tags the samples read again (a mixture source's name)."""
 
-    def __init__(self, progress: Progress, draws: RandomDraws) -> None:
+    def __init__(self, progress: Progress, draws: RandomDraws, source: str | None = None) -> None:
         self._progress = progress
         self._draws = draws
+        self._source = source
         # Samples of a restored state are read again; None until their shard is opened.
         self._held: list[dict[str, Any] | None] = [None] * len(progress.buffer)
         self.out: tuple[int, int, str] | None = None  # the position of the last sample out
@@ -50,7 +52,7 @@ class ShuffleBuffer:
             sample = next(samples(stream_at(offset), offset, url, only_one=True), None)
             if sample is None or sample.key != key:
                 raise changed(url, offset, key, None if sample is None else sample.key)
-            self._held[index] = sample.as_dict(url, local_path)
+            self._held[index] = sample.as_dict(url, local_path, self._source)
 
     def drop_unrestored(self) -> list[tuple[int, int, str]]:
         """Buffered samples whose shard the handler skipped are lost, as in webdataset;

@@ -60,11 +60,16 @@ class Sample:
     end: int = 0
     next_key: str | None = None
 
-    def as_dict(self, url: str, local_path: str | None) -> dict[str, Any]:
+    def as_dict(
+        self, url: str, local_path: str | None, source: str | None = None
+    ) -> dict[str, Any]:
+        """The webdataset sample; ``source``: a mixture source's name (``"__source__"``)."""
         sample: dict[str, Any] = {"__key__": self.key, "__url__": url}
         if local_path is not None:
             sample["__local_path__"] = local_path
         sample.update(self.files)
+        if source is not None:
+            sample["__source__"] = source
         return sample
 
 

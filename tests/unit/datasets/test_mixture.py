@@ -3,9 +3,11 @@ over local shards (the schedule's bounds as properties of the pure functions).""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import math
+import shutil
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -54,7 +56,7 @@ def mixture(tmp_path: Path, spec_of: dict, rank: int, world: int, **options) -> 
         [Source(spec_of[n], weight=w, name=n) for n, w in weights.items()],
         epoch_size=options.pop("epoch_size", 60),
         seed=options.pop("seed", 4),
-        cache=ShardCache(tmp_path / "cache"),
+        cache=options.pop("cache", None) or ShardCache(tmp_path / "cache"),
         threads=1,
         rank=rank,
         world_size=world,
@@ -460,6 +462,75 @@ def test_prepare_hands_each_worker_its_interleaving(tmp_path: Path, spec_of) -> 
     assert got == expected
     assert list(loader_of(prepared, how="spawn")) == expected[1]  # handed over by pickle
 
+    shutil.rmtree(tmp_path / "cache" / ".orders")  # what the reference's workers kept
     _order.cache_clear()
     with pytest.raises(AssertionError, match="a DataLoader worker computed the interleaving"):
         list(loader_of(dataset_of().prepare()))
+
+
+def test_unprepared_workers_compute_their_interleaving_in_the_first_epoch_only(
+    tmp_path: Path, spec_of
+) -> None:
+    """Without prepare(workers=), the workers of the first epoch compute their orders and
+    keep them in the cache root; the next epochs' workers (new processes) and another
+    dataset on the same cache read them, computing none, with the same batches. A damaged
+    kept order is computed again."""
+    from shardcache._datasets.interleave import _order
+
+    def loader_of(dataset: MixtureDataset, refuse: bool) -> StatefulDataLoader:
+        return StatefulDataLoader(
+            dataset,
+            batch_size=4,
+            num_workers=2,
+            collate_fn=_pairs,
+            timeout=60,
+            worker_init_fn=_no_interleaving_here if refuse else None,
+            multiprocessing_context="fork",
+        )
+
+    reference = mixture(tmp_path, spec_of, 1, 2, epoch_size=62, cache=ShardCache(tmp_path / "c0"))
+    expected = []
+    for epoch in (0, 1):
+        reference.set_epoch(epoch)
+        expected.append(list(loader_of(reference, refuse=False)))
+    _order.cache_clear()  # nothing inherited from this process
+    dataset = mixture(tmp_path, spec_of, 1, 2, epoch_size=62)
+    assert list(loader_of(dataset, refuse=False)) == expected[0]
+    kept = sorted((tmp_path / "cache" / ".orders").iterdir())
+    assert len(kept) == 2  # one a worker: their counts differ
+    dataset.set_epoch(1)
+    assert list(loader_of(dataset, refuse=True)) == expected[1]
+    again = mixture(tmp_path, spec_of, 1, 2, epoch_size=62)
+    assert list(loader_of(again, refuse=True)) == expected[0]
+
+    kept[0].write_text(kept[0].read_text().replace('"order": "A', '"order": "B'))
+    with pytest.raises(AssertionError, match="a DataLoader worker computed the interleaving"):
+        list(loader_of(again, refuse=True))
+
+
+def test_a_kept_order_is_read_only_for_its_own_counts_and_a_root_that_cannot_keep_one_computes(
+    tmp_path: Path,
+) -> None:
+    """Stored: an order written is read back for its counts only; one damaged (counts off)
+    is not read; a cache root where none can be written keeps nothing and raises nothing."""
+    from shardcache._datasets.interleave import Stored, _order
+
+    stored = Stored(ShardCache(tmp_path / "cache").layout)
+    shares = (5, 3, 2)
+    assert stored.read(shares) is None
+    _order.cache_clear()
+    computed = _order(shares, stored)
+    assert computed == bytes(_online([0, 0, 0], shares))
+    assert stored.read(shares) == computed and stored.read((5, 2, 3)) is None
+    path = stored.path(shares)
+    document = json.loads(path.read_text())
+    document["order"] = base64.b64encode(b"\x02" * len(computed)).decode()  # counts off
+    path.write_text(json.dumps(document))
+    assert stored.read(shares) is None
+
+    other = Stored(ShardCache(tmp_path / "other").layout)
+    (tmp_path / "other").mkdir(exist_ok=True)
+    (tmp_path / "other" / ".orders").write_text("a file where the folder goes")
+    _order.cache_clear()
+    assert _order((4, 4), other) == bytes(_online([0, 0], (4, 4)))
+    assert other.read((4, 4)) is None
