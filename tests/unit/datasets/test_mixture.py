@@ -427,23 +427,28 @@ def _no_interleaving_here(_worker_id: int) -> None:
     interleave_module._online = refuse
 
 
+def _two_workers(
+    dataset: MixtureDataset, refuse: bool = True, how: str = "fork"
+) -> StatefulDataLoader:
+    """Two workers reading ``dataset`` in batches of 4; ``refuse``: a worker that computes
+    an interleaving fails."""
+    return StatefulDataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        collate_fn=_pairs,
+        timeout=60,
+        worker_init_fn=_no_interleaving_here if refuse else None,
+        multiprocessing_context=how,
+    )
+
+
 def test_prepare_hands_each_worker_its_interleaving(tmp_path: Path, spec_of) -> None:
     """prepare(workers=2) computes the interleavings of rank 1's 2 workers (of 2 ranks:
     their counts differ) in the training process; the workers, forked (every epoch) or
     spawned, read the same batches as workers that compute their own, without computing
     one. Without it they compute their own."""
     from shardcache._datasets.interleave import _order
-
-    def loader_of(dataset: MixtureDataset, refuse: bool = True, how: str = "fork"):
-        return StatefulDataLoader(
-            dataset,
-            batch_size=4,
-            num_workers=2,
-            collate_fn=_pairs,
-            timeout=60,
-            worker_init_fn=_no_interleaving_here if refuse else None,
-            multiprocessing_context=how,
-        )
 
     def dataset_of() -> MixtureDataset:
         return mixture(tmp_path, spec_of, 1, 2, epoch_size=62)  # 64 a worker: 31 / 19 / 12 + 2
@@ -452,20 +457,20 @@ def test_prepare_hands_each_worker_its_interleaving(tmp_path: Path, spec_of) -> 
     reference, prepared = dataset_of(), dataset_of()
     for epoch in (0, 1):
         reference.set_epoch(epoch)
-        expected.append(list(loader_of(reference, refuse=False)))
+        expected.append(list(_two_workers(reference, refuse=False)))
     _order.cache_clear()  # nothing inherited from this process
     prepared.prepare(workers=2)
     assert len(prepared._orders) == 2  # the two workers' counts differ
     for epoch in (0, 1):
         prepared.set_epoch(epoch)
-        got.append(list(loader_of(prepared)))
+        got.append(list(_two_workers(prepared)))
     assert got == expected
-    assert list(loader_of(prepared, how="spawn")) == expected[1]  # handed over by pickle
+    assert list(_two_workers(prepared, how="spawn")) == expected[1]  # handed over by pickle
 
     shutil.rmtree(tmp_path / "cache" / ".orders")  # what the reference's workers kept
     _order.cache_clear()
     with pytest.raises(AssertionError, match="a DataLoader worker computed the interleaving"):
-        list(loader_of(dataset_of().prepare()))
+        list(_two_workers(dataset_of().prepare()))
 
 
 def test_unprepared_workers_compute_their_interleaving_in_the_first_epoch_only(
@@ -477,35 +482,24 @@ def test_unprepared_workers_compute_their_interleaving_in_the_first_epoch_only(
     kept order is computed again."""
     from shardcache._datasets.interleave import _order
 
-    def loader_of(dataset: MixtureDataset, refuse: bool) -> StatefulDataLoader:
-        return StatefulDataLoader(
-            dataset,
-            batch_size=4,
-            num_workers=2,
-            collate_fn=_pairs,
-            timeout=60,
-            worker_init_fn=_no_interleaving_here if refuse else None,
-            multiprocessing_context="fork",
-        )
-
     reference = mixture(tmp_path, spec_of, 1, 2, epoch_size=62, cache=ShardCache(tmp_path / "c0"))
     expected = []
     for epoch in (0, 1):
         reference.set_epoch(epoch)
-        expected.append(list(loader_of(reference, refuse=False)))
+        expected.append(list(_two_workers(reference, refuse=False)))
     _order.cache_clear()  # nothing inherited from this process
     dataset = mixture(tmp_path, spec_of, 1, 2, epoch_size=62)
-    assert list(loader_of(dataset, refuse=False)) == expected[0]
+    assert list(_two_workers(dataset, refuse=False)) == expected[0]
     kept = sorted((tmp_path / "cache" / ".orders").iterdir())
     assert len(kept) == 2  # one a worker: their counts differ
     dataset.set_epoch(1)
-    assert list(loader_of(dataset, refuse=True)) == expected[1]
+    assert list(_two_workers(dataset, refuse=True)) == expected[1]
     again = mixture(tmp_path, spec_of, 1, 2, epoch_size=62)
-    assert list(loader_of(again, refuse=True)) == expected[0]
+    assert list(_two_workers(again, refuse=True)) == expected[0]
 
     kept[0].write_text(kept[0].read_text().replace('"order": "A', '"order": "B'))
     with pytest.raises(AssertionError, match="a DataLoader worker computed the interleaving"):
-        list(loader_of(again, refuse=True))
+        list(_two_workers(again, refuse=True))
 
 
 def test_a_kept_order_is_read_only_for_its_own_counts_and_a_root_that_cannot_keep_one_computes(
