@@ -10,7 +10,9 @@ Checks what a user meets on their first day:
    not a package index): the ``pip install`` it names is run verbatim and the part then
    works;
 3. the quickstart (docs/quickstart.md: its python blocks in order in one process, then
-   its ``<!-- run -->`` bash blocks) runs in an empty directory.
+   its ``<!-- run -->`` bash blocks) runs in an empty directory. A block marked
+   ``<!-- needs extra: NAME -->`` is skipped: this environment has only the torch extra
+   (tests/integration/docs runs it with every extra).
 
 Exits non-zero with every failed check listed.
 """
@@ -80,7 +82,7 @@ def quickstart_runs(page: Path) -> None:
     python, bash = [], []
     for match in FENCE.finditer(text):
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
-        if match.group(1) == "python":
+        if match.group(1) == "python" and not before.startswith("<!-- needs extra:"):
             python.append(match.group(2))
         elif match.group(1) == "bash" and before == "<!-- run -->":
             bash.append(match.group(2))
