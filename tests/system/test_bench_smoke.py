@@ -378,3 +378,28 @@ def test_b15_fast_server_tiny_reports_every_reader_or_why_not(tmp_path: Path) ->
     assert set(res["verdicts"]) == {"throughput", "cpu", "curl"}, res
     assert (res["curl_ratio"] is None) == missing["curl"], res
     assert "| B15 |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_merge_replaces_only_the_scenario_run_and_says_when(tmp_path: Path) -> None:
+    """``bench.run --only B4 --merge`` into a copy of the full run's results: B4 is measured
+    afresh and stamped with when and at what load; every other scenario and the run's own
+    fields stay as they were, so the benchmarks page keeps the full run's figures."""
+    from bench import docs_tables
+
+    base = json.loads((ROOT / "bench" / "results.json").read_text()) | {"size": "tiny"}
+    (tmp_path / "results.json").write_text(json.dumps(base))
+    run_bench_module("bench.run", tmp_path, "--only", "B4", "--merge")
+    merged = json.loads((tmp_path / "results.json").read_text())
+    assert list(merged["results"]) == list(base["results"])
+    assert {k: v for k, v in merged.items() if k != "results"} == {
+        k: v for k, v in base.items() if k != "results"
+    }
+    for sid, res in base["results"].items():
+        if sid != "B4":
+            assert merged["results"][sid] == res, sid
+    b4 = merged["results"]["B4"]
+    assert b4["measured"]["started"] > base["started"] and b4["measured"]["load_avg"] >= 0, b4
+    assert b4["shardcache"] != base["results"]["B4"]["shardcache"]
+    assert "B4 (measured alone on " in docs_tables.run_region(merged)
+    assert "| B4 |" in (tmp_path / "results.md").read_text()
