@@ -131,6 +131,19 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             ("evict_s", "evict s"),
         ],
     },
+    "B12": {
+        "label": "with the node lock",
+        "ratio": "FUSE operations, with / without the node lock",
+        "title": "the node lock on a network file system",
+        "headline": ("fuse_ops_per_shard", "FUSE ops a shard"),
+        "merge": "python -m bench.b12_node_lock --merge",
+        "columns": [
+            ("fuse_ops_per_shard", "FUSE ops a shard"),
+            ("meta_ops_per_shard", "metadata ops a shard"),
+            ("misses", "downloads"),
+            ("seconds", "wall s"),
+        ],
+    },
     "B13": {
         "label": "shardcache, index made ahead (rank scope)",
         "ratio": None,
@@ -341,7 +354,8 @@ def _b6_kinds(res: dict[str, Any]) -> list[str]:
 def scenario_region(report: dict[str, Any], sid: str) -> str:
     res = report["results"].get(sid)
     if res is None:
-        return f"Not in `bench/results.json`: run `python -m bench.run --only {sid} --merge`.\n"
+        merge = SCENARIOS[sid].get("merge", f"python -m bench.run --only {sid} --merge")
+        return f"Not in `bench/results.json` yet: run `{merge}`.\n"
     if "error" in res:
         return f"Not measured: the run failed ({_cell(res['error'])}).\n"
     lines = [f"What was run: {_cell(res['what'])}; {_measured(report, res)}.", ""]

@@ -650,7 +650,7 @@ def render(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for sid, res in report["results"].items():
-        title = SCENARIOS[sid][0]
+        title = SCENARIOS[sid][0] if sid in SCENARIOS else res.get("title", sid)
         if "error" in res:
             lines.append(f"| {sid} | {title} | error: {res['error']} | | | | NOT RUN |")
             continue
@@ -708,9 +708,14 @@ def _merge_base(out: Path, size: str, only: list[str]) -> dict[str, Any]:
 
 
 def merge(base: dict[str, Any], fresh: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``base`` with the scenarios of ``fresh`` replaced (or added), in the scenarios' order."""
+    """``base`` with the scenarios of ``fresh`` replaced (or added), ordered by their number
+    (B12, measured by its own script, among them)."""
     results = base["results"] | fresh
-    return base | {"results": {sid: results[sid] for sid in SCENARIOS if sid in results}}
+    return base | {"results": {sid: results[sid] for sid in sorted(results, key=_number)}}
+
+
+def _number(sid: str) -> int:
+    return int(sid.removeprefix("B"))
 
 
 def main(argv: list[str] | None = None) -> int:

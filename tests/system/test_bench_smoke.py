@@ -212,15 +212,27 @@ def test_b12_node_lock_tiny_counts_operations_with_and_without(tmp_path: Path) -
     """B12 (bench/b12_node_lock.py, its own script: it mounts JuiceFS) at tiny size."""
     from juicefs import require_fuse
 
+    from bench import docs_tables
+
     require_fuse()
-    out = tmp_path / "b12.json"
-    run_bench_module("bench.b12_node_lock", out)
+    out, full = tmp_path / "b12.json", tmp_path / "full"
+    full.mkdir()
+    base = json.loads((ROOT / "bench" / "results.json").read_text()) | {"size": "tiny"}
+    (full / "results.json").write_text(json.dumps(base))
+    run_bench_module("bench.b12_node_lock", out, "--merge", "--into", str(full))
     result = json.loads(out.read_text())
     for run in ("with node lock", "without node lock"):
         res = result[run]
         assert res["gets_exactly_one_per_shard"] is True and res["misses"] == 3, (run, res)
         assert res["fuse_ops_per_shard"] > 0 and res["meta_ops_per_shard"] > 0, (run, res)
         assert res["by_kind"]["meta_ops:Link"] >= 1, (run, res)  # the lease was taken
+    # --merge: the same figures as B12 of the full run's file, the other scenarios untouched
+    merged = json.loads((full / "results.json").read_text())
+    assert merged["results"].pop("B12")["shardcache"] == result["with node lock"]
+    assert merged == base
+    assert "| B12 |" in (full / "results.md").read_text()
+    merged["results"]["B12"] = json.loads((full / "results.json").read_text())["results"]["B12"]
+    assert "| **with the node lock** |" in docs_tables.scenario_region(merged, "B12")
 
 
 @pytest.mark.timeout(200)
