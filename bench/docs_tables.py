@@ -255,20 +255,20 @@ def run_region(report: dict[str, Any]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     merged = [sid for sid, res in report["results"].items() if res.get("measured")]
     lines = [
-        f"Full run: `scripts/bench` (size `{report['size']}`) on {_when(report['started'])}, "
-        f"{report['duration_s'] / 60:.0f} min.",
-        f"Machine: {m['cores']} cores ({m['cpu']}), {m['mem_gib']} GiB, Linux {m['kernel']}.",
-        f"Link: {report['link']}.",
-        f"moto's own ceiling, unshaped: {number(report['server_ceiling']['mb_s'])} MB/s.",
-        f"Versions: {versions}.",
+        f"- **Full run**: `scripts/bench` (size `{report['size']}`) on "
+        f"{_when(report['started'])}, {report['duration_s'] / 60:.0f} min.",
+        f"- **Machine**: {m['cores']} cores ({m['cpu']}), {m['mem_gib']} GiB, Linux {m['kernel']}.",
+        f"- **Link**: {report['link']}.",
+        f"- **moto's own ceiling**, unshaped: {number(report['server_ceiling']['mb_s'])} MB/s.",
+        f"- **Versions**: {versions}.",
     ]
     if merged:
         lines.append(
-            "Measured alone since and merged (`--merge`): "
+            "- **Measured alone since** and merged (`--merge`): "
             + ", ".join(f"{sid} ({_measured(report, report['results'][sid])})" for sid in merged)
             + "."
         )
-    return "\n\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def _headline(sid: str, res: dict[str, Any]) -> str:
