@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+from doc_figures import figures
 from repo import ROOT
-from test_docs_shape import figures
 
 from bench import docs_tables
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from doc_figures import figures, prose
 from repo import ROOT
 
 DOCS = ROOT / "docs"
@@ -23,26 +24,6 @@ USER_PAGES = sorted(
 TEST_NAMES = re.compile(r"\btests/[\w/.-]+\.py\b|\btest_\w+|\w+\.py::\w+")
 # "Backblaze B2" is a store, not a benchmark.
 BENCHMARK_IDS = re.compile(r"(?<!Backblaze )\bB(?:1[0-5]|[1-9])\b")
-# A number with the unit of a measured speed or cost. Settings and sizes (`10M`, "64 MiB
-# parts") are not figures; these units are what only a measurement gives.
-FIGURE = re.compile(
-    r"\d[\d,.]*\s*(?:x\s+)?(?:[KMG]i?B/s|samples/s\b|samples a second|s/GB|"
-    r"(?:us|µs|ms) (?:a|per) (?:sample|call|miss|hit)|% (?:of|more) (?:the )?CPU)"
-)
-
-
-def figures(text: str) -> list[str]:
-    """The measured figures in ``text``: a number with a speed or cost unit."""
-    return [m[0] for m in FIGURE.finditer(text)]
-
-
-FENCE = re.compile(r"^(```|~~~).*?^\1", re.DOTALL | re.MULTILINE)
-
-
-def prose(text: str) -> str:
-    """``text`` without its fenced blocks: a command's printed output is an example, not a
-    claim, so its speeds are not figures."""
-    return FENCE.sub("", text)
 
 
 def _page_id(path) -> str:
