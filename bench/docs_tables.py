@@ -240,14 +240,9 @@ def _when(started: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
 
 
-def _measured(report: dict[str, Any], res: dict[str, Any]) -> str:
-    """When a scenario was measured: its own merged run, or the full run."""
-    run = res.get("measured")
-    if run:
-        load = run.get("load_avg")
-        at = f", load average {number(load)} at the start" if load is not None else ""
-        return f"measured alone on {_when(run['started'])}{at}, merged into the full run's file"
-    return f"measured in the full run of {_when(report['started'])}"
+def _measured(run: dict[str, Any]) -> str:
+    """When a scenario merged into the full run's file (``--merge``) was measured."""
+    return f"measured alone on {_when(run['started'])}, load average {number(run['load_avg'])}"
 
 
 def run_region(report: dict[str, Any]) -> str:
@@ -265,7 +260,9 @@ def run_region(report: dict[str, Any]) -> str:
     if merged:
         lines.append(
             "- **Measured alone since** and merged (`--merge`): "
-            + ", ".join(f"{sid} ({_measured(report, report['results'][sid])})" for sid in merged)
+            + ", ".join(
+                f"{sid} ({_measured(report['results'][sid]['measured'])})" for sid in merged
+            )
             + "."
         )
     return "\n".join(lines) + "\n"
@@ -358,7 +355,8 @@ def scenario_region(report: dict[str, Any], sid: str) -> str:
         return f"Not in `bench/results.json` yet: run `{merge}`.\n"
     if "error" in res:
         return f"Not measured: the run failed ({_cell(res['error'])}).\n"
-    lines = [f"What was run: {_cell(res['what'])}; {_measured(report, res)}.", ""]
+    when = f"; {_measured(res['measured'])}" if res.get("measured") else ""
+    lines = [f"What was run: {_cell(res['what'])}{when}.", ""]
     spec = SCENARIOS[sid]
     lines += _table(res, spec["label"], spec["columns"])
     names = DERIVED | DERIVED_BY_SCENARIO.get(sid, {})

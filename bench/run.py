@@ -651,6 +651,9 @@ def render(report: dict[str, Any]) -> str:
     ]
     for sid, res in report["results"].items():
         title = SCENARIOS[sid][0] if sid in SCENARIOS else res.get("title", sid)
+        if "measured" in res:  # merged into the full run's file (--merge)
+            at = time.strftime("%Y-%m-%d %H:%M", time.localtime(res["measured"]["started"]))
+            title += f" (measured alone on {at}, load average {res['measured']['load_avg']})"
         if "error" in res:
             lines.append(f"| {sid} | {title} | error: {res['error']} | | | | NOT RUN |")
             continue

@@ -51,7 +51,7 @@ def test_a_merged_scenario_says_when_it_was_measured() -> None:
     report = _report()
     report["results"]["B14"]["measured"] = {"started": 1795900000.0, "load_avg": 0.4}
     assert "B14 (measured alone on 2026-11-28 " in docs_tables.run_region(report)
-    assert "load average 0.4 at the start" in docs_tables.scenario_region(report, "B14")
+    assert "load average 0.4." in docs_tables.scenario_region(report, "B14")
 
 
 def test_no_figure_is_typed_outside_the_generated_tables() -> None:
