@@ -136,11 +136,9 @@ def as_scenario(result: dict[str, Any], started: float, load: float) -> dict[str
 
 def merge_into(out: Path, scenario: dict[str, Any]) -> None:
     """Put ``scenario`` into ``out/results.json`` as B12, and rewrite ``out/results.md``."""
-    from bench.run import merge, render
+    from bench.run import merge, write_report
 
-    report = merge(json.loads((out / "results.json").read_text()), {"B12": scenario})
-    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "results.md").write_text(render(report))
+    write_report(out, merge(json.loads((out / "results.json").read_text()), {"B12": scenario}))
 
 
 def main(argv: list[str] | None = None) -> int:

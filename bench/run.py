@@ -697,6 +697,19 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """``out/results.json`` and ``out/results.md``; after a run into ``bench/`` itself, the
+    benchmarks page's tables follow its figures."""
+    from bench import docs_tables
+
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "results.md").write_text(render(report))
+    print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    if (out / "results.json").resolve() == docs_tables.RESULTS:
+        docs_tables.main([])
+        print(f"rewrote the tables of {docs_tables.PAGE} from {docs_tables.RESULTS}")
+
+
 def _merge_base(out: Path, size: str, only: list[str]) -> dict[str, Any]:
     """The full run's report that ``--merge`` replaces the given scenarios in."""
     path = out / "results.json"
@@ -778,9 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     report["duration_s"] = time.time() - started
     if base is not None:
         report = merge(base, report["results"])
-    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "results.md").write_text(render(report))
-    print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    write_report(out, report)
     failed = [s for s, r in report["results"].items() if "error" in r or r.get("row_errors")]
     if failed:
         print(f"scenarios with errors (see the table): {', '.join(failed)}", file=sys.stderr)
