@@ -70,7 +70,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "ratio": "against s3fs get",
         "title": "one large object in ranged parts",
         "headline": ("mb_s", "MB/s"),
-        "columns": [("mb_s", "MB/s"), ("wall_s", "wall s")],
+        "columns": [("mb_s", "MB/s"), ("wall_s", "wall s"), ("cpu_s_per_gb", "client CPU s/GB")],
     },
     "B7": {
         "label": "shardcache threads=4",
@@ -326,8 +326,25 @@ def _b14_workers(workers: dict[str, Any]) -> list[str]:
     return lines
 
 
+CEILINGS = {
+    "server_ranged_ceiling": "the fast server",
+    "moto_ranged_ceiling": "moto",
+    "seaweedfs_ranged_ceiling": "SeaweedFS",
+}
+
+
 def _b6_kinds(res: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
+    ceilings = [f"{name} {number(res[k]['mb_s'])}" for k, name in CEILINGS.items() if k in res]
+    lines = (
+        [
+            "",
+            "Each server's own ceiling for these ranged GETs, unshaped, MB/s: "
+            + ", ".join(ceilings)
+            + ".",
+        ]
+        if ceilings
+        else []
+    )
     fractions = res.get("link_fractions") or {}
     if fractions:
         lines += ["", "Share of the link's capacity, by server:", ""]

@@ -32,6 +32,20 @@ def _numbers(value: object) -> list[float]:
     return []
 
 
+def assert_the_docs_page_renders(report: dict) -> None:
+    """The benchmarks page's generator (bench/docs_tables.py) reads every scenario of a real
+    run as the scenario writes it: a row for shardcache and one for every peer."""
+    from bench import docs_tables
+
+    summary = docs_tables.summary_region(report)
+    for sid, res in report["results"].items():
+        assert f"| {sid} |" in summary, sid
+        region = docs_tables.scenario_region(report, sid)
+        assert "\n| **" in region, (sid, region)  # shardcache's row
+        for name in res["peers"]:
+            assert f"\n| {name} |" in region, (sid, name, region)
+
+
 def run_bench_module(module: str, out: Path, *extra: str) -> None:
     """``python -m <module> --size tiny --out <out> [extra...]`` from the project root,
     without the caller's AWS_* variables; it must exit 0."""
@@ -67,6 +81,7 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
         for name, peer in res["peers"].items():
             assert "error" not in peer, (sid, name, peer)
             assert _numbers(peer) or peer["status"].startswith("not installed"), (sid, name)
+    assert_the_docs_page_renders(report)
     for sid in ("B2", "B3", "B6", "B7"):  # shaped runs report CPU next to the numbers
         assert "machine_cpu_pct" in report["results"][sid]["shardcache"], sid
     assert report["results"]["B3"]["gets_exactly_one_per_shard"] is True
@@ -249,6 +264,7 @@ def test_b13_epochs_tiny_counts_requests_per_epoch(tmp_path: Path) -> None:
     assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
     assert res["verdict"] == "met" and res["target"] and res["what"], res
     assert "| B13 |" in (tmp_path / "results.md").read_text()
+    assert_the_docs_page_renders(report)
     cfg = SIZES["tiny"]
     total = cfg["shards"] * samples_per_shard(cfg["shard_bytes"], cfg["sample"])
     mosaic = importlib.util.find_spec("streaming") is not None
@@ -298,6 +314,7 @@ def test_b14_mixture_tiny_reports_both_readers_and_their_ratio(tmp_path: Path) -
     assert set(with_workers) == {ONE, "mixture", "mixture, prepared"}, res["workers"]
     assert all(v > 0 for v in with_workers.values()), res["workers"]
     assert "| B14 |" in (tmp_path / "results.md").read_text()
+    assert_the_docs_page_renders(report)
 
 
 def test_b13_shuffle_quality_places_the_split_between_its_bounds(capsys) -> None:
