@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import re
 
-# A number with the unit of a measured speed or cost. Settings and sizes (`10M`, "64 MiB
-# parts") are not figures; these units are what only a measurement gives.
+# A number with the unit of a measured speed or cost, or a measured duration to the second
+# ("11 min 37 s": the suite's timings live on the contributing page). Settings and sizes
+# (`10M`, "64 MiB parts", "a 30 s timeout") are not figures; these units only a measurement gives.
 FIGURE = re.compile(
     r"\d[\d,.]*\s*(?:[KMG]i?B/s|samples/s\b|samples a second|s/GB|"
     r"(?:us|µs|ms) (?:a|per) (?:sample|call|miss|hit)|% (?:of|more) (?:the )?CPU)"
+    r"|\b\d+ min \d+(?:\.\d+)? s\b"
 )
 
 
