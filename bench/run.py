@@ -1,6 +1,7 @@
 """shardcache benchmarks B1-B11 and B13-B15 against their peers; writes bench/results.{md,json}.
 
     python -m bench.run [--size tiny|full] [--out DIR] [--only B2,B6]
+    python -m bench.run --only B14 --merge    # re-measure one scenario into results.json
 
 Every timed scenario reports medians of several repetitions and ratios to its peer;
 shaped scenarios go through a FaultProxy (own process) in front of a moto server (own
@@ -649,7 +650,10 @@ def render(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for sid, res in report["results"].items():
-        title = SCENARIOS[sid][0]
+        title = SCENARIOS[sid][0] if sid in SCENARIOS else res.get("title", sid)
+        if "measured" in res:  # merged into the full run's file (--merge)
+            at = time.strftime("%Y-%m-%d %H:%M", time.localtime(res["measured"]["started"]))
+            title += f" (measured alone on {at}, load average {res['measured']['load_avg']})"
         if "error" in res:
             lines.append(f"| {sid} | {title} | error: {res['error']} | | | | NOT RUN |")
             continue
@@ -693,12 +697,54 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """``out/results.json`` and ``out/results.md``; after a run into ``bench/`` itself, the
+    benchmarks page's tables follow its figures."""
+    from bench import docs_tables
+
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "results.md").write_text(render(report))
+    print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    if (out / "results.json").resolve() == docs_tables.RESULTS:
+        docs_tables.main([])
+        print(f"rewrote the tables of {docs_tables.PAGE} from {docs_tables.RESULTS}")
+
+
+def _merge_base(out: Path, size: str, only: list[str]) -> dict[str, Any]:
+    """The full run's report that ``--merge`` replaces the given scenarios in."""
+    path = out / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"--merge: {path} does not exist; run the full benchmark first")
+    base = json.loads(path.read_text())
+    if base["size"] != size:
+        raise SystemExit(f"--merge: {path} holds a run of size {base['size']!r}, not {size!r}")
+    if unknown := [sid for sid in only if sid not in SCENARIOS]:
+        raise SystemExit(f"--merge: no scenario {', '.join(unknown)}")
+    return base
+
+
+def merge(base: dict[str, Any], fresh: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``base`` with the scenarios of ``fresh`` replaced (or added), ordered by their number
+    (B12, measured by its own script, among them)."""
+    results = base["results"] | fresh
+    return base | {"results": {sid: results[sid] for sid in sorted(results, key=_number)}}
+
+
+def _number(sid: str) -> int:
+    return int(sid.removeprefix("B"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     parser.add_argument("--only", default="", help="comma-separated scenario ids")
     parser.add_argument("--render", action="store_true", help="only rewrite results.md from .json")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only the --only scenarios' results in OUT/results.json, keeping the rest",
+    )
     args = parser.parse_args(argv)
     if args.render:
         out = Path(args.out)
@@ -707,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     only = [s.strip().upper() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
     out = Path(args.out)
+    base = _merge_base(out, args.size, only) if args.merge else None
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="shardcache-bench-"))
     started = time.time()
@@ -723,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         report["server_ceiling"] = server_ceiling(b)
         print("server ceiling", report["server_ceiling"], flush=True)
         for sid in only:
-            t0 = time.monotonic()
+            t0, at, load = time.monotonic(), time.time(), os.getloadavg()[0]
             try:
                 res = SCENARIOS[sid][1](b)
             except Exception as exc:  # one scenario's failure must not hide the others
@@ -734,15 +781,17 @@ def main(argv: list[str] | None = None) -> int:
             b.s3.reset()
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True, exist_ok=True)
+            if base is not None:  # when and on how busy a machine this one was measured
+                res["measured"] = {"started": at, "load_avg": round(load, 2)}
             report["results"][sid] = res
             print(sid, f"{time.monotonic() - t0:.1f}s", json.dumps(res), flush=True)
     finally:
         b.close()
         shutil.rmtree(work, ignore_errors=True)
     report["duration_s"] = time.time() - started
-    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "results.md").write_text(render(report))
-    print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    if base is not None:
+        report = merge(base, report["results"])
+    write_report(out, report)
     failed = [s for s, r in report["results"].items() if "error" in r or r.get("row_errors")]
     if failed:
         print(f"scenarios with errors (see the table): {', '.join(failed)}", file=sys.stderr)

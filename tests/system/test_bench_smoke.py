@@ -32,6 +32,20 @@ def _numbers(value: object) -> list[float]:
     return []
 
 
+def assert_the_docs_page_renders(report: dict) -> None:
+    """The benchmarks page's generator (bench/docs_tables.py) reads every scenario of a real
+    run as the scenario writes it: a row for shardcache and one for every peer."""
+    from bench import docs_tables
+
+    summary = docs_tables.summary_region(report)
+    for sid, res in report["results"].items():
+        assert f"| {sid} |" in summary, sid
+        region = docs_tables.scenario_region(report, sid)
+        assert "\n| **" in region, (sid, region)  # shardcache's row
+        for name in res["peers"]:
+            assert f"\n| {name} |" in region, (sid, name, region)
+
+
 def run_bench_module(module: str, out: Path, *extra: str) -> None:
     """``python -m <module> --size tiny --out <out> [extra...]`` from the project root,
     without the caller's AWS_* variables; it must exit 0."""
@@ -67,6 +81,7 @@ def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
         for name, peer in res["peers"].items():
             assert "error" not in peer, (sid, name, peer)
             assert _numbers(peer) or peer["status"].startswith("not installed"), (sid, name)
+    assert_the_docs_page_renders(report)
     for sid in ("B2", "B3", "B6", "B7"):  # shaped runs report CPU next to the numbers
         assert "machine_cpu_pct" in report["results"][sid]["shardcache"], sid
     assert report["results"]["B3"]["gets_exactly_one_per_shard"] is True
@@ -212,15 +227,27 @@ def test_b12_node_lock_tiny_counts_operations_with_and_without(tmp_path: Path) -
     """B12 (bench/b12_node_lock.py, its own script: it mounts JuiceFS) at tiny size."""
     from juicefs import require_fuse
 
+    from bench import docs_tables
+
     require_fuse()
-    out = tmp_path / "b12.json"
-    run_bench_module("bench.b12_node_lock", out)
+    out, full = tmp_path / "b12.json", tmp_path / "full"
+    full.mkdir()
+    base = json.loads((ROOT / "bench" / "results.json").read_text()) | {"size": "tiny"}
+    (full / "results.json").write_text(json.dumps(base))
+    run_bench_module("bench.b12_node_lock", out, "--merge", "--into", str(full))
     result = json.loads(out.read_text())
     for run in ("with node lock", "without node lock"):
         res = result[run]
         assert res["gets_exactly_one_per_shard"] is True and res["misses"] == 3, (run, res)
         assert res["fuse_ops_per_shard"] > 0 and res["meta_ops_per_shard"] > 0, (run, res)
         assert res["by_kind"]["meta_ops:Link"] >= 1, (run, res)  # the lease was taken
+    # --merge: the same figures as B12 of the full run's file, the other scenarios untouched
+    merged = json.loads((full / "results.json").read_text())
+    assert merged["results"].pop("B12")["shardcache"] == result["with node lock"]
+    assert merged == base
+    assert "| B12 |" in (full / "results.md").read_text()
+    merged["results"]["B12"] = json.loads((full / "results.json").read_text())["results"]["B12"]
+    assert "| **with the node lock** |" in docs_tables.scenario_region(merged, "B12")
 
 
 @pytest.mark.timeout(200)
@@ -237,6 +264,7 @@ def test_b13_epochs_tiny_counts_requests_per_epoch(tmp_path: Path) -> None:
     assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
     assert res["verdict"] == "met" and res["target"] and res["what"], res
     assert "| B13 |" in (tmp_path / "results.md").read_text()
+    assert_the_docs_page_renders(report)
     cfg = SIZES["tiny"]
     total = cfg["shards"] * samples_per_shard(cfg["shard_bytes"], cfg["sample"])
     mosaic = importlib.util.find_spec("streaming") is not None
@@ -286,6 +314,7 @@ def test_b14_mixture_tiny_reports_both_readers_and_their_ratio(tmp_path: Path) -
     assert set(with_workers) == {ONE, "mixture", "mixture, prepared"}, res["workers"]
     assert all(v > 0 for v in with_workers.values()), res["workers"]
     assert "| B14 |" in (tmp_path / "results.md").read_text()
+    assert_the_docs_page_renders(report)
 
 
 def test_b13_shuffle_quality_places_the_split_between_its_bounds(capsys) -> None:
@@ -378,3 +407,28 @@ def test_b15_fast_server_tiny_reports_every_reader_or_why_not(tmp_path: Path) ->
     assert set(res["verdicts"]) == {"throughput", "cpu", "curl"}, res
     assert (res["curl_ratio"] is None) == missing["curl"], res
     assert "| B15 |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_merge_replaces_only_the_scenario_run_and_says_when(tmp_path: Path) -> None:
+    """``bench.run --only B4 --merge`` into a copy of the full run's results: B4 is measured
+    afresh and stamped with when and at what load; every other scenario and the run's own
+    fields stay as they were, so the benchmarks page keeps the full run's figures."""
+    from bench import docs_tables
+
+    base = json.loads((ROOT / "bench" / "results.json").read_text()) | {"size": "tiny"}
+    (tmp_path / "results.json").write_text(json.dumps(base))
+    run_bench_module("bench.run", tmp_path, "--only", "B4", "--merge")
+    merged = json.loads((tmp_path / "results.json").read_text())
+    assert list(merged["results"]) == list(base["results"])
+    assert {k: v for k, v in merged.items() if k != "results"} == {
+        k: v for k, v in base.items() if k != "results"
+    }
+    for sid, res in base["results"].items():
+        if sid != "B4":
+            assert merged["results"][sid] == res, sid
+    b4 = merged["results"]["B4"]
+    assert b4["measured"]["started"] > base["started"] and b4["measured"]["load_avg"] >= 0, b4
+    assert b4["shardcache"] != base["results"]["B4"]["shardcache"]
+    assert "B4 (measured alone on " in docs_tables.run_region(merged)
+    assert "| B4 |" in (tmp_path / "results.md").read_text()

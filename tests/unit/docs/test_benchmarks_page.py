@@ -1,0 +1,59 @@
+"""The benchmarks page against ``bench/results.json``: its tables are generated from the file
+(``python -m bench.docs_tables``), so every figure on it is one the harness measured."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from doc_figures import figures
+from repo import ROOT
+
+from bench import docs_tables
+
+PAGE = ROOT / "docs" / "benchmarks.md"
+
+
+def _report() -> dict:
+    return json.loads((ROOT / "bench" / "results.json").read_text())
+
+
+def test_the_pages_tables_are_what_results_json_gives() -> None:
+    stale = docs_tables.differences(PAGE.read_text(), _report())
+    assert not stale, (
+        f"regions {stale} differ from bench/results.json: run python -m bench.docs_tables"
+    )
+
+
+def test_every_scenario_in_the_results_has_a_heading_and_a_generated_table() -> None:
+    page = PAGE.read_text()
+    regions = {m[2] for m in docs_tables.REGION.finditer(page)}
+    assert {"run", "summary"} <= regions
+    for sid in _report()["results"]:
+        assert sid in regions, f"no <!-- generated: {sid} --> region on the page"
+        heading = f"## {sid}: {docs_tables.SCENARIOS[sid]['title']}"
+        assert heading in page.splitlines(), f"the summary links to a missing heading {heading!r}"
+
+
+def test_a_figure_edited_by_hand_is_caught() -> None:
+    page, report = PAGE.read_text(), _report()
+    b2 = next(m for m in docs_tables.REGION.finditer(page) if m[2] == "B2")
+    shardcache_row = next(line for line in b2[3].splitlines() if line.startswith("| **"))
+    edited_row = re.sub(r"\| (\d+) \|", lambda m: f"| {int(m[1]) + 1} |", shardcache_row, count=1)
+    assert edited_row != shardcache_row
+    assert docs_tables.differences(page.replace(shardcache_row, edited_row), report) == ["B2"]
+    # and a figure in the results file that the page does not show yet
+    report["results"]["B9"]["shardcache"]["first_sample_s"] += 1
+    assert docs_tables.differences(page, report) == ["summary", "B9"]
+
+
+def test_a_merged_scenario_says_when_it_was_measured() -> None:
+    report = _report()
+    report["results"]["B14"]["measured"] = {"started": 1795900000.0, "load_avg": 0.4}
+    assert "B14 (measured alone on 2026-11-28 " in docs_tables.run_region(report)
+    assert "load average 0.4." in docs_tables.scenario_region(report, "B14")
+
+
+def test_no_figure_is_typed_outside_the_generated_tables() -> None:
+    prose = docs_tables.REGION.sub("", PAGE.read_text())
+    assert not figures(prose), figures(prose)
