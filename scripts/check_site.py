@@ -2,8 +2,9 @@
 at 1280 px, and check the site the way a newcomer meets it.
 
 Usage: python scripts/check_site.py SITE_DIR SCREENSHOT_DIR. Every page reachable from the
-home page is opened: none may log a console error, link to a missing page or anchor, or
-show a table whose code is broken inside a word. Then: the navigation's sections, a click
+home page is opened: none may log a console error, link to a missing page or anchor, show
+code broken inside a word (in a table or in the text), or code running past the page's
+edge. Then: the navigation's sections, a click
 from the home page to the tutorial, a search for a variable, a copy button on every code
 block, and the API pages headed with public names. Screenshots of the pages a newcomer
 reads first go to SCREENSHOT_DIR. Exits 1 with every failure; prints what it saw.
@@ -60,30 +61,37 @@ FIRST_STEP = "Your first cached job"  # the tutorial page the home page's naviga
 COPY_BUTTON = "button[data-md-type=copy], button.md-clipboard"
 VARIABLE = "SHARDCACHE_THREADS"  # searched for; the configuration page must be a result
 
-# Every code span in a table that is broken inside a word: where two characters next to each
-# other, neither a space, sit on different lines. Also the widest table against its frame.
-BROKEN_CODE_JS = """
-const broken = [];
+# Inline code a reader would trip over: a code span broken inside a word (two characters
+# next to each other, neither a space, on different lines), and outside a table (which
+# scrolls) a code span running past the article's right edge.
+CODE_JS = """
+const broken = [], overflowing = [];
 const range = document.createRange();
-for (const code of document.querySelectorAll("article table code")) {
-  if (code.getClientRects().length < 2) continue;
+const edge = document.querySelector("article").getBoundingClientRect().right;
+for (const code of document.querySelectorAll("article :not(pre) > code")) {
+  const rects = code.getClientRects();
+  const inTable = code.closest("table") !== null;
+  if (!inTable && [...rects].some(r => r.right > edge + 1)) {
+    overflowing.push(code.textContent.slice(0, 80));
+  }
+  if (rects.length < 2) continue;
   const walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
   let top = null, prev = " ", node;
-  while ((node = walker.nextNode())) {
+  outer: while ((node = walker.nextNode())) {
     for (let i = 0; i < node.length; i++) {
       const ch = node.data[i];
       range.setStart(node, i); range.setEnd(node, i + 1);
       const rect = range.getBoundingClientRect();
       if (rect.width === 0) { prev = ch; continue; }
       if (top !== null && rect.top > top + 2 && !/\\s/.test(prev) && !/\\s/.test(ch)) {
-        broken.push(code.textContent.slice(0, 80));
-        top = null; break;
+        broken.push((inTable ? "table: " : "") + code.textContent.slice(0, 80));
+        break outer;
       }
       top = rect.top; prev = ch;
     }
   }
 }
-return broken;
+return {broken, overflowing};
 """
 PAGE_FACTS_JS = """
 const links = [...document.querySelectorAll("a[href]")].map(a => a.href);
@@ -182,8 +190,12 @@ class Check:
         while todo:
             url = todo.pop()
             self.open(url)
-            broken = self.driver.execute_script(BROKEN_CODE_JS)
-            self.expect(not broken, f"{self.page(url)}: table code broken mid-word: {broken}")
+            code = self.driver.execute_script(CODE_JS)
+            where = self.page(url)
+            self.expect(not code["broken"], f"{where}: code broken mid-word: {code['broken']}")
+            self.expect(
+                not code["overflowing"], f"{where}: code past the edge: {code['overflowing']}"
+            )
             facts = self.driver.execute_script(PAGE_FACTS_JS)
             self.ids[url] = set(facts["ids"])
             if "/reference/api/" in url:
