@@ -46,7 +46,7 @@ FLAGS = [
     "--hide-scrollbars",
     f"--window-size={WIDTH},{HEIGHT}",
 ]
-# The pages a newcomer reads first: screenshot name -> path in the site.
+# The pages a newcomer reads first, and the widest tables: screenshot name -> path.
 TOUR = {
     "home": "",
     "quickstart": "quickstart/",
@@ -54,6 +54,8 @@ TOUR = {
     "configuration": "reference/configuration/",
     "cli": "reference/cli/",
     "api-datasets": "reference/api/datasets/",
+    "errors": "reference/errors/",
+    "benchmarks": "benchmarks/",
 }
 SECTIONS = ["Tutorial", "How-to guides", "Reference", "Explanation", "Development"]
 FIRST_STEP = "Your first cached job"  # the tutorial page the home page's navigation opens
