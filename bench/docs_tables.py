@@ -4,8 +4,9 @@
     python -m bench.docs_tables --check    # exit 1 and name every region that differs
 
 A region is the text between ``<!-- generated: ID -->`` and ``<!-- end generated -->``; ``ID``
-is ``run`` (when and where the figures were measured), ``summary`` (one row per scenario) or a
-scenario id (``B2``: its readers, their figures, target and verdict). Nothing here measures:
+is ``run`` (when and where the figures were measured), ``summary`` (one row per scenario), a
+scenario id (``B2``: its readers, their figures, target and verdict) or a study's name
+(``shuffle-quality``: see ``bench.studies``). Nothing here measures:
 every figure on the page comes from the results file, so the page cannot drift from it.
 """
 
@@ -18,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import studies
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results.json"
@@ -401,8 +404,11 @@ def region(report: dict[str, Any], rid: str) -> str:
         return summary_region(report)
     if rid in SCENARIOS:
         return scenario_region(report, rid)
+    if rid in studies.STUDIES:
+        return studies.region(report, rid)
     raise KeyError(
-        f"no generated region {rid!r}: use run, summary or one of {', '.join(SCENARIOS)}"
+        f"no generated region {rid!r}: use run, summary or one of "
+        f"{', '.join([*SCENARIOS, *studies.STUDIES])}"
     )
 
 

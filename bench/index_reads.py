@@ -134,19 +134,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """The figures as a table; the moto column only where the times were kept."""
+    timed = all("seconds" in row[way] for row in rows for way in WAYS)
+    moto = (" moto s |", "---:|") if timed else ("", "")
     lines = [
-        "| shard | samples | way | GETs | bytes read | moto s | model s |",
-        "|---:|---:|---|---:|---:|---:|---:|",
+        f"| shard | samples | way | GETs | bytes read |{moto[0]} model s |",
+        f"|---:|---:|---|---:|---:|{moto[1]}---:|",
     ]
     for row in rows:
-        for way in ("whole", "headers", "windows"):
+        for way in WAYS:
             f = row[way]
+            seconds = f" {f['seconds']:.2f} |" if timed else ""
             lines.append(
                 f"| {row['shard_bytes'] / MiB:.0f} MiB, {row['sample_kb']} KiB samples | "
-                f"{row['samples']:,} | {way} | {f['gets']:,} | {f['bytes'] / MiB:.2f} MiB | "
-                f"{f['seconds']:.2f} | {f['model_s']:.2f} |"
+                f"{row['samples']:,} | {way} | {f['gets']:,} | {f['bytes'] / MiB:.2f} MiB |"
+                f"{seconds} {f['model_s']:.2f} |"
             )
     return "\n".join(lines)
+
+
+WAYS = ("whole", "headers", "windows")
 
 
 def main_parser() -> argparse.ArgumentParser:

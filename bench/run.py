@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import peers
+from bench import peers, studies
 from bench.b2_cold import b2_cold
 from bench.b6_large import b6_large
 from bench.b9_first_sample import b9_first_sample
@@ -791,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     report["duration_s"] = time.time() - started
     if base is not None:
         report = merge(base, report["results"])
+    else:  # the studies (python -m bench.studies) are no scenario: keep them
+        report = studies.carried_over(out / "results.json", report)
     write_report(out, report)
     failed = [s for s, r in report["results"].items() if "error" in r or r.get("row_errors")]
     if failed:

@@ -197,7 +197,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         peers.require_mosaic()
         for algo in ("py1e", "py1s"):
-            rows[f"Mosaic Streaming {algo}, {nodes} nodes"] = ds.mosaic(algo, nodes, args.seed)
+            default = " (its default)" if algo == "py1e" else ""
+            rows[f"Mosaic Streaming {algo}{default}, {nodes} nodes"] = ds.mosaic(
+                algo, nodes, args.seed
+            )
     except Exception as exc:  # not installed: the table says so
         rows_note = f"Mosaic Streaming not measured ({type(exc).__name__}: {exc})"
     else:

@@ -371,6 +371,20 @@ def test_index_reads_finds_the_same_offsets_every_way(capsys) -> None:
     assert "| whole | 1 |" in capsys.readouterr().out
 
 
+def test_a_study_keeps_its_counts_and_drops_its_timings() -> None:
+    """bench/studies.py runs a study (index-reads, one small shard) into the record the
+    benchmarks page renders: the GETs and bytes kept, moto's times left out."""
+    from bench import docs_tables, studies
+
+    record = studies.measure("index-reads", ["--shard-mb=1", "--sample-kb=64"])
+    (row,) = record["figures"]
+    assert row["whole"]["gets"] == 1 and row["headers"]["gets"] == 2 * row["samples"] + 1
+    assert all("seconds" not in row[way] for way in ("whole", "headers", "windows")), row
+    assert record["setup"] == {"shard_mb": 1, "sample_kb": [64]}
+    page = docs_tables.region({"studies": {"index-reads": record}}, "index-reads")
+    assert "| whole | 1 |" in page and "| moto s |" not in page and "model s" in page, page
+
+
 @pytest.mark.timeout(200)
 def test_b15_fast_server_tiny_reports_every_reader_or_why_not(tmp_path: Path) -> None:
     """B15 (bench/b15_fast_server.py, rclone serve s3) at tiny size: every row measured with

@@ -9,7 +9,7 @@ import re
 from doc_figures import figures
 from repo import ROOT
 
-from bench import docs_tables
+from bench import docs_tables, studies
 
 PAGE = ROOT / "docs" / "benchmarks.md"
 
@@ -57,3 +57,48 @@ def test_a_merged_scenario_says_when_it_was_measured() -> None:
 def test_no_figure_is_typed_outside_the_generated_tables() -> None:
     prose = docs_tables.REGION.sub("", PAGE.read_text())
     assert not figures(prose), figures(prose)
+
+
+def test_every_study_has_its_generated_table_and_stores_no_timing() -> None:
+    page, report = PAGE.read_text(), _report()
+    regions = {m[2] for m in docs_tables.REGION.finditer(page)}
+    assert set(studies.STUDIES) <= regions, set(studies.STUDIES) - regions
+    assert list(report["studies"]) == list(studies.STUDIES), "run: python -m bench.studies"
+    for name, region in ((m[2], m[3]) for m in docs_tables.REGION.finditer(page)):
+        if name in studies.STUDIES:
+            assert "What was run:" in region and "|---" in region, name
+
+    def keys(value: object) -> set[str]:
+        if isinstance(value, dict):
+            return set(value) | {k for v in value.values() for k in keys(v)}
+        return {k for v in value for k in keys(v)} if isinstance(value, list) else set()
+
+    assert not keys(report["studies"]) & studies.TIMINGS
+    assert "| moto s |" not in docs_tables.region(report, "index-reads")
+
+
+def test_a_study_figure_edited_by_hand_is_caught() -> None:
+    page, report = PAGE.read_text(), _report()
+    moves = next(m for m in docs_tables.REGION.finditer(page) if m[2] == "elastic-moves")
+    row = next(line for line in moves[3].splitlines() if line.startswith("| 2,000 |"))
+    edited = page.replace(row, row.replace("| 2,000 |", "| 2,001 |", 1))
+    assert docs_tables.differences(edited, report) == ["elastic-moves"]
+    quality = report["studies"]["shuffle-quality"]["figures"]["results"]
+    next(iter(quality.values()))["entropy_bits"] += 1
+    assert docs_tables.differences(page, report) == ["shuffle-quality"]
+
+
+def test_merging_a_study_keeps_the_others_and_a_harness_run_keeps_them_all(tmp_path) -> None:
+    report = _report()
+    fresh = {"elastic-moves": {"what": "re-run", "figures": []}}
+    merged = studies.merged(report, fresh)
+    assert merged["results"] == report["results"]
+    assert list(merged["studies"]) == list(studies.STUDIES)
+    assert merged["studies"]["elastic-moves"] == fresh["elastic-moves"]
+    assert merged["studies"]["index-reads"] == report["studies"]["index-reads"]
+    # a new run of the scenarios (bench.run without --merge) measures no study
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(report))
+    run = {k: v for k, v in report.items() if k != "studies"}
+    assert studies.carried_over(results, run)["studies"] == report["studies"]
+    assert studies.carried_over(tmp_path / "absent.json", run) == run
