@@ -230,7 +230,7 @@ def table(report: dict[str, Any]) -> str:
     ]
     for name, r in report["results"].items():
         lines.append(
-            f"| {name} | {r['entropy_bits']:.2f} | {r['of_global']:.0%} | "
+            f"| {name} | {r['entropy_bits']:.2f} | {100 * r['of_global']:.0f} % | "
             f"{r['shards_per_global_batch']:g} | {r['same_rank_pct']:g} % |"
         )
     if report["note"]:
