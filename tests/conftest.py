@@ -39,10 +39,14 @@ settings.load_profile(os.environ.get("SHARDCACHE_HYPOTHESIS", "deterministic"))
 # one test after the other, as in a serial run; every other test goes wherever a worker is
 # free:
 # - "system": the files that start a SLURM cluster (scripts/slurm-local starts, reconfigures
-#   and takes down the machine's one SLURM) or a multi-process job (torchrun, the benchmark
-#   harness), so that two such jobs never compete for the two cores (their jobs have time
-#   limits), and test_node_lock.py, whose waiters give up on a holder that shows no progress
-#   for 20 s through a chain of polls on JuiceFS (it timed out once beside such a job);
+#   and takes down the machine's one SLURM) or a torchrun job, so that two such jobs never
+#   compete for the two cores (their jobs have time limits), and test_node_lock.py, whose
+#   waiters give up on a holder that shows no progress for 20 s through a chain of polls on
+#   JuiceFS (it timed out once beside such a job);
+# - "bench": the benchmark harness at tiny size (its own servers and processes), on the
+#   other worker from the start: it checks no time, and its limits are several times its
+#   run time. In the "system" group it lengthened that group, the suite's critical path,
+#   while the other worker waited at the end;
 # - "accounts": the security tests, whose second accounts are made with useradd.
 # The groups are whole files, assigned by the scheduler below (xdist's own --dist loadgroup
 # renames node ids, which pytest 9.2 no longer allows: it silently grouped nothing). A test
@@ -51,7 +55,6 @@ settings.load_profile(os.environ.get("SHARDCACHE_HYPOTHESIS", "deterministic"))
 # folder tests/system: the JuiceFS and torture tests there go to either worker.
 _GROUP_FILES = {
     "system": {
-        "test_bench_smoke.py",
         "test_ddp_epochs.py",
         "test_index_exchange_jobs.py",
         "test_node_lock.py",
@@ -64,6 +67,7 @@ _GROUP_FILES = {
         "test_slurm_nodes.py",
         "test_slurm_nodes_shared_fs.py",
     },
+    "bench": {"test_bench_smoke.py"},
     "accounts": {"test_security.py"},
 }
 _GROUP_OF_FILE = {name: group for group, names in _GROUP_FILES.items() for name in names}
@@ -87,7 +91,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return GroupScheduling(config, log)
 
 
+# Collected last, so that it runs at the end of its group, long after the "bench" group on
+# the other worker is over (its 20 s patience is what the bench's load could upset).
+_LAST_FILES = {"test_node_lock.py"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: Path(item.nodeid.split("::", 1)[0]).name in _LAST_FILES)
     for item in items:
         for fixture in getattr(item, "fixturenames", ()):
             group = _GROUP_OF_FIXTURE.get(fixture)

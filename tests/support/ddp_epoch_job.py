@@ -24,6 +24,11 @@ it the dataset learns the sample offsets (at the first ``set_epoch``, each rank 
 cache's shards, gathered through the process group) and keeps them (``--keep-index``:
 ``cache`` or ``data``). ``--log-info`` shows shardcache's INFO lines on stderr.
 
+``--runs JSON``: several runs in one job (one launch, one process group and model), one
+after the other: a list of objects, each with a ``name`` and any of ``spec``, ``epochs``,
+``batch_size``, ``remainder``, ``epoch_size``; run ``name`` reads through its own cache
+``<cache>/<name>`` and logs to ``<out>/<name>/``.
+
 ``--mark-epochs URL`` (a bucket URL on the S3 server): after each epoch, once every rank
 has passed the epoch's barrier, rank 0 sends ``HEAD <URL>/epoch-<e>``; the server's
 request log then shows where each epoch's requests end (every request of the epoch was
@@ -101,6 +106,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--index", default=None, metavar="FILE", help="a sample index file")
     parser.add_argument("--keep-index", default="cache", choices=("cache", "data"))
     parser.add_argument("--log-info", action="store_true", help="shardcache's INFO on stderr")
+    parser.add_argument("--runs", type=json.loads, default=None, help="several runs (JSON)")
     return parser.parse_args()
 
 
@@ -114,17 +120,13 @@ def init_process_group(timeout: float) -> None:
         dist.init_process_group("gloo", timeout=limit)
 
 
-def main() -> int:
-    args = parse_args()
-    if args.log_info:
-        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-        logging.getLogger("shardcache").setLevel(logging.INFO)
-    init_process_group(args.timeout)
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
+def train(
+    args: argparse.Namespace,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Train ``args.epochs`` epochs of ``args.spec``, a JSON line per epoch."""
     dataset = shardcache.ResumableDataset(
         args.spec,
         seed=args.seed,
@@ -166,6 +168,39 @@ def main() -> int:
             if args.mark_epochs is not None and rank == 0:
                 mark(args.mark_epochs, epoch)
             dist.barrier()  # no rank starts the next epoch before the mark
+
+
+def runs_of(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The job's runs: the one its options give or, with ``--runs``, each run's options over
+    them, with the run's own cache and log directory."""
+    if args.runs is None:
+        return [args]
+    return [
+        argparse.Namespace(
+            **{
+                **vars(args),
+                **run,
+                "out": args.out / run["name"],
+                "cache": str(Path(args.cache) / run["name"]),
+            }
+        )
+        for run in args.runs
+    ]
+
+
+def main() -> int:
+    args = parse_args()
+    if args.log_info:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("shardcache").setLevel(logging.INFO)
+    init_process_group(args.timeout)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    for run in runs_of(args):
+        train(run, rank, model, optimizer)
     del model, optimizer  # the DDP model holds the process group
     end_process_group()
     return 0

@@ -41,6 +41,7 @@ JOB = SUPPORT / "ddp_epoch_job.py"
 RANKS, WORKERS = 2, 2
 CONSUMERS = RANKS * WORKERS
 RUN_TIMEOUT = 120  # the job itself fails after its 30 s collective timeout
+LOCAL_RUNS_TIMEOUT = 180  # the four local-shard runs in one job (LOCAL_RUNS)
 CLI_TIMEOUT = 60  # a shardcache index / warm command
 SEED = 3  # the job's default --seed
 UNEQUAL = (40, 157, 71, 103, 58, 126, 89, 44, 140, 93)  # 921 samples: 921 % 4 == 1
@@ -74,7 +75,13 @@ def local_spec(root: Path, counts: tuple[int, ...]) -> str:
     return f"{shards}/train-{{000000..{len(counts) - 1:06d}}}.tar"
 
 
-def run_job(root: Path, spec: str, *extra: str, env: dict[str, str] | None = None) -> float:
+def run_job(
+    root: Path,
+    spec: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    timeout: float = RUN_TIMEOUT,
+) -> float:
     """Run the job to its end (it must exit 0); returns its wall time."""
     environment = job_env(**(env or {}))
     command = torchrun(
@@ -92,7 +99,7 @@ def run_job(root: Path, spec: str, *extra: str, env: dict[str, str] | None = Non
         env=environment,
         capture_output=True,
         text=True,
-        timeout=RUN_TIMEOUT,
+        timeout=timeout,
         check=False,
     )
     (root / "torchrun.stderr").write_text(done.stderr)
@@ -128,11 +135,11 @@ def requests_by_epoch(
     return gets, methods
 
 
-def records(root: Path, ranks: int = RANKS) -> dict[int, dict[int, dict[str, Any]]]:
-    """rank -> epoch -> that epoch's record."""
+def records(root: Path, ranks: int = RANKS, run: str = "") -> dict[int, dict[int, dict[str, Any]]]:
+    """rank -> epoch -> that epoch's record (of the job's run ``run``: LOCAL_RUNS)."""
     found: dict[int, dict[int, dict[str, Any]]] = {}
     for rank in range(ranks):
-        lines = (root / "out" / f"rank-{rank}.jsonl").read_text().splitlines()
+        lines = (root / "out" / run / f"rank-{rank}.jsonl").read_text().splitlines()
         found[rank] = {}
         for record in map(json.loads, lines):
             assert record["epoch"] not in found[rank], "an epoch logged twice"
@@ -189,13 +196,37 @@ def check_epoch(
     return sizes
 
 
+# The local-shard cases, run as one job (one torchrun launch, one process group and DDP
+# model; each run its own dataset, cache and DataLoader): a run's name -> its options.
+LOCAL_RUNS = {
+    "pad": {"counts": UNEQUAL, "epochs": 2, "batch_size": 8, "remainder": "pad"},
+    "drop": {"counts": UNEQUAL, "epochs": 2, "batch_size": 8, "remainder": "drop"},
+    "epoch-size": {"counts": UNEQUAL, "epochs": 3, "batch_size": 8, "epoch_size": 400},
+    "few": {"counts": FEW, "epochs": 2, "batch_size": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LOCAL_RUNS' job, run once for the module's tests of it: its out directory holds a
+    directory per run (``<out>/<name>/rank-<r>.jsonl``). A failed job fails each of them."""
+    root = tmp_path_factory.mktemp("local-runs")
+    runs = []
+    for name, options in LOCAL_RUNS.items():
+        (root / name).mkdir()
+        spec = local_spec(root / name, options["counts"])
+        runs.append(
+            {"name": name, "spec": spec, **{k: v for k, v in options.items() if k != "counts"}}
+        )
+    run_job(root, runs[0]["spec"], f"--runs={json.dumps(runs)}", timeout=LOCAL_RUNS_TIMEOUT)
+    return root
+
+
 @pytest.mark.parametrize("remainder", ["pad", "drop"])
 def test_unequal_local_shards_give_every_rank_the_same_batches(
-    tmp_path: Path, remainder: str
+    local_runs: Path, remainder: str
 ) -> None:
-    spec = local_spec(tmp_path, UNEQUAL)
-    run_job(tmp_path, spec, "--epochs=2", "--batch-size=8", f"--remainder={remainder}")
-    logged = records(tmp_path)
+    logged = records(local_runs, run=remainder)
     for epoch in (0, 1):
         sizes = check_epoch(logged, epoch, all_keys(UNEQUAL), batch_size=8, remainder=remainder)
         if remainder == "pad":
@@ -206,12 +237,10 @@ def test_unequal_local_shards_give_every_rank_the_same_batches(
     assert orders[0] != orders[1]  # a new order each epoch
 
 
-def test_an_epoch_size_below_the_samples_cycles_through_them(tmp_path: Path) -> None:
+def test_an_epoch_size_below_the_samples_cycles_through_them(local_runs: Path) -> None:
     """epoch_size=400 of 921 samples: every epoch 100 per consumer and no sample twice;
     over 3 epochs every sample (each cache cycles through its own)."""
-    spec = local_spec(tmp_path, UNEQUAL)
-    run_job(tmp_path, spec, "--epochs=3", "--batch-size=8", "--epoch-size=400")
-    logged = records(tmp_path)
+    logged = records(local_runs, run="epoch-size")
     seen: Counter[str] = Counter()
     for epoch in (0, 1, 2):
         # Down-sampled, an epoch checks as a dropping one: the rest waits for later epochs.
@@ -222,12 +251,10 @@ def test_an_epoch_size_below_the_samples_cycles_through_them(tmp_path: Path) -> 
     assert seen.total() == 1200 and max(seen.values()) <= 2
 
 
-def test_fewer_shards_than_consumers(tmp_path: Path) -> None:
+def test_fewer_shards_than_consumers(local_runs: Path) -> None:
     """3 shards, 4 consumers: no rank or worker is left empty. Batches of 2, so that each
     worker's 5 samples make 3 batches."""
-    spec = local_spec(tmp_path, FEW)
-    run_job(tmp_path, spec, "--epochs=2", "--batch-size=2")
-    logged = records(tmp_path)
+    logged = records(local_runs, run="few")
     for epoch in (0, 1):
         sizes = check_epoch(logged, epoch, all_keys(FEW), batch_size=2, remainder="pad")
         assert (sizes["per_consumer"], sizes["repeated"]) == (5, 3)
