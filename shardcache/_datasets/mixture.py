@@ -57,6 +57,7 @@ from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._observe import metrics
 from .delivery_check import DeliveryCheck
+from .delivery_digest import BATCH
 from .epoch_split import Lay
 from .fluent import Fluent
 from .interleave import Stored, order, stepped_picks
@@ -173,6 +174,7 @@ class MixtureDataset(Fluent, torch.utils.data.IterableDataset):
                 )
         for name, part in zip(self.names, self._parts, strict=True):
             part._source = name  # its samples count for the source; the mixture ends epochs
+            part._fold_at = max(1, BATCH // len(self._parts))  # as many held as one source
         self._stages: list[Stage] = []
         self._orders: dict[tuple[int, ...], bytes] = {}  # interleavings made by prepare()
         self._workers: int | None = None  # prepare()'s: the orders follow the epoch's weights

@@ -156,6 +156,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         self._source: str | None = None  # the mixture source this is (MixtureDataset sets it)
         self._lay: Lay | None = None  # a mixture's counts, split together (MixtureDataset sets it)
         self._recorder: Recorder | None = None  # the running iteration's delivered samples
+        self._fold_at = BATCH  # positions folded at once (a mixture's sources share it)
         if self.index is None:  # SLURM task 0 without a process group serves the job's store
             serve_exchange(*self._ranks()[:2], cache)
 
@@ -444,7 +445,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
                     skip(item + 1, [])
                     advance(progress, item + 1)
                 metrics.count(samples=progress.delivered - delivered, source=source)  # a piece
-                recorder.fold(at_least=BATCH)
+                recorder.fold(at_least=self._fold_at)
                 delivered = progress.delivered
             skip(len(progress.plan), shuffler.drop_unrestored())
             advance(progress, len(progress.plan))
