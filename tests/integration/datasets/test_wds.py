@@ -85,6 +85,44 @@ def test_stage_yields_streams_and_local_paths_and_keeps_other_keys(
     prefetch_threads.assert_ended()
 
 
+BAD_SHARDS = {
+    "empty.tar": b"",
+    "short.tar": b"oops\n",
+    "page.tar": b"<html><body>Access denied</body></html>" * 40,
+    "cut.tar": make_shard(90, PER_SHARD)[:7000],  # ends inside the third member's data
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_SHARDS))
+def test_stage_with_webdatasets_tar_reader_gives_a_shard_format_error_for_a_bad_shard(
+    s3, dataset: str, tmp_path: Path, name: str
+) -> None:
+    s3.put_objects(BUCKET, {name: BAD_SHARDS[name]})
+    urls = [*shardcache.expand_urls(dataset)[:2], f"s3://{BUCKET}/{name}"]
+    cache = ShardCache(tmp_path / "cache", retry_backoff=0.01)
+
+    def pipeline(handler) -> wds.DataPipeline:
+        def webdatasets_tar_reader(opened):  # wds.tarfile_to_samples() without its opener
+            files = wds.tariterators.tar_file_expander(opened, handler=handler)
+            return wds.tariterators.group_by_keys(files, handler=handler)
+
+        return wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            shardcache.stage(cache=cache, threads=2),
+            webdatasets_tar_reader,
+            wds.to_tuple("__key__", "cls"),
+        )
+
+    for _reading in ("while it downloads", "from the cache"):
+        with pytest.raises(shardcache.ShardFormatError) as raised:
+            list(pipeline(wds.reraise_exception))
+        message = str(raised.value)
+        assert message.startswith(f"{urls[2]}: the shard ") and "Check the source object" in message
+        with pytest.warns(UserWarning, match=name):  # webdataset's warn_and_continue
+            keys = [key for key, _cls in pipeline(wds.warn_and_continue)]
+        assert sorted(keys) == _all_keys(range(2))  # the good shards whole, the bad one skipped
+
+
 def test_stages_pickle_before_iteration_without_touching_torch_state(tmp_path: Path) -> None:
     stage = shardcache.tarfile_to_samples(cache=ShardCache(tmp_path), threads=3, depth=4)
     clone = pickle.loads(pickle.dumps(stage))
