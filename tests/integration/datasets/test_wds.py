@@ -215,7 +215,11 @@ def test_split_by_node_uses_slurm_ranks(monkeypatch: pytest.MonkeyPatch) -> None
     assert list(wds.split_by_node(range(10))) == list(range(10))
 
 
-def _split_rank(rank: int, store: str, out) -> None:
+def _split_rank(rank: int, store: str, start, out) -> None:
+    # Both ranks meet here first, their imports done: gloo's connection timeout then covers
+    # connecting only. Started apart, a rank whose interpreter came up more than the timeout
+    # after the other's (a loaded machine) found it gone ("Connection closed by peer").
+    start.wait()
     torch.distributed.init_process_group(
         "gloo",
         init_method=f"file://{store}",
@@ -225,9 +229,7 @@ def _split_rank(rank: int, store: str, out) -> None:
     )
     try:
         out.put((rank, list(shardcache.split_by_node([f"shard-{i}" for i in range(7)]))))
-        # No rank leaves the group while the other may still be connecting its mesh: a rank
-        # that destroyed its group early made the other's gloo connect fail ("Connection
-        # closed by peer") in one fresh-clone run.
+        # No rank leaves the group while the other may still be connecting its mesh.
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
@@ -235,17 +237,24 @@ def _split_rank(rank: int, store: str, out) -> None:
 
 def test_split_by_node_gives_disjoint_shards_under_torch_distributed(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    start, out = ctx.Barrier(2), ctx.Queue()
     procs = [
-        ctx.Process(target=_split_rank, args=(rank, str(tmp_path / "store"), out))
+        ctx.Process(target=_split_rank, args=(rank, str(tmp_path / "store"), start, out))
         for rank in range(2)
     ]
     for p in procs:
         p.start()
+    parts: dict[int, list[str]] = {}
     try:
-        parts = dict(out.get(timeout=90) for _ in procs)
-    except queue.Empty:
-        pytest.fail("the gloo ranks did not report")
+        while len(parts) < len(procs):  # bounded by the ranks' lives (and the test's timeout)
+            try:
+                rank, part = out.get(timeout=1)
+            except queue.Empty:
+                codes = [p.exitcode for p in procs]
+                if None not in codes or any(code not in (None, 0) for code in codes):
+                    pytest.fail(f"the gloo ranks ended without reporting (exit codes {codes})")
+                continue
+            parts[rank] = part
     finally:
         for p in procs:
             p.join(30)
