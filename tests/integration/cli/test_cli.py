@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import reserved_port
 from repo import ROOT
 from slurm_stand_ins import slurm_stand_ins
 
@@ -134,12 +135,11 @@ def test_a_missing_bucket_stops_warm_at_once_with_one_error(s3, shards, tmp_path
 
 
 def test_a_refused_endpoint_stops_warm_at_once_naming_it(s3, shards, tmp_path) -> None:
-    closed = FaultProxy("127.0.0.1", s3.port).start()
-    endpoint = f"http://127.0.0.1:{closed.port}"
-    closed.stop()  # nothing listens on its port now: connections are refused
-    result = _run(
-        tmp_path, "warm", SPEC, "--threads", "2", "--json", "-v", AWS_ENDPOINT_URL=endpoint
-    )
+    with reserved_port() as port:  # nothing listens there: connections are refused
+        endpoint = f"http://127.0.0.1:{port}"
+        result = _run(
+            tmp_path, "warm", SPEC, "--threads", "2", "--json", "-v", AWS_ENDPOINT_URL=endpoint
+        )
     assert result.returncode == 1
     report = json.loads(result.stdout)
     assert report["stopped"].startswith("PermanentFetchError is about the store")
