@@ -371,7 +371,7 @@ def test_index_reads_finds_the_same_offsets_every_way(capsys) -> None:
     assert "| whole | 1 |" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(STALL_S * 12)  # a hang bound: each of its ~9 rows prints when done
 def test_b15_fast_server_tiny_reports_every_reader_or_why_not(tmp_path: Path) -> None:
     """B15 (bench/b15_fast_server.py, rclone serve s3) at tiny size: every row measured with
     MB/s and CPU per GB, or a status saying why not (a peer or curl not installed, a hang);
