@@ -56,7 +56,6 @@ class TarGuard:
         self._pending = b""  # its bytes read so far
         self._extension: int | None = None  # the kind of the extension whose data is next
         self._member = 0  # where the current member's first header starts
-        self._data_end = 0  # where its data ends (the padding after it may be missing)
         self._pax_size: int | None = None  # a pax header's size for the next member
         self._after_extension = False  # the header before was an extension's
         self._checking = True
@@ -140,7 +139,7 @@ class TarGuard:
                 self._checking = False
                 return
             self._after_extension = True
-            self._data_end = self._next = at + BLOCK
+            self._next = at + BLOCK
             if padded:
                 self._extension, self._need = kind, padded
             return
@@ -149,7 +148,6 @@ class TarGuard:
             size, self._pax_size = self._pax_size, None
         if kind in _NO_DATA:
             size = 0
-        self._data_end = at + BLOCK + size
         self._next = at + BLOCK + -(-size // BLOCK) * BLOCK
 
     def _extension_data(self, data: bytes) -> None:
@@ -161,8 +159,9 @@ class TarGuard:
         self._extension, self._need = None, BLOCK
 
     def _ended(self) -> None:
-        """The stream ended: raise if it ended inside a header or a member's data."""
-        if self._next == 0 and not self._after_extension:
+        """The stream ended: raise if it ended inside a header, a member's data or padding,
+        or after an extension header (the member it is for missing)."""
+        if self._next == 0:
             refuse_start(self._pending, self._url)  # empty, or shorter than a header
         if self._pending or self._after_extension or self._position < self._next:
             raise ShardFormatError(
