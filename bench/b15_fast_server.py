@@ -348,6 +348,7 @@ def _measure(
                 print(f"B15 row {name!r} FAILED: {res['error']}", file=sys.stderr, flush=True)
             else:
                 runs[name].append(res)
+            print(f"B15 row {name!r} rep {rep}: done", file=sys.stderr, flush=True)  # progress
     return runs, statuses, errors
 
 

@@ -18,6 +18,7 @@ free space and the metadata writer, the real ones unless a test gave others.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -42,7 +43,7 @@ from .._store.freshness import Freshness
 from .._store.growing import Announce, GrowingFile
 from .._store.hits import Hits
 from .._store.pins import pin
-from .._store.publish import Publisher, WriteMeta
+from .._store.publish import VANISHED_RETRIES, Publisher, WriteMeta
 from .._store.shard_ids import ShardIds
 from .._store.space import Space
 from .._transfer.remote import Progress, Remote, RemoteOptions
@@ -317,19 +318,23 @@ class ShardCache:
         a directory, cannot be made, is read-only or full. Every prefetch starts with it,
         so such a problem is reported once, before any download."""
         root = self.layout.root
-        self.layout.make_dir(root)
-        probe = self.layout.temp_path(root / "write-check")
-        try:
-            fd = self.layout.fs.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        for attempt in range(1, VANISHED_RETRIES + 1):
+            self.layout.make_dir(root)
+            probe = self.layout.temp_path(root / "write-check")
             try:
-                os.write(fd, b"\0")  # a full disk refuses the first block
-            finally:
-                os.close(fd)
-                self.layout.fs.unlink(probe)
-        except CacheDirError:
-            raise
-        except OSError as exc:
-            raise dir_error(root, exc, "writing a file in") from exc
+                fd = self.layout.fs.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                try:
+                    os.write(fd, b"\0")  # a full disk refuses the first block
+                finally:
+                    os.close(fd)
+                    self.layout.fs.unlink(probe)
+                return
+            except CacheDirError:
+                raise
+            except OSError as exc:
+                # Removed right after it was made (a tmp cleaner): made again, as a miss does.
+                if exc.errno not in (errno.ENOENT, errno.ESTALE) or attempt == VANISHED_RETRIES:
+                    raise dir_error(root, exc, "writing a file in") from exc
 
     def _prefetcher(self, fetch: Fetch, urls: Iterable[str], given: dict[str, Any]) -> Prefetcher:
         """A prefetcher of ``urls`` through ``fetch``: ``given`` options over the settings';

@@ -117,6 +117,11 @@ def _checked(header: bytes, where: str) -> None:
         )
 
 
+def member_size(header: bytes, where: str) -> int:
+    """The size a (checksummed) tar header gives its member."""
+    return _octal(header[124:136], where)
+
+
 def _name(header: bytes) -> str:
     name = header[:100].split(b"\0", 1)[0]
     if header[257:263] == b"ustar\0":  # POSIX ustar: a prefix directory in 345..500
@@ -126,7 +131,7 @@ def _name(header: bytes) -> str:
     return name.decode("utf-8", "surrogateescape")
 
 
-def _pax_records(data: bytes, where: str) -> dict[str, str]:
+def pax_records(data: bytes, where: str) -> dict[str, str]:
     records: dict[str, str] = {}
     pos = 0
     while pos < len(data):
@@ -149,7 +154,7 @@ def _pax_records(data: bytes, where: str) -> dict[str, str]:
     return records
 
 
-def _pax_size(text: str, where: str) -> int:
+def pax_size(text: str, where: str) -> int:
     try:
         return int(text)
     except ValueError:
@@ -186,7 +191,7 @@ def compression(head: bytes) -> str | None:
     return next((name for magic, name in _COMPRESSED.items() if head.startswith(magic)), None)
 
 
-def _refuse_start(head: bytes, where: str) -> None:
+def refuse_start(head: bytes, where: str) -> None:
     """Raise what is wrong with a shard whose first block ``head`` is not a tar header,
     unless it is the end-of-archive block of an empty tar."""
     if len(head) == BLOCK and head.count(0) == BLOCK:
@@ -233,7 +238,7 @@ def members(
     while True:
         header = stream.read(BLOCK)
         if position == 0 and not is_header(header):
-            _refuse_start(header, where)  # not a tar at all (an empty tar is zero blocks)
+            refuse_start(header, where)  # not a tar at all (an empty tar is zero blocks)
         if len(header) == 0 or header.count(0) == BLOCK:
             return  # the end-of-archive blocks (or a tar without them)
         here = f"{where} at byte {position}"
@@ -245,7 +250,7 @@ def members(
             )
         _checked(header, here)
         kind = header[156:157]
-        size = _pax_size(pax["size"], here) if "size" in pax else _octal(header[124:136], here)
+        size = pax_size(pax["size"], here) if "size" in pax else member_size(header, here)
         if not 0 <= size <= _MAX_MEMBER:
             raise ShardFormatError(
                 f"{here}: a tar member of size {size}; expected 0 to {_MAX_MEMBER} bytes. The "
@@ -259,7 +264,7 @@ def members(
             if kind == _GNU_LONGNAME:
                 long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             else:
-                pax = _pax_records(data, here)
+                pax = pax_records(data, here)
             position += padded
             continue  # an extension header: the member follows
         name = pax.get("path") or long_name or _name(header)

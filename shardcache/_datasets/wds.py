@@ -54,6 +54,7 @@ from .._prefetch.prefetcher import Prefetcher
 from .._store.growing import GrowingFile
 from ..distributed import rank_info
 from .tar_expansion import expand
+from .tar_guard import TarGuard
 
 logger = get_logger(__name__)
 
@@ -67,7 +68,9 @@ class CacheStage:
 
     Shards are fetched through the cache by a :class:`Prefetcher` ahead of the consumer;
     every other key of the incoming dict is passed through. Each stream is closed when the
-    next shard is requested (the tar expansion has then finished reading it).
+    next shard is requested (the tar expansion has then finished reading it); as it is read,
+    it is checked as a tar (:mod:`.tar_guard`: an empty, non-tar, truncated or damaged shard
+    is a :class:`~shardcache.ShardFormatError`).
     The URL ``"-"`` is standard input, as in webdataset: read once, in order, uncached.
     """
 
@@ -105,7 +108,7 @@ class CacheStage:
 
     def __call__(self, src: Iterable[Sample]) -> Iterator[Sample]:
         opened = self._opened_shards(src)
-        return _epoch(opened, opened, count_samples=False)
+        return _epoch(_tar_guarded(opened), opened, count_samples=False)
 
     def opened(self, src: Iterable[Sample]) -> Iterator[Sample]:
         """The stage's shards without the end of the epoch at their end: for a caller
@@ -208,6 +211,13 @@ class TarfileToSamples(CacheStage):
         return _epoch(samples, opened)
 
 
+def _tar_guarded(opened: Iterable[Sample]) -> Iterator[Sample]:
+    """``opened``'s shards, each stream checked as a tar as the next stage reads it
+    (:mod:`.tar_guard`: webdataset's own tar reader gives no ``ShardFormatError``)."""
+    for shard in opened:
+        yield {**shard, "stream": TarGuard(shard["stream"], shard["url"])}
+
+
 def _open(
     cache: ShardCache, path: Path, growing: object, until_stall: Callable[[], float]
 ) -> BinaryIO:
@@ -262,7 +272,8 @@ def stage(
     stall_timeout: float | None = None,
 ) -> CacheStage:
     """A pipeline stage yielding ``{"url", "stream", "local_path"}`` for webdataset's tar
-    expansion. Prefetch options left as None come from the cache's settings."""
+    expansion; a stream that is not a complete tar raises a ``ShardFormatError`` as it is
+    read. Prefetch options left as None come from the cache's settings."""
     return CacheStage(
         handler, cache=cache, threads=threads, depth=depth, stall_timeout=stall_timeout
     )

@@ -49,9 +49,13 @@ def gcs_filesystem(options: dict[str, Any], extended: bool) -> Any:
 
 def gcs_object_info(fs: Any, url: str, path: str, throttle: Throttle) -> ObjectInfo:
     """Size, CRC32C, MD5 and generation of the object at ``path``: one metadata request."""
-    meta = throttled_call(
-        throttle, "HEAD", lambda: _forbidden_typed(sync, fs.loop, fs._get_object, path)
-    )
+    try:
+        meta = throttled_call(
+            throttle, "HEAD", lambda: _forbidden_typed(sync, fs.loop, fs._get_object, path)
+        )
+    except FileNotFoundError as exc:
+        _raise_if_no_bucket(fs, path, exc)
+        raise
     crc32c = meta.get("crc32c")
     md5 = meta.get("md5Hash")
     return ObjectInfo(
@@ -87,6 +91,25 @@ def gcs_gets(fs: Any, path: str, info: ObjectInfo) -> RangedGets:
         )
 
     return RangedGets(get, changed)
+
+
+def _raise_if_no_bucket(fs: Any, path: str, missing: FileNotFoundError) -> None:
+    """Raise a ``FileNotFoundError`` coded ``NoSuchBucket`` (botocore's shape, which the retry
+    policy reads) if ``path``'s bucket does not exist: gcsfs gives the same bare
+    ``FileNotFoundError`` for a missing object and a missing bucket, so one more request (made
+    only for a missing object) tells them apart, and a warm stops at once on a missing bucket."""
+    bucket = path.split("/", 1)[0]
+    try:
+        _forbidden_typed(sync, fs.loop, fs._call, "GET", "b/{}", bucket, json_out=True)
+    except FileNotFoundError:
+        error = FileNotFoundError(errno.ENOENT, f"GCS bucket {bucket!r} does not exist")
+        error.response = {  # type: ignore[attr-defined]
+            "Error": {"Code": "NoSuchBucket"},
+            "ResponseMetadata": {"HTTPStatusCode": 404},
+        }
+        raise error from missing
+    except OSError:
+        pass  # the bucket may exist and not be readable: the object's error stands
 
 
 def _forbidden_typed(call: Any, *args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import reserved_port
 from repo import ROOT
 from slurm_stand_ins import slurm_stand_ins
 
@@ -134,12 +135,11 @@ def test_a_missing_bucket_stops_warm_at_once_with_one_error(s3, shards, tmp_path
 
 
 def test_a_refused_endpoint_stops_warm_at_once_naming_it(s3, shards, tmp_path) -> None:
-    closed = FaultProxy("127.0.0.1", s3.port).start()
-    endpoint = f"http://127.0.0.1:{closed.port}"
-    closed.stop()  # nothing listens on its port now: connections are refused
-    started = time.monotonic()
-    result = _run(tmp_path, "warm", SPEC, "--threads", "2", "--json", AWS_ENDPOINT_URL=endpoint)
-    elapsed = time.monotonic() - started
+    with reserved_port() as port:  # nothing listens there: connections are refused
+        endpoint = f"http://127.0.0.1:{port}"
+        result = _run(
+            tmp_path, "warm", SPEC, "--threads", "2", "--json", "-v", AWS_ENDPOINT_URL=endpoint
+        )
     assert result.returncode == 1
     report = json.loads(result.stdout)
     assert report["stopped"].startswith("PermanentFetchError is about the store")
@@ -148,7 +148,9 @@ def test_a_refused_endpoint_stops_warm_at_once_naming_it(s3, shards, tmp_path) -
     assert "the connection was refused by 127.0.0.1" in error and "not retried on loopback" in error
     assert f"requests go to {endpoint} (from AWS_ENDPOINT_URL)" in error
     assert "check that endpoint's host and port" in error
-    assert elapsed < 20, elapsed  # no retries: before, 26 s of backoff per shard
+    # No retry (before, 26 s of backoff per shard): every retry is logged, at INFO. Counted,
+    # not timed: a time bound on a subprocess is tripped by a loaded machine.
+    assert "retrying" not in result.stderr, result.stderr[-3000:]
 
 
 def test_warm_stops_when_the_same_store_level_error_repeats(s3, shards, tmp_path) -> None:

@@ -9,12 +9,12 @@ waited, once the bound has passed. (Real launchers: tests/system/test_index_exch
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import reserved_port
 from processes import run_together
 from tars import shard_samples, tar_bytes
 
@@ -23,12 +23,6 @@ COUNTS = (5, 9, 6, 7, 8)
 SPEC = f"s3://{BUCKET}/train-{{000000..{len(COUNTS) - 1:06d}}}.tar"
 TARS = {f"train-{i:06d}.tar": tar_bytes(shard_samples(i, n)) for i, n in enumerate(COUNTS)}
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def rank_env(mode: str, rank: int, ranks: int, where: str, timeout: str, s3_env: dict) -> dict:
@@ -52,10 +46,6 @@ def rank_env(mode: str, rank: int, ranks: int, where: str, timeout: str, s3_env:
             "SHARDCACHE_RENDEZVOUS_DIR": where,
         }
     return {**s3_env, **launcher, "SHARDCACHE_RENDEZVOUS_TIMEOUT": timeout}
-
-
-def meeting_place(mode: str, root: Path) -> str:
-    return str(free_port()) if mode == "store" else str(root / "shared")
 
 
 def task(env: dict[str, str], root: str, start: Any, out: Any) -> None:
@@ -87,7 +77,7 @@ def test_two_ranks_meeting_in_a_shared_directory_learn_each_shard_once(s3, tmp_p
     (Through a store, under real torchrun and srun: tests/system/test_index_exchange_jobs.py.)"""
     s3.put_objects(BUCKET, TARS)
     s3.clear_requests()
-    where = meeting_place("directory", tmp_path)
+    where = str(tmp_path / "shared")
     envs = [rank_env("directory", rank, 2, where, "60s", s3.env()) for rank in range(2)]
     results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
     assert [r.get("counts") for r in results] == [list(COUNTS)] * 2, results
@@ -102,13 +92,14 @@ def test_a_rank_that_never_shows_up_is_named(s3, tmp_path: Path) -> None:
     """Ranks 0 and 1 of 3, through a SLURM task 0's store and through a shared directory
     (the two jobs at once): each names rank 2 once the 3 s bound has passed."""
     s3.put_objects(BUCKET, TARS)
-    places = {mode: meeting_place(mode, tmp_path) for mode in ("store", "directory")}
-    envs = [
-        rank_env(mode, rank, 3, where, "3s", s3.env())
-        for mode, where in places.items()
-        for rank in range(2)
-    ]
-    results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
+    with reserved_port() as port:  # task 0 of the SLURM step serves the store there
+        places = {"store": str(port), "directory": str(tmp_path / "shared")}
+        envs = [
+            rank_env(mode, rank, 3, where, "3s", s3.env())
+            for mode, where in places.items()
+            for rank in range(2)
+        ]
+        results = run_together(task, [(env, str(tmp_path / "cache")) for env in envs])
     assert len(results) == 4
     for result in results:
         assert result.get("missing") == [2], result

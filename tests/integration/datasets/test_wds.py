@@ -85,6 +85,44 @@ def test_stage_yields_streams_and_local_paths_and_keeps_other_keys(
     prefetch_threads.assert_ended()
 
 
+BAD_SHARDS = {
+    "empty.tar": b"",
+    "short.tar": b"oops\n",
+    "page.tar": b"<html><body>Access denied</body></html>" * 40,
+    "cut.tar": make_shard(90, PER_SHARD)[:7000],  # ends inside the third member's data
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_SHARDS))
+def test_stage_with_webdatasets_tar_reader_gives_a_shard_format_error_for_a_bad_shard(
+    s3, dataset: str, tmp_path: Path, name: str
+) -> None:
+    s3.put_objects(BUCKET, {name: BAD_SHARDS[name]})
+    urls = [*shardcache.expand_urls(dataset)[:2], f"s3://{BUCKET}/{name}"]
+    cache = ShardCache(tmp_path / "cache", retry_backoff=0.01)
+
+    def pipeline(handler) -> wds.DataPipeline:
+        def webdatasets_tar_reader(opened):  # wds.tarfile_to_samples() without its opener
+            files = wds.tariterators.tar_file_expander(opened, handler=handler)
+            return wds.tariterators.group_by_keys(files, handler=handler)
+
+        return wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            shardcache.stage(cache=cache, threads=2),
+            webdatasets_tar_reader,
+            wds.to_tuple("__key__", "cls"),
+        )
+
+    for _reading in ("while it downloads", "from the cache"):
+        with pytest.raises(shardcache.ShardFormatError) as raised:
+            list(pipeline(wds.reraise_exception))
+        message = str(raised.value)
+        assert message.startswith(f"{urls[2]}: the shard ") and "Check the source object" in message
+        with pytest.warns(UserWarning, match=name):  # webdataset's warn_and_continue
+            keys = [key for key, _cls in pipeline(wds.warn_and_continue)]
+        assert sorted(keys) == _all_keys(range(2))  # the good shards whole, the bad one skipped
+
+
 def test_stages_pickle_before_iteration_without_touching_torch_state(tmp_path: Path) -> None:
     stage = shardcache.tarfile_to_samples(cache=ShardCache(tmp_path), threads=3, depth=4)
     clone = pickle.loads(pickle.dumps(stage))
@@ -177,7 +215,11 @@ def test_split_by_node_uses_slurm_ranks(monkeypatch: pytest.MonkeyPatch) -> None
     assert list(wds.split_by_node(range(10))) == list(range(10))
 
 
-def _split_rank(rank: int, store: str, out) -> None:
+def _split_rank(rank: int, store: str, start, out) -> None:
+    # Both ranks meet here first, their imports done: gloo's connection timeout then covers
+    # connecting only. Started apart, a rank whose interpreter came up more than the timeout
+    # after the other's (a loaded machine) found it gone ("Connection closed by peer").
+    start.wait()
     torch.distributed.init_process_group(
         "gloo",
         init_method=f"file://{store}",
@@ -187,9 +229,7 @@ def _split_rank(rank: int, store: str, out) -> None:
     )
     try:
         out.put((rank, list(shardcache.split_by_node([f"shard-{i}" for i in range(7)]))))
-        # No rank leaves the group while the other may still be connecting its mesh: a rank
-        # that destroyed its group early made the other's gloo connect fail ("Connection
-        # closed by peer") in one fresh-clone run.
+        # No rank leaves the group while the other may still be connecting its mesh.
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
@@ -197,17 +237,24 @@ def _split_rank(rank: int, store: str, out) -> None:
 
 def test_split_by_node_gives_disjoint_shards_under_torch_distributed(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    start, out = ctx.Barrier(2), ctx.Queue()
     procs = [
-        ctx.Process(target=_split_rank, args=(rank, str(tmp_path / "store"), out))
+        ctx.Process(target=_split_rank, args=(rank, str(tmp_path / "store"), start, out))
         for rank in range(2)
     ]
     for p in procs:
         p.start()
+    parts: dict[int, list[str]] = {}
     try:
-        parts = dict(out.get(timeout=90) for _ in procs)
-    except queue.Empty:
-        pytest.fail("the gloo ranks did not report")
+        while len(parts) < len(procs):  # bounded by the ranks' lives (and the test's timeout)
+            try:
+                rank, part = out.get(timeout=1)
+            except queue.Empty:
+                codes = [p.exitcode for p in procs]
+                if None not in codes or any(code not in (None, 0) for code in codes):
+                    pytest.fail(f"the gloo ranks ended without reporting (exit codes {codes})")
+                continue
+            parts[rank] = part
     finally:
         for p in procs:
             p.join(30)

@@ -24,13 +24,14 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ports import reserved_port
 from repo import ROOT
 
 from shardcache import expand_urls
@@ -185,15 +186,18 @@ for step in json.load(open(sys.argv[1])):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+@pytest.fixture
+def master_port() -> Iterator[int]:
+    """A port for an example's ``init_process_group``, reserved while it runs."""
+    with reserved_port() as port:
+        yield port
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_examples_run(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_examples_run(
+    page: Path, tmp_path: Path, request: pytest.FixtureRequest, master_port: int
+) -> None:
     work = tmp_path / "work"
     work.mkdir()
     env = {
@@ -204,7 +208,7 @@ def test_examples_run(page: Path, tmp_path: Path, request: pytest.FixtureRequest
         "WORLD_SIZE": "1",
         "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(master_port),
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
     }
     data = DATA.search(page.read_text())

@@ -158,7 +158,37 @@ def test_a_missing_object_is_remote_not_found_after_one_request(
         cache.fetch(url)
 
     assert _nothing_published(cache, url)
-    assert sum(proxy.requests_seen().values()) == 1, proxy.requests_seen()  # no listing
+    # No listing: the object's metadata, and on GCS the bucket's (gcsfs raises the same
+    # error for both; a missing bucket stops a warm at once).
+    expected = 2 if "gs" in store.schemes else 1
+    assert sum(proxy.requests_seen().values()) == expected, proxy.requests_seen()
+
+
+def test_a_missing_bucket_stops_warm_at_once_naming_it(store: Store, tmp_path: Path) -> None:
+    store.put({"present.bin": b"x"})  # the store answers; only this bucket is missing
+    missing = [f"{store.schemes[0]}://nobucket/train-{i}.tar" for i in range(40)]
+    env = {
+        **os.environ,
+        "SHARDCACHE_DIR": str(tmp_path / "cache"),
+        "SHARDCACHE_STORAGE_OPTIONS": json.dumps(store.server.storage_options()),
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "shardcache", "warm", *missing, "--threads", "2", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    assert run.returncode == 1, run.stderr
+    report = json.loads(run.stdout)
+    assert len(report["failed"]) <= 3, report  # the first, and what was in flight beside it
+    assert report["not_attempted"] == 40 - len(report["failed"])
+    assert report["stopped"].startswith("RemoteNotFoundError is about the store, not one shard")
+    for failure in report["failed"]:
+        assert "the bucket 'nobucket' does not exist at " in failure["error"], failure
+        assert "failed at once, without retries" in failure["error"], failure
 
 
 def test_a_byte_flipped_in_transit_is_an_integrity_error_and_nothing_is_published(

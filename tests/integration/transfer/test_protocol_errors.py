@@ -8,7 +8,6 @@ import functools
 import os
 import pickle
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from httpserver import TRUNCATE, HttpServer, http_server
 from mounts import needs_root
+from ports import reserved_port
 
 from shardcache import (
     PermanentFetchError,
@@ -144,11 +144,8 @@ def test_http_server_without_range_support_serves_large_shards(tmp_path: Path) -
 def test_http_connection_refused_on_loopback_fails_at_once_naming_the_host(
     tmp_path: Path,
 ) -> None:
-    with socket.socket() as sock:  # a port that was just free: nothing listens on it now
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with pytest.raises(PermanentFetchError) as caught:
-        _cache(tmp_path).fetch(f"http://127.0.0.1:{port}/a.tar")
+    with reserved_port() as port, pytest.raises(PermanentFetchError) as caught:
+        _cache(tmp_path).fetch(f"http://127.0.0.1:{port}/a.tar")  # nothing listens there
     assert caught.value.attempts == 1  # nothing listens on this machine's port: not retried
     message = str(caught.value)
     assert "the connection was refused by 127.0.0.1" in message
@@ -158,11 +155,9 @@ def test_http_connection_refused_on_loopback_fails_at_once_naming_the_host(
 def test_s3_connection_refused_names_the_endpoint_of_the_storage_options(
     s3, tmp_path: Path
 ) -> None:
-    with socket.socket() as sock:  # a port that was just free: nothing listens on it now
-        sock.bind(("127.0.0.1", 0))
-        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    options = {**s3.storage_options(), "endpoint_url": endpoint}  # wins over AWS_ENDPOINT_URL
-    with pytest.raises(PermanentFetchError) as caught:
+    with reserved_port() as port, pytest.raises(PermanentFetchError) as caught:
+        endpoint = f"http://127.0.0.1:{port}"  # nothing listens there
+        options = {**s3.storage_options(), "endpoint_url": endpoint}  # wins over AWS_ENDPOINT_URL
         _cache(tmp_path, storage_options=options).fetch("s3://bucket/a.tar")
     assert caught.value.attempts == 1 and caught.value.endpoint.startswith(endpoint)
     assert f"requests go to {endpoint} (from storage_options endpoint_url)" in str(caught.value)

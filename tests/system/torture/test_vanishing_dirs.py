@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from processes import CTX
+from tars import tar_bytes
 from torture_scale import scale
 
 from shardcache import ShardCache
@@ -98,7 +99,12 @@ def test_directories_removed_under_live_readers(
     # directories vanish (on), and readers of published files only (off).
     monkeypatch.setenv("SHARDCACHE_READ_WHILE_DOWNLOADING", read_while_downloading)
     rng = random.Random("vanish")
-    objects = {f"train-{i:06d}.tar": rng.randbytes(rng.randrange(8_000, 40_000)) for i in range(24)}
+    objects = {  # tars (the stage checks its streams are), of random sizes and bytes
+        f"train-{i:06d}.tar": tar_bytes(
+            [(f"s{i}", {"bin": rng.randbytes(rng.randrange(8_000, 38_000))})]
+        )
+        for i in range(24)
+    }
     s3.put_objects(BUCKET, objects)
     urls = [f"s3://{BUCKET}/{key}" for key in objects]
     expected = {f"s3://{BUCKET}/{k}": _sha(v) for k, v in objects.items()}

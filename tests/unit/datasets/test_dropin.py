@@ -4,7 +4,6 @@ and the same samples as webdataset's own ``tarfile_to_samples`` (local files, re
 from __future__ import annotations
 
 import inspect
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
+from ports import reserved_port
 
 import shardcache
 from shardcache import ConfigError, ShardCache, UrlError
@@ -224,20 +224,14 @@ def test_schemes_fsspec_does_not_know_say_to_use_pipe(tmp_path: Path, shards: li
     assert len(_keys(skipping, ["scp://host/x.tar", str(shards[0])])) == PER_SHARD
 
 
-def _refused_url() -> str:
-    with socket.socket() as sock:  # a port that was just free: nothing listens on it now
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}/missing.tar"
-
-
 def test_unreachable_host_is_an_ioerror_as_in_webdataset(tmp_path: Path) -> None:
     """webdataset raises IOError when a shard cannot be opened (its own suite checks this for
     an unreachable host); the drop-in's FetchError for a refused connection is one too,
     and so are a missing file and a failed pipe: command."""
     cache = ShardCache(tmp_path / "c", retries=1, retry_backoff=0.01)
     stage = shardcache.tarfile_to_samples(cache=cache)
-    with pytest.raises(IOError) as caught:
-        _keys(stage, [_refused_url()])
+    with reserved_port() as port, pytest.raises(IOError) as caught:  # nothing listens there
+        _keys(stage, [f"http://127.0.0.1:{port}/missing.tar"])
     assert isinstance(caught.value, shardcache.PermanentFetchError)  # refused on loopback
     with pytest.raises(IOError):
         _keys(stage, [str(tmp_path / "no-such-shard.tar")])
