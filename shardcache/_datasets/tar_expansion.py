@@ -10,9 +10,10 @@ and ``rename_files`` applied as webdataset applies them, ``__url__`` and ``__loc
 set, keys in webdataset's order; an error goes to the handler with the stream and URL added
 to its ``args``, and a handler that returns False ends the stream.
 
-A compressed tar (gzip, bzip2, xz) is expanded by webdataset itself; what its
-:mod:`tarfile` raises on a damaged one (``tarfile.ReadError``, ``EOFError``, ...) reaches the
-handler as a :class:`~shardcache.ShardFormatError` naming the shard. An empty file, a file
+A compressed tar (gzip, bzip2, xz or lzma, as webdataset's :mod:`tarfile` recognises them)
+is decompressed by :mod:`.decompressed` and parsed the same way; a truncated or damaged one
+is a :class:`~shardcache.ShardFormatError` naming the shard (webdataset: ``zlib.error``,
+``EOFError``, ``tarfile.ReadError``, or samples silently missing). An empty file, a file
 too short for a tar header and a file that is not a tar at all are a ``ShardFormatError``
 (webdataset: ``tarfile.ReadError``).
 
@@ -34,40 +35,13 @@ Two differences, both on damaged shards, both so that nothing is lost unseen:
 
 from __future__ import annotations
 
-import lzma
-import tarfile
-import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
-import webdataset as wds
-
-from .._base.errors import ShardCacheError, ShardFormatError
-from .tar_members import ADVICE, BLOCK, Sample, compression, samples
+from .decompressed import Opened
+from .tar_members import Sample, samples
 
 Handler = Callable[[BaseException], bool]
-
-
-class _Replayed:
-    """``stream`` with ``head`` (its first bytes, already read) put back in front."""
-
-    def __init__(self, head: bytes, stream: BinaryIO) -> None:
-        self._head = head
-        self._stream = stream
-
-    def read(self, size: int = -1) -> bytes:
-        head = self._head
-        if not head:
-            return self._stream.read(size)
-        if 0 <= size <= len(head):
-            self._head = head[size:]
-            return head[:size]
-        self._head = b""
-        rest = self._stream.read(-1 if size < 0 else size - len(head))
-        return head + rest if rest else head
-
-    def __str__(self) -> str:
-        return str(self._stream)
 
 
 def expand(
@@ -88,30 +62,15 @@ def expand(
         return keep
 
     for shard in shards:
-        stream = shard["stream"]
-        try:
-            head = stream.read(BLOCK)
-        except Exception as exn:
-            _report(exn, shard, handle)
-        else:
-            kind = compression(head)
-            if kind is None:
-                yield from _parsed(
-                    _Replayed(head, stream), shard, handle, select_files, rename_files
-                )
-            else:
-                replayed = {**shard, "stream": _Replayed(head, stream)}
-                named = _named_errors(handle, shard["url"], kind)
-                files = wds.tariterators.tar_file_expander(
-                    [replayed], handler=named, select_files=select_files, rename_files=rename_files
-                )
-                yield from wds.tariterators.group_by_keys(files, handler=named)
+        yield from _parsed(
+            Opened(shard["stream"], shard["url"]), shard, handle, select_files, rename_files
+        )
         if stopped:
             return
 
 
 def _parsed(
-    stream: _Replayed,
+    stream: Opened,
     shard: dict[str, Any],
     handle: Handler,
     select_files: Callable[[str], bool] | None,
@@ -145,30 +104,6 @@ def _parsed(
         return
     if last is not None:
         yield _as_webdataset_sample(last, url, local_path)
-
-
-# What tarfile and the decompressors raise on a damaged compressed tar.
-_FORMAT_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError)
-
-
-def _named_errors(handle: Handler, url: str, kind: str) -> Handler:
-    """``handle``, given a :class:`ShardFormatError` naming ``url`` for what webdataset's
-    tar expansion raises on a damaged ``kind``-compressed shard (an ``OSError`` from the
-    stream, a failed download or verification, passes as it is)."""
-
-    def named(exn: BaseException) -> bool:
-        if isinstance(exn, ShardCacheError) or not isinstance(exn, (*_FORMAT_ERRORS, OSError)):
-            return handle(exn)
-        cause = exn.args[0] if exn.args else type(exn).__name__
-        error = ShardFormatError(
-            f"{url}: the {kind}-compressed tar cannot be read ({type(exn).__name__}: "
-            f"{cause}); expected a complete {kind}-compressed tar file. {ADVICE}.",
-            where=url,
-        )
-        error.__cause__ = exn
-        return handle(error)
-
-    return named
 
 
 def _report(exn: Exception, shard: dict[str, Any], handle: Handler) -> None:

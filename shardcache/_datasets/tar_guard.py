@@ -14,10 +14,10 @@ and what to do:
 - at a damaged header after the first member.
 
 A tar that ends at a member boundary without its end-of-archive blocks is complete, as
-:mod:`tarfile` and :mod:`.tar_members` read it. Past the end-of-archive block, a compressed
-shard's first bytes (webdataset's :mod:`tarfile` decompresses it), a seek, or a header not
-followed here (GNU sparse, global pax), the bytes pass unchecked. After an error the stream
-reads as ended, so a handler that skips the shard is called once.
+:mod:`tarfile` and :mod:`.tar_members` read it. A compressed shard is checked once
+decompressed (:mod:`.decompressed` comes first). Past the end-of-archive block, a seek, or
+a header not followed here (GNU sparse, global pax), the bytes pass unchecked. After an
+error the stream reads as ended, so a handler that skips the shard is called once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from .._base.errors import ShardFormatError
 from .tar_members import (
     ADVICE,
     BLOCK,
-    compression,
     member_size,
     pax_records,
     pax_size,
@@ -113,11 +112,11 @@ class TarGuard:
         at = self._next
         if block == _ZERO_BLOCK:
             self._checking = False  # the end-of-archive block (first: an empty tar)
+            drain = getattr(self._stream, "drain", None)
+            if drain is not None:
+                drain()  # a compressed shard's end (its check) is read too
             return
         if not _checksum_matches(block):
-            if at == 0 and compression(block) is not None:
-                self._checking = False  # webdataset's tarfile decompresses it
-                return
             if at == 0:
                 refuse_start(block, self._url)
             raise ShardFormatError(

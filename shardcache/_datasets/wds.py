@@ -53,6 +53,7 @@ from .._observe import metrics
 from .._prefetch.prefetcher import Prefetcher
 from .._store.growing import GrowingFile
 from ..distributed import rank_info
+from .decompressed import Opened
 from .tar_expansion import expand
 from .tar_guard import TarGuard
 
@@ -69,8 +70,8 @@ class CacheStage:
     Shards are fetched through the cache by a :class:`Prefetcher` ahead of the consumer;
     every other key of the incoming dict is passed through. Each stream is closed when the
     next shard is requested (the tar expansion has then finished reading it); as it is read,
-    it is checked as a tar (:mod:`.tar_guard`: an empty, non-tar, truncated or damaged shard
-    is a :class:`~shardcache.ShardFormatError`).
+    it is decompressed if compressed and checked as a tar (:mod:`.tar_guard`: an empty,
+    non-tar, truncated or damaged shard is a :class:`~shardcache.ShardFormatError`).
     The URL ``"-"`` is standard input, as in webdataset: read once, in order, uncached.
     """
 
@@ -212,10 +213,12 @@ class TarfileToSamples(CacheStage):
 
 
 def _tar_guarded(opened: Iterable[Sample]) -> Iterator[Sample]:
-    """``opened``'s shards, each stream checked as a tar as the next stage reads it
-    (:mod:`.tar_guard`: webdataset's own tar reader gives no ``ShardFormatError``)."""
+    """``opened``'s shards, each stream decompressed (:mod:`.decompressed`) and checked as
+    a tar (:mod:`.tar_guard`) as the next stage reads it: webdataset's own tar reader gives
+    no ``ShardFormatError``."""
     for shard in opened:
-        yield {**shard, "stream": TarGuard(shard["stream"], shard["url"])}
+        url = shard["url"]
+        yield {**shard, "stream": TarGuard(Opened(shard["stream"], url), url)}
 
 
 def _open(

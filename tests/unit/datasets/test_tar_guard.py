@@ -4,7 +4,6 @@ exactly where webdataset's ``tarfile`` or shardcache's own reader finds it not c
 
 from __future__ import annotations
 
-import gzip
 import io
 import tarfile
 
@@ -127,8 +126,3 @@ def test_a_skipping_handler_is_called_once_and_the_next_shard_is_read() -> None:
     assert [s["fname"] for s in got if s.get("__url__") == URL] == [
         s["fname"] for s in _webdataset(io.BytesIO(whole))
     ]
-
-
-def test_a_compressed_tar_passes_to_tarfile_unchecked() -> None:
-    packed = gzip.compress(_tar(tarfile.PAX_FORMAT))
-    assert _webdataset(TarGuard(io.BytesIO(packed), URL)) == _webdataset(io.BytesIO(packed))
