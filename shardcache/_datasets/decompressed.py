@@ -81,6 +81,7 @@ class Opened:
                 self._inner = Decompressed(self._stream, self._url, kind, head)
         head = self._head
         if not head:
+            self.read = self._inner.read  # type: ignore[method-assign]  # one call less a read
             return self._inner.read(size)
         if 0 <= size < len(head):
             self._head = head[size:]
@@ -115,7 +116,8 @@ class Decompressed:
         self._kind = kind
         self._input = head  # compressed bytes not given to the decompressor yet
         self._decompressor = _decompressor(kind)
-        self._out = b""  # decompressed bytes not returned yet
+        self._out = b""  # decompressed bytes, returned up to ``_pos``
+        self._pos = 0
         self._consumed = len(head)  # compressed bytes read from the stream
         self._stream_ended = False
         self._done = False  # the compressed data ended where it should
@@ -124,17 +126,27 @@ class Decompressed:
     def read(self, size: int = -1) -> bytes:
         if self._failed:
             return b""
+        pieces: list[bytes] = []
+        wanted = size  # < 0: all
         try:
-            while (size < 0 or len(self._out) < size) and not self._done:
-                self._out += self._more()
+            while True:
+                out, at = self._out, self._pos
+                if at < len(out):
+                    if 0 <= wanted <= len(out) - at:
+                        self._pos = at + wanted
+                        pieces.append(out[at : at + wanted])
+                        break
+                    pieces.append(out[at:] if at else out)
+                    self._pos = len(out)
+                    wanted -= len(out) - at if wanted > 0 else 0
+                elif wanted == 0 or self._done:
+                    break
+                if not self._done:
+                    self._out, self._pos = self._more(), 0
         except ShardFormatError:
             self._failed = True
             raise
-        if size < 0:
-            data, self._out = self._out, b""
-        else:
-            data, self._out = self._out[:size], self._out[size:]
-        return data
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def _more(self) -> bytes:
         """The next decompressed bytes (b"" at the end: ``_done`` set)."""
