@@ -118,6 +118,7 @@ class Decompressed:
         self._decompressor = _decompressor(kind)
         self._out = b""  # decompressed bytes, returned up to ``_pos``
         self._pos = 0
+        self._made = 0  # decompressed bytes made so far
         self._consumed = len(head)  # compressed bytes read from the stream
         self._stream_ended = False
         self._done = False  # the compressed data ended where it should
@@ -157,23 +158,24 @@ class Decompressed:
                 self._input = self._read()
                 if not self._input:
                     self._done = True  # ended after a whole member
+                    if not self._made:
+                        raise ShardFormatError(
+                            f"{self._url}: the {self._kind}-compressed shard holds 0 bytes "
+                            f"once decompressed; expected a tar file in it. {ADVICE}.",
+                            where=self._url,
+                        )
                     return b""
             self._decompressor = decompressor = _decompressor(self._kind)  # the next member
-        if isinstance(decompressor, _ZLIB):
-            data = decompressor.unconsumed_tail + self._input
-        elif decompressor.needs_input:  # type: ignore[attr-defined]
-            data = self._input
-        else:
-            data = b""  # it still holds output
-            if self._input:
-                data = self._input
+        zlib_kind = isinstance(decompressor, _ZLIB)
+        data = decompressor.unconsumed_tail + self._input if zlib_kind else self._input  # type: ignore[attr-defined]
         self._input = b""
-        if not data and (isinstance(decompressor, _ZLIB) or decompressor.needs_input):  # type: ignore[attr-defined]
+        # bz2 and lzma keep the input they did not use; with none, they may hold output
+        if not data and (zlib_kind or decompressor.needs_input):  # type: ignore[attr-defined]
             data = self._read()
             if not data:
                 return self._ended(decompressor)
         try:
-            return decompressor.decompress(data, _LIMIT)
+            made = decompressor.decompress(data, _LIMIT)
         except _ERRORS as exn:
             raise ShardFormatError(
                 f"{self._url}: the {self._kind}-compressed data is damaged near compressed "
@@ -181,6 +183,8 @@ class Decompressed:
                 f"{self._kind}-compressed tar file. {ADVICE}.",
                 where=self._url,
             ) from exn
+        self._made += len(made)
+        return made
 
     def _read(self) -> bytes:
         data = self._stream.read(_CHUNK)
