@@ -1,4 +1,5 @@
-"""Small WebDataset tars for the resume tests, in any of tarfile's formats."""
+"""Small WebDataset tars for the tests, in any of tarfile's formats, and a stream that reads them
+in short pieces."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def shard_samples(shard: int, count: int, size: int = 40) -> list[tuple[str, Fil
         (f"s{shard:04d}_{i:05d}", {"bin": bytes([i % 251]) * size, "cls": b"%d" % (i % 10)})
         for i in range(count)
     ]
+
+
+class Chunks(io.BytesIO):
+    """A stream that returns at most ``chunk`` bytes a read (as a network stream may)."""
+
+    def __init__(self, data: bytes, chunk: int) -> None:
+        super().__init__(data)
+        self.chunk = chunk
+
+    def read(self, size: int | None = -1) -> bytes:
+        return super().read(self.chunk if size is None or not 0 <= size < self.chunk else size)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import pytest
 import webdataset as wds
-from tars import tar_bytes
+from tars import Chunks, tar_bytes
 
 from shardcache import ShardFormatError
 from shardcache._datasets.decompressed import Opened
@@ -46,17 +46,6 @@ def _tar() -> bytes:
     )
 
 
-class _Chunks(io.BytesIO):
-    """A stream that returns at most ``chunk`` bytes a read (as a network stream may)."""
-
-    def __init__(self, data: bytes, chunk: int) -> None:
-        super().__init__(data)
-        self.chunk = chunk
-
-    def read(self, size: int | None = -1) -> bytes:
-        return super().read(self.chunk if size is None or not 0 <= size < self.chunk else size)
-
-
 def _webdataset(shards: list[dict]) -> list[list]:
     files = wds.tariterators.tar_file_expander(shards, handler=wds.reraise_exception)
     samples = wds.tariterators.group_by_keys(files, handler=wds.reraise_exception)
@@ -70,12 +59,12 @@ def _plain(data: bytes) -> list[list]:
 
 def _staged(data: bytes, chunk: int = 1 << 20) -> list[list]:
     """``stage()``'s stream (decompressed, tar-checked), read by webdataset's expansion."""
-    return _webdataset(list(_tar_guarded([{"url": URL, "stream": _Chunks(data, chunk)}])))
+    return _webdataset(list(_tar_guarded([{"url": URL, "stream": Chunks(data, chunk)}])))
 
 
 def _dropin(data: bytes, chunk: int = 1 << 20) -> list[list]:
     """The drop-in's expansion (``shardcache.WebDataset``)."""
-    shards = [{"url": URL, "stream": _Chunks(data, chunk)}]
+    shards = [{"url": URL, "stream": Chunks(data, chunk)}]
     return [list(s.items()) for s in expand(shards, wds.reraise_exception)]
 
 

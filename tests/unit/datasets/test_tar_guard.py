@@ -9,6 +9,7 @@ import tarfile
 
 import pytest
 import webdataset as wds
+from tars import Chunks
 
 from shardcache import ShardFormatError
 from shardcache._datasets.tar_guard import TarGuard
@@ -34,17 +35,6 @@ def _tar(fmt: int) -> bytes:
     return out.getvalue()
 
 
-class _Chunks(io.BytesIO):
-    """A stream that returns at most ``chunk`` bytes a read (as a network stream may)."""
-
-    def __init__(self, data: bytes, chunk: int) -> None:
-        super().__init__(data)
-        self.chunk = chunk
-
-    def read(self, size: int | None = -1) -> bytes:
-        return super().read(self.chunk if size is None or not 0 <= size < self.chunk else size)
-
-
 def _webdataset(stream: object, handler=wds.reraise_exception) -> list[dict]:
     """The files webdataset's tar expansion gives (its end-of-shard markers left out)."""
     shard = {"url": URL, "stream": stream}
@@ -64,7 +54,7 @@ def _incomplete(data: bytes) -> bool:
 @pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
 def test_every_cut_is_read_whole_or_is_a_shard_format_error(fmt: int) -> None:
     data = _tar(fmt)
-    assert _webdataset(TarGuard(_Chunks(data, 10240), URL)) == _webdataset(io.BytesIO(data))
+    assert _webdataset(TarGuard(Chunks(data, 10240), URL)) == _webdataset(io.BytesIO(data))
     cuts = sorted(  # every block boundary and either side of it, and offsets between
         {*range(0, len(data), 97), *(b + d for b in range(0, len(data), 512) for d in (-1, 0, 1))}
     )
@@ -72,7 +62,7 @@ def test_every_cut_is_read_whole_or_is_a_shard_format_error(fmt: int) -> None:
         chunk = (7, 512, 10240)[n % 3]
         expected = _incomplete(data[:cut])
         try:
-            got = _webdataset(TarGuard(_Chunks(data[:cut], chunk), URL))
+            got = _webdataset(TarGuard(Chunks(data[:cut], chunk), URL))
         except ShardFormatError as exn:
             assert expected, (cut, exn)
             assert URL in str(exn) and "Check the source object" in str(exn)
