@@ -87,6 +87,24 @@ def _nothing_published(cache: ShardCache, url: str) -> bool:
     return not cache.contains(url) and not [p for p in files if is_temp_name(p.name)]
 
 
+def _warm(store: Store, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``shardcache warm *args`` in a subprocess, its cache in ``tmp_path`` and ``store``'s
+    options given through the environment."""
+    env = {
+        **os.environ,
+        "SHARDCACHE_DIR": str(tmp_path / "cache"),
+        "SHARDCACHE_STORAGE_OPTIONS": json.dumps(store.server.storage_options()),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "shardcache", "warm", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def test_a_fetch_is_verified_by_the_stores_checksum_with_one_metadata_request(
     store: Store, proxy: FaultProxy, tmp_path: Path
 ) -> None:
@@ -124,19 +142,7 @@ def test_the_webdataset_stage_reads_a_tar_from_the_store(store: Store, tmp_path:
 def test_warm_fetches_the_stores_shards(store: Store, tmp_path: Path) -> None:
     objects = {f"w/train-{i}.tar": _blob(30_000 + i, i) for i in range(3)}
     store.put(objects)
-    env = {
-        **os.environ,
-        "SHARDCACHE_DIR": str(tmp_path / "cache"),
-        "SHARDCACHE_STORAGE_OPTIONS": json.dumps(store.server.storage_options()),
-    }
-    run = subprocess.run(
-        [sys.executable, "-m", "shardcache", "warm", store.url("w/train-{0..2}.tar")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    run = _warm(store, tmp_path, store.url("w/train-{0..2}.tar"))
 
     assert run.returncode == 0, run.stderr
     assert "3 of 3 shards ok, 0 failed" in run.stdout
@@ -167,19 +173,7 @@ def test_a_missing_object_is_remote_not_found_after_one_request(
 def test_a_missing_bucket_stops_warm_at_once_naming_it(store: Store, tmp_path: Path) -> None:
     store.put({"present.bin": b"x"})  # the store answers; only this bucket is missing
     missing = [f"{store.schemes[0]}://nobucket/train-{i}.tar" for i in range(40)]
-    env = {
-        **os.environ,
-        "SHARDCACHE_DIR": str(tmp_path / "cache"),
-        "SHARDCACHE_STORAGE_OPTIONS": json.dumps(store.server.storage_options()),
-    }
-    run = subprocess.run(
-        [sys.executable, "-m", "shardcache", "warm", *missing, "--threads", "2", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    run = _warm(store, tmp_path, *missing, "--threads", "2", "--json")
 
     assert run.returncode == 1, run.stderr
     report = json.loads(run.stdout)
