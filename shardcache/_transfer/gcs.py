@@ -54,7 +54,7 @@ def gcs_object_info(fs: Any, url: str, path: str, throttle: Throttle) -> ObjectI
             throttle, "HEAD", lambda: _forbidden_typed(sync, fs.loop, fs._get_object, path)
         )
     except FileNotFoundError as exc:
-        _raise_if_no_bucket(fs, path, exc)
+        _raise_if_no_bucket(fs, path, exc, throttle)
         raise
     crc32c = meta.get("crc32c")
     md5 = meta.get("md5Hash")
@@ -93,14 +93,19 @@ def gcs_gets(fs: Any, path: str, info: ObjectInfo) -> RangedGets:
     return RangedGets(get, changed)
 
 
-def _raise_if_no_bucket(fs: Any, path: str, missing: FileNotFoundError) -> None:
+def _raise_if_no_bucket(fs: Any, path: str, missing: FileNotFoundError, throttle: Throttle) -> None:
     """Raise a ``FileNotFoundError`` coded ``NoSuchBucket`` (botocore's shape, which the retry
     policy reads) if ``path``'s bucket does not exist: gcsfs gives the same bare
-    ``FileNotFoundError`` for a missing object and a missing bucket, so one more request (made
-    only for a missing object) tells them apart, and a warm stops at once on a missing bucket."""
+    ``FileNotFoundError`` for a missing object and a missing bucket, so one more metadata
+    request (made only for a missing object, in its slot of ``throttle`` and counted as a
+    HEAD) tells them apart, and a warm stops at once on a missing bucket."""
     bucket = path.split("/", 1)[0]
     try:
-        _forbidden_typed(sync, fs.loop, fs._call, "GET", "b/{}", bucket, json_out=True)
+        throttled_call(
+            throttle,
+            "HEAD",
+            lambda: _forbidden_typed(sync, fs.loop, fs._call, "GET", "b/{}", bucket, json_out=True),
+        )
     except FileNotFoundError:
         error = FileNotFoundError(errno.ENOENT, f"GCS bucket {bucket!r} does not exist")
         error.response = {  # type: ignore[attr-defined]

@@ -22,9 +22,12 @@ from tars import shard_samples, tar_bytes
 
 import shardcache
 from shardcache import IntegrityError, RemoteNotFoundError, RemotePermissionError, ShardCache
+from shardcache._cache import shard_cache
 from shardcache._disk.layout import is_temp_name
 from shardcache._disk.metadata import read_meta
+from shardcache._observe import metrics
 from shardcache._ops.verify import verify
+from shardcache._retry.throttle import Throttle
 from shardcache.testing import AzuriteServer, FaultProxy, GcsEmulator
 
 CHUNK = 256 * 1024  # each ranged GET of a download: a 1 MB object takes four
@@ -183,6 +186,34 @@ def test_a_missing_bucket_stops_warm_at_once_naming_it(store: Store, tmp_path: P
     for failure in report["failed"]:
         assert "the bucket 'nobucket' does not exist at " in failure["error"], failure
         assert "failed at once, without retries" in failure["error"], failure
+
+
+def test_the_gcs_bucket_check_takes_a_throttle_slot_and_is_counted(
+    gcs: GcsEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing object on GCS costs two requests (its metadata, then its bucket's): each
+    waits for its slot of the process's throttle and each is counted in the metrics."""
+    gcs.put_objects("bkt", {"present.bin": b"x"})
+    slept: list[float] = []  # one wait per slot: the clock stands still until a request waits
+    now = [100.0]
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    throttle = Throttle(1.0, clock=lambda: now[0], sleep=sleep)
+    monkeypatch.setattr(shard_cache, "process_throttle", lambda *caps: throttle)
+    with FaultProxy("127.0.0.1", gcs.port) as proxy:
+        cache = ShardCache(
+            tmp_path / "cache", storage_options=gcs.storage_options(proxy.endpoint_url)
+        )
+        with pytest.raises(RemoteNotFoundError):
+            cache.fetch("gs://bkt/absent.bin")
+        seen = sum(proxy.requests_seen().values())
+
+    assert seen == 2, proxy.requests_seen()
+    assert len(slept) == seen
+    assert metrics.end_epoch()["requests"] == {"HEAD": seen}
 
 
 def test_a_byte_flipped_in_transit_is_an_integrity_error_and_nothing_is_published(
