@@ -182,6 +182,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             ("server_cpu_s_per_gb", "server s/GB"),
         ],
     },
+    "B16": {
+        "label": "stage() + webdataset's tar reader",
+        "ratio": "CPU a sample, stage() / webdataset, the first case",
+        "title": "the cost of stage()'s format check",
+        "headline": ("cpu_us_per_sample", "us CPU a sample"),
+        "columns": [
+            ("cpu_us_per_sample", "CPU us a sample"),
+            ("samples_s", "samples/s"),
+            ("wall_s", "wall s"),
+        ],
+    },
 }
 
 # Figures beside the ratio that a scenario's verdict rests on, with what they mean.
@@ -317,6 +328,14 @@ def _table(res: dict[str, Any], label: str, columns: list[tuple[str, str]]) -> l
     return lines
 
 
+def _b16_cases(res: dict[str, Any]) -> list[str]:
+    lines = ["", "| case | CPU a sample, stage() / webdataset | stage()'s extra CPU, us a sample |"]
+    lines += ["|---|---:|---:|"]
+    for case, ratio in res["cpu_ratios"].items():
+        lines.append(f"| {_cell(case)} | {number(ratio)} | {number(res['extra_cpu_us'][case])} |")
+    return lines
+
+
 def _b14_workers(workers: dict[str, Any]) -> list[str]:
     lines = ["", f"With DataLoader workers: {_cell(workers['what'])}.", ""]
     lines += ["| reader | CPU us a sample |", "|---|---:|"]
@@ -391,6 +410,8 @@ def scenario_region(report: dict[str, Any], sid: str) -> str:
         lines += _b6_kinds(res)
     if sid == "B14" and res.get("workers"):
         lines += _b14_workers(res["workers"])
+    if sid == "B16":
+        lines += _b16_cases(res)
     errors = res.get("row_errors") or {}
     lines += [f"- **error** in {_cell(n)}: {_cell(str(e))}" for n, e in errors.items()]
     lines += ["", f"Target: {_cell(res['target'])}. Verdict: **{res['verdict']}**."]

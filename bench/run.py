@@ -1,4 +1,4 @@
-"""shardcache benchmarks B1-B11 and B13-B15 against their peers; writes bench/results.{md,json}.
+"""shardcache benchmarks B1-B11 and B13-B16 against their peers; writes bench/results.{md,json}.
 
     python -m bench.run [--size tiny|full] [--out DIR] [--only B2,B6]
     python -m bench.run --only B14 --merge    # re-measure one scenario into results.json
@@ -33,6 +33,7 @@ from bench.b11_bookkeeping import b11_bookkeeping
 from bench.b13_epochs import b13_epochs
 from bench.b14_mixture import b14_mixture
 from bench.b15_fast_server import b15_fast_server
+from bench.b16_stage_check import b16_stage_check
 from bench.common import (
     SIZES,
     Bench,
@@ -592,6 +593,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Bench], dict[str, Any]]]] = {
         "cold throughput against a fast server (rclone), equal objects in flight",
         b15_fast_server,
     ),
+    "B16": ("stage()'s format check against plain webdataset, hot cache", b16_stage_check),
 }
 
 
@@ -669,6 +671,7 @@ def render(report: dict[str, Any]) -> str:
             | {"fast_server_ratio", "fast_server_s3torchconnector_ratio"}
             | {"cold_ratio", "resume_overhead_warm_s", "resume_overhead_cold_s"}
             | {"cost_pct", "cpu_ratio", "mixing_cpu_us_per_sample", "curl_ratio", "verdicts"}
+            | {"cpu_ratios", "extra_cpu_us"}
         ]
         if "server_ranged_ceiling" in res:
             extra.append(

@@ -347,6 +347,35 @@ def test_b14_mixture_tiny_reports_both_readers_and_their_ratio(tmp_path: Path) -
     assert_the_docs_page_renders(report)
 
 
+@pytest.mark.timeout(120)
+def test_b16_stage_check_tiny_reports_both_readers_on_both_kinds(tmp_path: Path) -> None:
+    """B16 (bench/b16_stage_check.py) at tiny size: stage() + webdataset's tar reader and
+    webdataset over the cached files, on .tar and .tar.gz shards, each delivering the same
+    samples and bytes (checked by the scenario: else row_errors), a ratio and the extra CPU
+    for each case, a row in the table; nothing is timed."""
+    from bench.b16_stage_check import KINDS, SIZES, STAGE, WDS, _name
+
+    run_bench_module("bench.b16_stage_check", tmp_path)
+    report = json.loads((tmp_path / "results.json").read_text())
+    res = report["results"]["B16"]
+    assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
+    assert res["target"] and res["what"] and res["verdict"] == "reported", res
+    cfg = SIZES["tiny"]
+    names = {_name(r, k, s) for r in (STAGE, WDS) for k in KINDS for s in cfg["samples"]}
+    first = _name(STAGE, next(iter(KINDS)), next(iter(cfg["samples"])))
+    assert set(res["peers"]) == names - {first}, res["peers"]
+    for row in (res["shardcache"], *res["peers"].values()):
+        assert row["cpu_us_per_sample"] > 0 and row["samples_s"] > 0, row
+        assert row["reps"] == cfg["reps"], row
+    assert len(res["cpu_ratios"]) == len(KINDS) * len(cfg["samples"]), res
+    assert all(r > 0 for r in res["cpu_ratios"].values()), res
+    assert res["cpu_ratios"].keys() == res["extra_cpu_us"].keys(), res
+    assert all(math.isfinite(v) for v in res["extra_cpu_us"].values()), res
+    assert res["ratio"] == next(iter(res["cpu_ratios"].values())), res
+    assert "| B16 |" in (tmp_path / "results.md").read_text()
+    assert_the_docs_page_renders(report)
+
+
 def test_b13_shuffle_quality_places_the_split_between_its_bounds(capsys) -> None:
     """bench/shuffle_quality.py at a small size: Mosaic's entropy measure over the library's
     own split and shuffle buffer; no shuffle is 0 of the way to a global shuffle, a global

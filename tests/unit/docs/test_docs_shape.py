@@ -1,6 +1,6 @@
 """The shape of the user-facing pages (README, home, install, quickstart, the how-to guides and
 the reference): they say what to do, and leave the evidence to the pages that hold it. No test
-file or test name, no benchmark id (B1..B15) and no measured figure: figures live on the
+file or test name, no benchmark id (B1..B16) and no measured figure: figures live on the
 benchmarks page, generated from ``bench/results.json``, which the others link to."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ USER_PAGES = sorted(
 # A test file, a test's support module or a test function; the suite's folders may be named.
 TEST_NAMES = re.compile(r"\btests/[\w/.-]+\.py\b|\btest_\w+|\w+\.py::\w+")
 # "Backblaze B2" is a store, not a benchmark.
-BENCHMARK_IDS = re.compile(r"(?<!Backblaze )\bB(?:1[0-5]|[1-9])\b")
+BENCHMARK_IDS = re.compile(r"(?<!Backblaze )\bB(?:1[0-6]|[1-9])\b")
 
 
 def _page_id(path) -> str:
