@@ -161,6 +161,7 @@ def b16_stage_check(b: Bench) -> dict[str, Any]:
         f"webdataset's url_opener over the cached files' paths; CPU a sample is the process's "
         f"(its threads included); medians of {cfg['reps']} repetitions, the pair's order "
         f"alternated; cpu_ratios: median of the paired stage() / webdataset CPU a sample",
+        "label": head,
         "shardcache": rows.pop(head),
         "peers": rows,
         "ratio": ratios[f".{first[0]}, {first[1] / 1000:g} kB"],

@@ -29,6 +29,7 @@ REGION = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(<!-- end generated -->)
 
 # Per scenario: the section it links to, a short title, the figure the summary shows, and the
 # columns of its own table (key in the results, header). A missing key leaves its cell empty.
+# A scenario's results may name shardcache's row themselves ("label"), else "label" here does.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "B1": {
         "label": "shardcache drop-in",
@@ -397,7 +398,7 @@ def scenario_region(report: dict[str, Any], sid: str) -> str:
     when = f"; {_measured(res['measured'])}" if res.get("measured") else ""
     lines = [f"What was run: {_cell(res['what'])}{when}.", ""]
     spec = SCENARIOS[sid]
-    lines += _table(res, spec["label"], spec["columns"])
+    lines += _table(res, res.get("label", spec["label"]), spec["columns"])
     names = DERIVED | DERIVED_BY_SCENARIO.get(sid, {})
     derived = [f"- {names[k]}: {number(res[k])}" for k in names if res.get(k) is not None]
     ratio = []

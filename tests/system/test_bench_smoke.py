@@ -363,7 +363,7 @@ def test_b16_stage_check_tiny_reports_both_readers_on_both_kinds(tmp_path: Path)
     cfg = SIZES["tiny"]
     names = {_name(r, k, s) for r in (STAGE, WDS) for k in KINDS for s in cfg["samples"]}
     first = _name(STAGE, next(iter(KINDS)), next(iter(cfg["samples"])))
-    assert set(res["peers"]) == names - {first}, res["peers"]
+    assert res["label"] == first and set(res["peers"]) == names - {first}, res
     for row in (res["shardcache"], *res["peers"].values()):
         assert row["cpu_us_per_sample"] > 0 and row["samples_s"] > 0, row
         assert row["reps"] == cfg["reps"], row
