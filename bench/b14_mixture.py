@@ -51,9 +51,9 @@ the first of these epochs and read them from the cache root in the others), and 
 prepared with ``prepare(workers=2)``. ``workers_order_cpu_pct`` is what the workers' own
 orders cost a sample (unprepared - prepared, in % of the prepared mixture's CPU a sample).
 
-Target: the mixing costs <= 5 %: ``ratio`` >= 0.95. With workers, reported beside it:
-``workers_mixing_cpu_pct``, the prepared mixture's CPU a sample against one source's (the
-issue's aim: <= 1 %).
+Targets, each with its own verdict (``verdicts``; ``verdict`` is met when both are): the
+mixing costs <= 5 % in one process (``ratio`` >= 0.95), and with workers the prepared
+mixture costs <= 1 % more CPU a sample than one source (``workers_mixing_cpu_pct`` <= 1).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 SEED = 0
 TARGET = 0.95
-ORDER_TARGET_PCT = 1.0  # with workers, the order's CPU a sample
+WORKERS_TARGET_PCT = 1.0  # with workers, the prepared mixture's CPU a sample over one source's
 WORKERS = 2
 ONE = "one ResumableDataset over the same shards"
 
@@ -115,8 +115,8 @@ def _cpu_with_children() -> float:
 
 def _with_workers(
     cfg: dict[str, Any], urls: list[str], cache: Any, first_epoch: int
-) -> dict[str, float]:
-    """CPU per sample (us, median of ``reps`` epochs) of each reader through a DataLoader of
+) -> dict[str, list[float]]:
+    """CPU per sample (us, each of ``reps`` epochs) of each reader through a DataLoader of
     2 forked workers; the mixture with and without ``prepare(workers=2)``."""
     from torch.utils.data import DataLoader
 
@@ -141,7 +141,7 @@ def _with_workers(
             cpu[name].append((_cpu_with_children() - start) / total * 1e6)
             if count != total:
                 raise RuntimeError(f"{name} with workers: {count} samples, expected {total}")
-    return {name: round(median(values), 2) for name, values in cpu.items()}
+    return cpu
 
 
 def _count(samples: Iterable[Any]) -> int:
@@ -219,10 +219,16 @@ def b14_mixture(b: Bench) -> dict[str, Any]:
     cpu = time.process_time()
     _order(shares)
     order_us = (time.process_time() - cpu) / total * 1e6
-    workers = _with_workers(cfg, urls, cache, cfg["reps"] + 1)
+    runs_with_workers = _with_workers(cfg, urls, cache, cfg["reps"] + 1)
+    workers = {name: round(median(values), 2) for name, values in runs_with_workers.items()}
+    paired = [  # each epoch's prepared mixture against the one source's of the same repetition
+        round(100 * (m - o) / o, 1)
+        for m, o in zip(runs_with_workers["mixture, prepared"], runs_with_workers[ONE], strict=True)
+    ]
     prepared = workers["mixture, prepared"]
     order_pct = 100 * (workers["mixture"] - prepared) / prepared
     mixing_pct = 100 * (prepared - workers[ONE]) / workers[ONE]
+    checks = {"mixing": ratio >= TARGET, "workers": round(mixing_pct, 1) <= WORKERS_TARGET_PCT}
     return {
         "what": f"{len(urls)} shards of {cfg['per_shard']} samples of {cfg['sample'] / 1000:g} kB "
         f"({total} samples), hot cache (fetched before the clock, one untimed epoch each "
@@ -248,11 +254,12 @@ def b14_mixture(b: Bench) -> dict[str, Any]:
             "cpu_us_per_sample": workers,
             "workers_order_cpu_pct": round(order_pct, 1),
             "workers_mixing_cpu_pct": round(mixing_pct, 1),
+            "workers_mixing_cpu_pct_runs": paired,
         },
-        "target": "mixing costs <= 5 %: mixture samples/s >= 0.95 x one source's (with "
-        "workers, reported: what the workers' own orders cost, and the prepared mixture's "
-        "CPU a sample against one source's)",
-        "verdict": verdict(error is None and ratio >= TARGET),
+        "target": "mixing costs <= 5 %: mixture samples/s >= 0.95 x one source's; with "
+        "DataLoader workers, the prepared mixture's CPU a sample <= 1 % over one source's",
+        "verdicts": {name: verdict(ok) for name, ok in checks.items()},
+        "verdict": verdict(error is None and all(checks.values())),
         "row_errors": {"mixture": error} if error else {},
     }
 

@@ -337,16 +337,26 @@ def _b16_cases(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _b14_workers(workers: dict[str, Any]) -> list[str]:
+def _b14_workers(res: dict[str, Any]) -> list[str]:
+    workers = res["workers"]
     lines = ["", f"With DataLoader workers: {_cell(workers['what'])}.", ""]
     lines += ["| reader | CPU us a sample |", "|---|---:|"]
     lines += [f"| {_cell(n)} | {number(v)} |" for n, v in workers["cpu_us_per_sample"].items()]
     lines += [
         "",
         f"- what the workers' own orders cost: {number(workers['workers_order_cpu_pct'])} %",
-        f"- the prepared mixture against one source: {number(workers['workers_mixing_cpu_pct'])} %",
+        f"- the prepared mixture against one source: {number(workers['workers_mixing_cpu_pct'])} %"
+        + _aim(res.get("verdicts", {}).get("workers")),
     ]
+    if workers.get("workers_mixing_cpu_pct_runs"):
+        each = number(workers["workers_mixing_cpu_pct_runs"])
+        lines.append(f"- the same, each epoch against the one source's of its pair: {each} %")
     return lines
+
+
+def _aim(verdict: str | None) -> str:
+    """The with-workers aim's own verdict (<= 1 %), for a run that judged it."""
+    return "" if verdict is None else f" (aim <= 1 %: **{verdict}**)"
 
 
 CEILINGS = {
@@ -410,7 +420,7 @@ def scenario_region(report: dict[str, Any], sid: str) -> str:
     if sid == "B6":
         lines += _b6_kinds(res)
     if sid == "B14" and res.get("workers"):
-        lines += _b14_workers(res["workers"])
+        lines += _b14_workers(res)
     if sid == "B16":
         lines += _b16_cases(res)
     errors = res.get("row_errors") or {}

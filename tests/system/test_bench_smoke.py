@@ -342,6 +342,8 @@ def test_b14_mixture_tiny_reports_both_readers_and_their_ratio(tmp_path: Path) -
     assert res["cpu_ratio"] > 0 and math.isfinite(res["mixing_cpu_us_per_sample"]), res
     with_workers = res["workers"]["cpu_us_per_sample"]
     assert set(with_workers) == {ONE, "mixture", "mixture, prepared"}, res["workers"]
+    assert set(res["verdicts"]) == {"mixing", "workers"}, res
+    assert len(res["workers"]["workers_mixing_cpu_pct_runs"]) == SIZES["tiny"]["reps"], res
     assert all(v > 0 for v in with_workers.values()), res["workers"]
     assert "| B14 |" in (tmp_path / "results.md").read_text()
     assert_the_docs_page_renders(report)

@@ -102,3 +102,16 @@ def test_merging_a_study_keeps_the_others_and_a_harness_run_keeps_them_all(tmp_p
     run = {k: v for k, v in report.items() if k != "studies"}
     assert studies.carried_over(results, run)["studies"] == report["studies"]
     assert studies.carried_over(tmp_path / "absent.json", run) == run
+
+
+def test_b14_judges_the_with_workers_aim_on_its_own() -> None:
+    """The benchmarks page cannot read as if the with-workers aim (<= 1 %) were met when
+    the stored run missed it: its verdict follows the stored figure, and so does B14's."""
+    report = _report()
+    b14 = report["results"]["B14"]
+    pct = b14["workers"]["workers_mixing_cpu_pct"]
+    assert b14["verdicts"]["workers"] == ("met" if pct <= 1.0 else "MISSED"), b14
+    assert b14["verdict"] == ("met" if "MISSED" not in b14["verdicts"].values() else "MISSED")
+    region = docs_tables.scenario_region(report, "B14")
+    assert f"(aim <= 1 %: **{b14['verdicts']['workers']}**)" in region, region
+    assert f"Verdict: **{b14['verdict']}**." in region
