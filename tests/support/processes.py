@@ -5,31 +5,58 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import queue
 import sys
 from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
+
+import pytest
 
 CTX = mp.get_context("spawn")
 
 
-def run_together(
-    target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]], timeout: float = 120
-) -> list[Any]:
+def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]]) -> list[Any]:
     """Start one process per argument tuple; each gets ``(*args, start, out)``, must wait on
-    the ``start`` barrier (so they really race) and put one result on ``out``. Returns the
+    the ``start`` barrier (so they really race; with no time bound: how long the others take
+    to start depends on the machine's load) and put one result on ``out``. Returns the
     results (in completion order) after checking every process exited cleanly."""
     start, out = CTX.Barrier(len(arg_lists)), CTX.Queue()
     procs = [CTX.Process(target=target, args=(*args, start, out)) for args in arg_lists]
     for p in procs:
         p.start()
     try:
-        results = [out.get(timeout=timeout) for _ in procs]
+        results = collect(out, procs, len(procs))
     finally:
+        start.abort()  # no process waits at the barrier for one that is gone
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0] * len(procs)
+    return results
+
+
+def collect(out: Any, procs: Sequence[BaseProcess], count: int) -> list[Any]:
+    """``count`` results from the queue ``out``, awaited as long as ``procs`` run: no fixed
+    bound that a slower machine could exceed (the test's timeout catches a hang). Fails,
+    naming the exit codes, once a process ended with an error, or all ended, short of
+    ``count`` (after taking what they put before ending)."""
+    results: list[Any] = []
+    ended = False
+    while len(results) < count:
+        try:
+            results.append(out.get(timeout=1))
+            continue
+        except queue.Empty:
+            if ended:
+                codes = [p.exitcode for p in procs]
+                pytest.fail(
+                    f"{count - len(results)} of {count} results never came: a process failed "
+                    f"or all ended (exit codes {codes}; their errors are in the captured stderr)"
+                )
+        codes = [p.exitcode for p in procs]
+        ended = None not in codes or any(code not in (None, 0) for code in codes)
     return results
 
 

@@ -152,7 +152,7 @@ def _race_worker(cache_dir: str, urls: list[str], seed: int, lock_mode: str, sta
     cache = ShardCache(cache_dir, scope="node", lock_mode=lock_mode)
     order = list(urls)
     random.Random(seed).shuffle(order)
-    start.wait(60)  # all processes begin fetching together
+    start.wait()  # all processes begin fetching together
     with ThreadPoolExecutor(max_workers=3) as pool:
         paths = dict(zip(order, pool.map(cache.fetch, order), strict=True))
     digests = {url: _sha(path.read_bytes()) for url, path in paths.items()}

@@ -56,7 +56,7 @@ def task(env: dict[str, str], root: str, start: Any, out: Any) -> None:
     from shardcache import IndexExchangeError, ResumableDataset, ShardCache
 
     dataset = ResumableDataset(SPEC, cache=ShardCache(root), threads=2)  # task 0 serves
-    start.wait(60)
+    start.wait()
     began = time.monotonic()
     try:
         dataset.prepare()

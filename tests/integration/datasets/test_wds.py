@@ -6,13 +6,13 @@ import datetime
 import gc
 import multiprocessing as mp
 import pickle
-import queue
 import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 import webdataset as wds
+from processes import collect
 from threads import PrefetchThreads
 from torch.utils.data import DataLoader
 
@@ -244,17 +244,8 @@ def test_split_by_node_gives_disjoint_shards_under_torch_distributed(tmp_path: P
     ]
     for p in procs:
         p.start()
-    parts: dict[int, list[str]] = {}
     try:
-        while len(parts) < len(procs):  # bounded by the ranks' lives (and the test's timeout)
-            try:
-                rank, part = out.get(timeout=1)
-            except queue.Empty:
-                codes = [p.exitcode for p in procs]
-                if None not in codes or any(code not in (None, 0) for code in codes):
-                    pytest.fail(f"the gloo ranks ended without reporting (exit codes {codes})")
-                continue
-            parts[rank] = part
+        parts = dict(collect(out, procs, len(procs)))  # as long as the ranks live
     finally:
         for p in procs:
             p.join(30)

@@ -329,7 +329,7 @@ def test_the_stage_in_the_training_process_closes_its_epoch_itself(
 
 def _rank_main(rank: int, store: str, start: Any, results: Any) -> None:
     try:
-        start.wait(60)
+        start.wait()
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -366,7 +366,7 @@ def _rank_main(rank: int, store: str, start: Any, results: Any) -> None:
 def test_rank_zero_logs_the_jobs_line_over_a_gloo_group(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     got = {}
-    for rank, status, detail in run_together(_rank_main, [(0, store), (1, store)], timeout=90):
+    for rank, status, detail in run_together(_rank_main, [(0, store), (1, store)]):
         assert status == "ok", detail
         got[rank] = detail
     (job, lines0), (own, lines1) = got[0], got[1]

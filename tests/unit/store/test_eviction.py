@@ -192,7 +192,7 @@ def _reader(cache_dir: str, urls: list[str], seed: int, rounds: int, start, out)
         with cache.open(urls[i]) as f:
             return i, hashlib.sha256(f.read()).hexdigest()
 
-    start.wait(60)
+    start.wait()
     with ThreadPoolExecutor(max_workers=2) as pool:
         out.put(list(pool.map(read, picks)))
 
