@@ -60,6 +60,15 @@ def collect(out: Any, procs: Sequence[BaseProcess], count: int) -> list[Any]:
     return results
 
 
+def wait_set(event: Any, procs: Sequence[BaseProcess], what: str) -> None:
+    """Wait for ``event``, set by one of ``procs``, as long as they all run (the test's
+    timeout catches a hang); fails naming ``what`` once one ended first."""
+    while not event.wait(1):
+        codes = [p.exitcode for p in procs]
+        if any(code is not None for code in codes) and not event.is_set():
+            pytest.fail(f"{what} never happened: a process ended first (exit codes {codes})")
+
+
 def job_env(**extra: str) -> dict[str, str]:
     """The environment of a job the tests launch: this one without SHARDCACHE_* settings
     (the job sets its own), one OpenMP thread per process, plus ``extra``."""

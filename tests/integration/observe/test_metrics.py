@@ -444,10 +444,9 @@ def test_a_lock_wait_is_counted_with_its_holder(s3, fault_proxy, dataset, tmp_pa
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
         while fault_proxy.stats().faults.get("hold", 0) < 1:  # the holder's GET is held
-            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr
-            time.sleep(0.01)  # polling a condition, bounded by the deadline
+            assert holder.poll() is None, holder.stderr  # waited for as long as it runs
+            time.sleep(0.01)  # polling a condition, bounded by the holder's life
         waiting = threading.Event()
 
         def progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import wait_set
 
 from shardcache._base.errors import LockTimeout
 from shardcache._base.process_identity import ProcessIdentity
@@ -104,7 +105,7 @@ def _start_holder(lock_path: Path, mode: str, progress: bool = False) -> mp.Proc
     ready = CTX.Event()
     holder = CTX.Process(target=_hold_forever, args=(str(lock_path), mode, ready, progress))
     holder.start()
-    assert ready.wait(30), "holder did not acquire the lock"
+    wait_set(ready, [holder], "the holder taking the lock")
     return holder
 
 
@@ -319,7 +320,7 @@ def _released_while_waiting(lock_path: Path, policy: LockPolicy, join: float) ->
     )
     result: list[bool] = []
     try:
-        assert ready.wait(30), "holder did not acquire the lock"
+        wait_set(ready, [holder], "the holder taking the lock")
         waiter = threading.Thread(target=lambda: result.append(lock.acquire()), daemon=True)
         waiter.start()
         assert waiting.wait(30), "the waiter never found the lock held"
