@@ -14,6 +14,10 @@ from typing import Any, NoReturn
 import pytest
 
 CTX = mp.get_context("spawn")
+# The timeout of a test whose spawned processes start together (each importing shardcache,
+# some torch): a bound for a hang only. Beside other tests' load (load average 20 on 2
+# cores) such a test took up to 190 s where it takes 10-25 s on an idle machine.
+TOGETHER_TIMEOUT = 400
 
 
 def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]]) -> list[Any]:

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 from ports import reserved_port
-from processes import run_together
+from processes import TOGETHER_TIMEOUT, run_together
 from tars import shard_samples, tar_bytes
 
 BUCKET = "index-exchange"
 COUNTS = (5, 9, 6, 7, 8)
 SPEC = f"s3://{BUCKET}/train-{{000000..{len(COUNTS) - 1:06d}}}.tar"
 TARS = {f"train-{i:06d}.tar": tar_bytes(shard_samples(i, n)) for i, n in enumerate(COUNTS)}
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(TOGETHER_TIMEOUT)
 
 
 def rank_env(mode: str, rank: int, ranks: int, where: str, timeout: str, s3_env: dict) -> dict:

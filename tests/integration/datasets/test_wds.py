@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import webdataset as wds
-from processes import collect
+from processes import TOGETHER_TIMEOUT, collect
 from threads import PrefetchThreads
 from torch.utils.data import DataLoader
 
@@ -235,6 +235,7 @@ def _split_rank(rank: int, store: str, start, out) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_split_by_node_gives_disjoint_shards_under_torch_distributed(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(2), ctx.Queue()

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import webdataset as wds
-from processes import run_together
+from processes import TOGETHER_TIMEOUT, run_together
 from torch.utils.data import DataLoader
 
 import shardcache
@@ -363,6 +363,7 @@ def _rank_main(rank: int, store: str, start: Any, results: Any) -> None:
         results.put((rank, "error", traceback.format_exc()))
 
 
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_rank_zero_logs_the_jobs_line_over_a_gloo_group(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     got = {}
