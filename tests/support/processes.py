@@ -31,13 +31,16 @@ def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...
         p.start()
     try:
         results = collect(out, procs, len(procs))
+        for p in procs:  # ending (a process group's teardown) can take a while under load
+            p.join()
     finally:
         start.abort()  # no process waits at the barrier for one that is gone
         for p in procs:
-            p.join(30)
             if p.is_alive():
                 p.kill()
-    assert [p.exitcode for p in procs] == [0] * len(procs)
+                p.join()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * len(procs), f"exit codes {codes}"
     return results
 
 

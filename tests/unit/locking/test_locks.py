@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import wait_set
+from processes import TOGETHER_TIMEOUT, wait_set
 
 from shardcache._base.errors import LockTimeout
 from shardcache._base.process_identity import ProcessIdentity
@@ -52,6 +52,7 @@ def _assert_no_overlap(log_path: Path, expected: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_processes_exclude_each_other(tmp_path: Path, mode: str) -> None:
     lock_path, log = tmp_path / ".locks" / "ab" / "x.lock", tmp_path / "log"
     procs = [
@@ -60,9 +61,13 @@ def test_processes_exclude_each_other(tmp_path: Path, mode: str) -> None:
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:  # no 60 s bound: beside load 8 spawned processes took longer
+            p.join()
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * 8
     _assert_no_overlap(log, 8 * 15)
 
 
