@@ -51,6 +51,7 @@ def _pipeline(spec: str, cache: ShardCache, **options) -> wds.DataPipeline:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_dataloader_workers_yield_every_sample_once_per_epoch(
     s3, dataset: str, tmp_path: Path, start_method: str
 ) -> None:
@@ -60,7 +61,6 @@ def test_dataloader_workers_yield_every_sample_once_per_epoch(
         batch_size=None,
         num_workers=2,
         multiprocessing_context=mp.get_context(start_method),
-        timeout=60,
     )
     for _epoch in range(2):
         keys = [key for key, _cls in loader]

@@ -412,7 +412,6 @@ def test_metrics_asked_for_in_code_reach_workers_of_every_start_method(
         batch_size=None,
         num_workers=2,
         multiprocessing_context=mp.get_context(start_method),
-        timeout=60,
     )
     assert len(list(loader)) == SHARDS * PER_SHARD
     report = shardcache.log_epoch_summary(0)
