@@ -5,32 +5,75 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import queue
 import sys
 from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
+import pytest
+
 CTX = mp.get_context("spawn")
+# The timeout of a test whose spawned processes start together (each importing shardcache,
+# some torch): a bound for a hang only. Beside other tests' load (load average 20 on 2
+# cores) such a test took up to 190 s where it takes 10-25 s on an idle machine.
+TOGETHER_TIMEOUT = 400
 
 
-def run_together(
-    target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]], timeout: float = 120
-) -> list[Any]:
+def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]]) -> list[Any]:
     """Start one process per argument tuple; each gets ``(*args, start, out)``, must wait on
-    the ``start`` barrier (so they really race) and put one result on ``out``. Returns the
+    the ``start`` barrier (so they really race; with no time bound: how long the others take
+    to start depends on the machine's load) and put one result on ``out``. Returns the
     results (in completion order) after checking every process exited cleanly."""
     start, out = CTX.Barrier(len(arg_lists)), CTX.Queue()
     procs = [CTX.Process(target=target, args=(*args, start, out)) for args in arg_lists]
     for p in procs:
         p.start()
     try:
-        results = [out.get(timeout=timeout) for _ in procs]
+        results = collect(out, procs, len(procs))
+        for p in procs:  # ending (a process group's teardown) can take a while under load
+            p.join()
     finally:
+        start.abort()  # no process waits at the barrier for one that is gone
         for p in procs:
-            p.join(30)
             if p.is_alive():
                 p.kill()
-    assert [p.exitcode for p in procs] == [0] * len(procs)
+                p.join()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * len(procs), f"exit codes {codes}"
     return results
+
+
+def collect(out: Any, procs: Sequence[BaseProcess], count: int) -> list[Any]:
+    """``count`` results from the queue ``out``, awaited as long as ``procs`` run: no fixed
+    bound that a slower machine could exceed (the test's timeout catches a hang). Fails,
+    naming the exit codes, once a process ended with an error, or all ended, short of
+    ``count`` (after taking what they put before ending)."""
+    results: list[Any] = []
+    ended = False
+    while len(results) < count:
+        try:
+            results.append(out.get(timeout=1))
+            continue
+        except queue.Empty:
+            if ended:
+                codes = [p.exitcode for p in procs]
+                pytest.fail(
+                    f"{count - len(results)} of {count} results never came: a process failed "
+                    f"or all ended (exit codes {codes}; their errors are in the captured stderr)"
+                )
+        codes = [p.exitcode for p in procs]
+        ended = None not in codes or any(code not in (None, 0) for code in codes)
+    return results
+
+
+def wait_set(event: Any, procs: Sequence[BaseProcess], what: str) -> None:
+    """Wait for ``event``, set by one of ``procs``, as long as they all run (the test's
+    timeout catches a hang); fails naming ``what`` once one ended first."""
+    while not event.wait(1):
+        codes = [p.exitcode for p in procs]
+        if any(code is not None for code in codes) and not event.is_set():
+            pytest.fail(f"{what} never happened: a process ended first (exit codes {codes})")
 
 
 def job_env(**extra: str) -> dict[str, str]:

@@ -51,7 +51,7 @@ def _racer(node: dict, urls: list[str], seed: int, start, out) -> None:
     )
     order = list(urls)
     random.Random(seed).shuffle(order)
-    start.wait(WAIT)
+    start.wait()
     digests = {u: hashlib.sha256(cache.fetch(u).read_bytes()).hexdigest() for u in order}
     out.put((node["name"], os.getpid(), digests, cache.stats().as_dict()))
 
@@ -74,7 +74,7 @@ def test_two_nodes_download_each_shard_once_and_one_process_per_node_takes_the_l
         for node in jfs_nodes
     ]
     args = [(node, list(urls), 10 * i + j) for i, node in enumerate(nodes) for j in range(per_node)]
-    results = run_together(_racer, args, timeout=300)
+    results = run_together(_racer, args)
     assert all(digests == urls for _, _, digests, _ in results), "every byte right"
     assert sum(s["misses"] for *_, s in results) == n
     assert {k: s3.count("GET", BUCKET, k) for k in blobs} == dict.fromkeys(blobs, 1)

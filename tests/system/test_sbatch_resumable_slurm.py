@@ -7,12 +7,12 @@ scripts/train-resumable.py to the end; the training reads every shard from the c
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import reserved_port
 from repo import ROOT
 from tars import shard_samples, tar_bytes
 from test_slurm import (
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + 240)
 BUCKET = "slurm-resumable"
 COUNTS = (12, 9, 11, 5, 8, 7)
 SPEC = f"s3://{BUCKET}/train-{{0..{len(COUNTS) - 1}}}.tar"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_sbatch_resumable_activates_the_venv_warms_and_trains(
@@ -72,11 +66,12 @@ def test_sbatch_resumable_activates_the_venv_warms_and_trains(
         "EPOCHS": "2",
         "WORKERS": "1",
         "BATCH_SIZE": "4",
-        "MASTER_PORT": str(_free_port()),
     }
     out = tmp_path / "job.out"
     args = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=2"]
-    state, exit_code = sbatch_and_wait([*args, f"--output={out}", str(script)], env, tmp_path)
+    with reserved_port() as port:  # rank 0's store binds it (the one node is this host)
+        env["MASTER_PORT"] = str(port)
+        state, exit_code = sbatch_and_wait([*args, f"--output={out}", str(script)], env, tmp_path)
     log = out.read_text() if out.exists() else "(no output file)"
     assert (state, exit_code) == ("COMPLETED", "0:0"), log
     assert f"python {VENV_BIN}/python" in log  # the venv was activated

@@ -92,7 +92,9 @@ def tasks_env(
         SHARDCACHE_SCOPE="node",
         SHARDCACHE_DIR=cache,
         MASTER_ADDR=cluster.node("scnode1").addr,
-        MASTER_PORT=str(random.randrange(20000, 40000)),  # rank 0 listens there, on scnode1
+        # Rank 0 listens there, on scnode1: below the node's ephemeral ports (32768-60999),
+        # which its outgoing connections and gloo's own listeners take at random.
+        MASTER_PORT=str(random.randrange(20000, 32768)),
         GLOO_SOCKET_IFNAME="eth0",  # the node's end of its veth pair
         OMP_NUM_THREADS="1",
     )

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from processes import run_together
+from processes import TOGETHER_TIMEOUT, run_together
 from servers import on_s3_servers
 
 from shardcache import (
@@ -152,7 +152,7 @@ def _race_worker(cache_dir: str, urls: list[str], seed: int, lock_mode: str, sta
     cache = ShardCache(cache_dir, scope="node", lock_mode=lock_mode)
     order = list(urls)
     random.Random(seed).shuffle(order)
-    start.wait(60)  # all processes begin fetching together
+    start.wait()  # all processes begin fetching together
     with ThreadPoolExecutor(max_workers=3) as pool:
         paths = dict(zip(order, pool.map(cache.fetch, order), strict=True))
     digests = {url: _sha(path.read_bytes()) for url, path in paths.items()}
@@ -164,6 +164,7 @@ def _race_worker(cache_dir: str, urls: list[str], seed: int, lock_mode: str, sta
     [("moto", "flock"), ("moto", "lease"), ("seaweedfs", "flock")],
     indirect=["s3"],
 )
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_eight_processes_race_and_each_shard_is_downloaded_once(
     s3, fault_proxy, shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock_mode: str
 ) -> None:

@@ -183,7 +183,6 @@ def test_the_dataset_pickles_into_spawned_workers(dataset_s3, tmp_path: Path) ->
         num_workers=2,
         collate_fn=keys_of,
         multiprocessing_context=mp.get_context("spawn"),
-        timeout=60,
     )
     assert sorted(k for ks in loader for k in ks) == sorted(ALL_KEYS)
 

@@ -6,13 +6,13 @@ import datetime
 import gc
 import multiprocessing as mp
 import pickle
-import queue
 import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 import webdataset as wds
+from processes import TOGETHER_TIMEOUT, collect
 from threads import PrefetchThreads
 from torch.utils.data import DataLoader
 
@@ -51,6 +51,7 @@ def _pipeline(spec: str, cache: ShardCache, **options) -> wds.DataPipeline:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_dataloader_workers_yield_every_sample_once_per_epoch(
     s3, dataset: str, tmp_path: Path, start_method: str
 ) -> None:
@@ -60,7 +61,6 @@ def test_dataloader_workers_yield_every_sample_once_per_epoch(
         batch_size=None,
         num_workers=2,
         multiprocessing_context=mp.get_context(start_method),
-        timeout=60,
     )
     for _epoch in range(2):
         keys = [key for key, _cls in loader]
@@ -235,6 +235,7 @@ def _split_rank(rank: int, store: str, start, out) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_split_by_node_gives_disjoint_shards_under_torch_distributed(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(2), ctx.Queue()
@@ -244,17 +245,8 @@ def test_split_by_node_gives_disjoint_shards_under_torch_distributed(tmp_path: P
     ]
     for p in procs:
         p.start()
-    parts: dict[int, list[str]] = {}
     try:
-        while len(parts) < len(procs):  # bounded by the ranks' lives (and the test's timeout)
-            try:
-                rank, part = out.get(timeout=1)
-            except queue.Empty:
-                codes = [p.exitcode for p in procs]
-                if None not in codes or any(code not in (None, 0) for code in codes):
-                    pytest.fail(f"the gloo ranks ended without reporting (exit codes {codes})")
-                continue
-            parts[rank] = part
+        parts = dict(collect(out, procs, len(procs)))  # as long as the ranks live
     finally:
         for p in procs:
             p.join(30)

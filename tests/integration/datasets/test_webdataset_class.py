@@ -246,7 +246,7 @@ def test_dataloader_spawned_workers_unpickle_the_class_by_its_public_name(
     ds = shardcache.WebDataset(urls, shardshuffle=False, cache=cache).to_tuple("__key__")
     assert type(pickle.loads(pickle.dumps(ds))) is shardcache.WebDataset
     loader = torch.utils.data.DataLoader(
-        ds, batch_size=4, num_workers=2, multiprocessing_context=mp.get_context("spawn"), timeout=60
+        ds, batch_size=4, num_workers=2, multiprocessing_context=mp.get_context("spawn")
     )
     assert sorted(k for batch in loader for k in batch[0]) == _all_keys()
 

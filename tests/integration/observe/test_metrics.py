@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import webdataset as wds
-from processes import run_together
+from processes import TOGETHER_TIMEOUT, run_together
 from torch.utils.data import DataLoader
 
 import shardcache
@@ -329,7 +329,7 @@ def test_the_stage_in_the_training_process_closes_its_epoch_itself(
 
 def _rank_main(rank: int, store: str, start: Any, results: Any) -> None:
     try:
-        start.wait(60)
+        start.wait()
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -363,10 +363,11 @@ def _rank_main(rank: int, store: str, start: Any, results: Any) -> None:
         results.put((rank, "error", traceback.format_exc()))
 
 
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_rank_zero_logs_the_jobs_line_over_a_gloo_group(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     got = {}
-    for rank, status, detail in run_together(_rank_main, [(0, store), (1, store)], timeout=90):
+    for rank, status, detail in run_together(_rank_main, [(0, store), (1, store)]):
         assert status == "ok", detail
         got[rank] = detail
     (job, lines0), (own, lines1) = got[0], got[1]
@@ -411,7 +412,6 @@ def test_metrics_asked_for_in_code_reach_workers_of_every_start_method(
         batch_size=None,
         num_workers=2,
         multiprocessing_context=mp.get_context(start_method),
-        timeout=60,
     )
     assert len(list(loader)) == SHARDS * PER_SHARD
     report = shardcache.log_epoch_summary(0)
@@ -444,10 +444,9 @@ def test_a_lock_wait_is_counted_with_its_holder(s3, fault_proxy, dataset, tmp_pa
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
         while fault_proxy.stats().faults.get("hold", 0) < 1:  # the holder's GET is held
-            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr
-            time.sleep(0.01)  # polling a condition, bounded by the deadline
+            assert holder.poll() is None, holder.stderr  # waited for as long as it runs
+            time.sleep(0.01)  # polling a condition, bounded by the holder's life
         waiting = threading.Event()
 
         def progress(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:

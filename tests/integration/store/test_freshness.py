@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import collect
 
 from shardcache import ConfigError, RemoteNotFoundError, ShardCache
 from shardcache._disk.metadata import read_meta, write_meta
@@ -132,7 +133,7 @@ def test_processes_racing_on_a_stale_copy_all_get_the_new_bytes(tmp_path: Path) 
     for p in procs:
         p.start()
     start.set()
-    results = [out.get(timeout=60) for _ in procs]
+    results = collect(out, procs, len(procs))
     for p in procs:
         p.join(30)
     assert {digest for digest, _, _ in results} == {hashlib.sha256(new).hexdigest()}
@@ -173,9 +174,9 @@ def test_a_stale_copy_is_not_taken_for_another_processs_work(tmp_path: Path) -> 
     for p in procs:
         p.start()
     try:
-        assert {waiting.get(timeout=60) for _ in procs} == {p.pid for p in procs}
+        assert set(collect(waiting, procs, len(procs))) == {p.pid for p in procs}
         lock.release()
-        results = [out.get(timeout=60) for _ in procs]
+        results = collect(out, procs, len(procs))
     finally:
         for p in procs:
             p.join(30)

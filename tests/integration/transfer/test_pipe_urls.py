@@ -420,7 +420,7 @@ def test_verify_does_not_rerun_commands_and_checks_the_recorded_size(
 
 def _fetch_in_process(cache_dir: str, url: str, start, out) -> None:
     cache = ShardCache(cache_dir, retry_backoff=0.01)
-    start.wait(60)
+    start.wait()
     path = cache.fetch(url)
     out.put((path.read_bytes(), cache.stats().as_dict()))
 

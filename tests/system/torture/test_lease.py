@@ -28,7 +28,7 @@ def _racer(cache_dir: str, node_lock_dir: str, urls: list[str], seed: int, start
     assert cache._locks.policy().mode == "lease"  # detected: a network file system
     order = list(urls)
     random.Random(seed).shuffle(order)
-    start.wait(120)
+    start.wait()
     digests = {u: hashlib.sha256(cache.fetch(u).read_bytes()).hexdigest() for u in order}
     out.put((digests, cache.stats().as_dict()))
 
@@ -44,7 +44,7 @@ def test_lease_mode_race_downloads_each_shard_exactly_once(s3, jfs_nodes, figure
         for seed in range(procs)
         for node in [jfs_nodes[seed % 2]]  # half the processes on each node
     ]
-    results = run_together(_racer, args, timeout=600)
+    results = run_together(_racer, args)
     assert all(d == urls for d, _ in results), "every process read every shard intact"
     misses = sum(s["misses"] for _, s in results)
     gets = {k: s3.count("GET", BUCKET, k) for k in blobs}

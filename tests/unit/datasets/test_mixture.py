@@ -437,7 +437,6 @@ def _two_workers(
         batch_size=4,
         num_workers=2,
         collate_fn=_pairs,
-        timeout=60,
         worker_init_fn=_no_interleaving_here if refuse else None,
         multiprocessing_context=how,
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from mounts import fill, needs_root, read_only, tmpfs
+from processes import collect, wait_set
 
 from shardcache import ShardCache
 from shardcache._base.errors import ConfigError, LockFileError, LockTimeout
@@ -168,7 +169,7 @@ def test_live_lease_survives_a_loaded_machine_at_the_smallest_lease_time(tmp_pat
     for p in procs:
         p.start()
     try:
-        assert held.wait(60)
+        wait_set(held, [holder], "the holder taking the lease")
         lease = lock_path.with_suffix(".lease")
         # Hold for at least four lease times, counted in the holder's own renewals (a
         # renewal every quarter lease): the waiters poll and judge all along.
@@ -182,7 +183,7 @@ def test_live_lease_survives_a_loaded_machine_at_the_smallest_lease_time(tmp_pat
                 continue  # caught mid-rewrite
             assert holder.is_alive()
         release.set()
-        results = [out.get(timeout=120) for _ in range(4)]
+        results = collect(out, [holder, *waiters], 4)
     finally:
         stop.set()
         release.set()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import TOGETHER_TIMEOUT, wait_set
 
 from shardcache._base.errors import LockTimeout
 from shardcache._base.process_identity import ProcessIdentity
@@ -51,6 +52,7 @@ def _assert_no_overlap(log_path: Path, expected: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 def test_processes_exclude_each_other(tmp_path: Path, mode: str) -> None:
     lock_path, log = tmp_path / ".locks" / "ab" / "x.lock", tmp_path / "log"
     procs = [
@@ -59,9 +61,13 @@ def test_processes_exclude_each_other(tmp_path: Path, mode: str) -> None:
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:  # no 60 s bound: beside load 8 spawned processes took longer
+            p.join()
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * 8
     _assert_no_overlap(log, 8 * 15)
 
 
@@ -104,7 +110,7 @@ def _start_holder(lock_path: Path, mode: str, progress: bool = False) -> mp.Proc
     ready = CTX.Event()
     holder = CTX.Process(target=_hold_forever, args=(str(lock_path), mode, ready, progress))
     holder.start()
-    assert ready.wait(30), "holder did not acquire the lock"
+    wait_set(ready, [holder], "the holder taking the lock")
     return holder
 
 
@@ -319,7 +325,7 @@ def _released_while_waiting(lock_path: Path, policy: LockPolicy, join: float) ->
     )
     result: list[bool] = []
     try:
-        assert ready.wait(30), "holder did not acquire the lock"
+        wait_set(ready, [holder], "the holder taking the lock")
         waiter = threading.Thread(target=lambda: result.append(lock.acquire()), daemon=True)
         waiter.start()
         assert waiting.wait(30), "the waiter never found the lock held"

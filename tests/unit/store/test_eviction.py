@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import run_together
+from processes import run_together, wait_set
 
 from shardcache import CacheFullError, ConfigError, ShardCache
 from shardcache._ops.maintenance import status
@@ -92,7 +92,7 @@ def test_a_shard_open_in_another_process_is_not_evicted(sources, tmp_path: Path)
     child = CTX.Process(target=_hold_open, args=(str(tmp_path / "cache"), sources[0], ready, done))
     child.start()
     try:
-        assert ready.wait(60)
+        wait_set(ready, [child], "the child opening the shard")
         report = cache.evict(0)
         assert report.in_use == 1 and not report.removed and cache.contains(sources[0])
     finally:
@@ -192,7 +192,7 @@ def _reader(cache_dir: str, urls: list[str], seed: int, rounds: int, start, out)
         with cache.open(urls[i]) as f:
             return i, hashlib.sha256(f.read()).hexdigest()
 
-    start.wait(60)
+    start.wait()
     with ThreadPoolExecutor(max_workers=2) as pool:
         out.put(list(pool.map(read, picks)))
 

@@ -78,7 +78,7 @@ def _scope(cache: ShardCache) -> Path:
 
 def _publisher(cache_dir: str, urls: list[str], start, out) -> None:
     cache = ShardCache(cache_dir, scope="node", max_bytes=1 << 30)
-    start.wait(60)
+    start.wait()
     for url in urls:
         cache.fetch(url)
     index = cache._space.index()
