@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter, deque
 
+from shardcache._base.token_bucket import TokenBucket
 from shardcache.testing._service import HOST, LoopbackService
 from shardcache.testing.fault_rules import (
     FaultRule,
@@ -42,7 +43,6 @@ from shardcache.testing.fault_rules import (
     parse_kind,
 )
 from shardcache.testing.relay import _POLL, _Connection
-from shardcache._base.token_bucket import TokenBucket
 
 logger = logging.getLogger(__name__)
 
