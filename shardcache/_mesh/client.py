@@ -69,9 +69,11 @@ def fetch_range(
     start: int = 0,
     end: int | None = None,
     bounds: Bounds = Bounds(),
+    on_answer: Callable[[Answer], object] | None = None,
 ) -> Answer:
     """Give ``sink`` the bytes ``start`` to ``end`` (inclusive; None: to the end) of
-    ``shard``'s copy on ``peer``, in order, in pieces of at most ``bounds.chunk`` bytes."""
+    ``shard``'s copy on ``peer``, in order, in pieces of at most ``bounds.chunk`` bytes;
+    ``on_answer`` sees the answer (the holder's record) before the first byte."""
     byte_range = "" if start == 0 and end is None else f"bytes={start}-{'' if end is None else end}"
     target = f"{PATH}?{urlencode(shard.query())}"
     fail = _Failure(peer, shard.url, byte_range)
@@ -89,6 +91,8 @@ def fetch_range(
         except (OSError, http.client.HTTPException) as exc:
             raise fail("no answer", None, exc) from exc
         answer = _answer(response, byte_range, start, fail)
+        if on_answer is not None:
+            on_answer(answer)
         _receive(connection, response, sink, length=answer.length, bounds=bounds, fail=fail)
         return answer
     finally:
