@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -19,51 +18,15 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
+from mesh_holder import BUCKET, JOB, SECRET, Holder
 
-from shardcache import PeerFetchError, ShardCache
+from shardcache import PeerFetchError
 from shardcache._mesh.auth import HEADER, JobKey, Verifier
 from shardcache._mesh.client import Bounds, Peer, fetch_range
-from shardcache._mesh.served import ServedShards, ShardRequest
+from shardcache._mesh.served import ShardRequest
 from shardcache._mesh.server import PATH, MeshServer
 
-BUCKET = "meshshards"
-SECRET = bytes(range(32))
-JOB = "job-43"
 PEER_SCRIPT = Path(__file__).parents[2] / "support" / "mesh_peer.py"
-
-
-class Holder:
-    """A node's cache holding published shards, and what the job may ask for."""
-
-    def __init__(self, cache: ShardCache, blobs: dict[str, bytes], allowed: list[str]) -> None:
-        self.cache, self.blobs = cache, blobs
-        self.requests = {url: self.request(url) for url in blobs}
-        self.allowed = {(self.requests[u].url, self.requests[u].namespace) for u in allowed}
-
-    def request(self, url: str) -> ShardRequest:
-        shard = self.cache._identify(url)
-        return ShardRequest("node", shard.protocol, shard.namespace, shard.canonical_url)
-
-    def shards(self) -> ServedShards:
-        return ServedShards({"node": self.cache.layout}, lambda u, ns: (u, ns) in self.allowed)
-
-
-@pytest.fixture
-def holder(s3, tmp_path: Path) -> Holder:
-    sizes = {"a.tar": 2_500_000, "b.tar": 300_000, "outside.tar": 1000}
-    objects = {k: random.Random(k).randbytes(n) for k, n in sizes.items()}
-    s3.put_objects(BUCKET, objects)
-    cache = ShardCache(tmp_path / "cache", scope="node", retry_backoff=0.01)
-    blobs = {f"s3://{BUCKET}/{k}": v for k, v in objects.items()}
-    for url in blobs:
-        cache.fetch(url)
-    return Holder(cache, blobs, [u for u in blobs if "outside" not in u])
-
-
-@pytest.fixture
-def server(holder: Holder) -> Iterator[MeshServer]:
-    with MeshServer(holder.shards(), Verifier(JobKey(SECRET, JOB)), "127.0.0.1") as running:
-        yield running
 
 
 def _fetch(server: MeshServer, request: ShardRequest, **kw) -> tuple[bytes, object]:

@@ -10,12 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mesh_holder import Holder
 
 from shardcache import IntegrityError, PeerFetchError, ShardCache
 from shardcache._disk.metadata import read_meta, write_meta
 from shardcache._mesh.auth import JobKey, Verifier
 from shardcache._mesh.client import Peer
-from shardcache._mesh.served import ServedShards, ShardRequest
+from shardcache._mesh.served import ShardRequest
 from shardcache._mesh.server import MeshServer
 from shardcache._mesh.verify import Expected, fetch_verified
 
@@ -24,34 +25,22 @@ SECRET = bytes(range(32, 64))
 JOB = "job-verify"
 
 
-class Node:
-    def __init__(self, cache: ShardCache, blobs: dict[str, bytes], etags: dict[str, str]) -> None:
-        self.cache, self.blobs, self.etags = cache, blobs, etags
-        self.requests = {}
-        for url in blobs:
-            shard = cache._identify(url)
-            self.requests[url] = ShardRequest(
-                "node", shard.protocol, shard.namespace, shard.canonical_url
-            )
-
-
 @pytest.fixture
-def node(s3, tmp_path: Path) -> Node:
+def node(s3, tmp_path: Path) -> Holder:
     single = {"single.tar": random.Random(1).randbytes(700_000)}
     multi = {"multi.tar": random.Random(2).randbytes(12 << 20)}
-    etags = s3.put_objects(BUCKET, single)
-    etags |= s3.put_objects(BUCKET, multi, multipart_chunk=5 << 20)
+    s3.put_objects(BUCKET, single)
+    s3.put_objects(BUCKET, multi, multipart_chunk=5 << 20)
     cache = ShardCache(tmp_path / "cache", scope="node", retry_backoff=0.01)
     blobs = {f"s3://{BUCKET}/{k}": v for k, v in {**single, **multi}.items()}
     for url in blobs:
         cache.fetch(url)
-    return Node(cache, blobs, {f"s3://{BUCKET}/{k}": v for k, v in etags.items()})
+    return Holder(cache, blobs, list(blobs))
 
 
 @pytest.fixture
-def server(node: Node) -> Iterator[MeshServer]:
-    shards = ServedShards({"node": node.cache.layout}, lambda url, ns: True)
-    with MeshServer(shards, Verifier(JobKey(SECRET, JOB)), "127.0.0.1") as running:
+def server(node: Holder) -> Iterator[MeshServer]:
+    with MeshServer(node.shards(), Verifier(JobKey(SECRET, JOB)), "127.0.0.1") as running:
         yield running
 
 
