@@ -88,6 +88,8 @@ class MeshServer:
         self._active = 0  # touched only in the server's loop
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
+        self._in_flight = 0  # requests being answered, counted before they are done
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -102,6 +104,12 @@ class MeshServer:
         ``"aborted"``, ``"bytes"`` served and ``"throttled_ms"`` waited on the upload cap."""
         with self._lock:
             return dict(self._counts)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is being answered (its counts then final), at most
+        ``timeout`` seconds; whether it is so."""
+        with self._settled:
+            return self._settled.wait_for(lambda: self._in_flight == 0, timeout)
 
     def _count(self, key: str, amount: int = 1) -> None:
         with self._lock:
@@ -121,6 +129,8 @@ class MeshServer:
                 self._loop.run_until_complete(self._listen(sock))
             except BaseException as exc:  # reported to start()'s caller
                 failure.append(exc)
+                sock.close()
+                self._loop.close()
                 ready.set()
                 return
             ready.set()
@@ -152,10 +162,11 @@ class MeshServer:
         loop, runner, thread = self._loop, self._runner, self._thread
         if loop is None or thread is None or not thread.is_alive():
             return
-        if runner is not None:
-            future = asyncio.run_coroutine_threadsafe(runner.cleanup(), loop)
-            with contextlib.suppress(Exception):
-                future.result(timeout)
+        for ending in (runner.cleanup() if runner else None, loop.shutdown_default_executor()):
+            if ending is not None:  # the listener and transfers, then the file-opening threads
+                future = asyncio.run_coroutine_threadsafe(ending, loop)
+                with contextlib.suppress(Exception):
+                    future.result(timeout)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
 
@@ -166,6 +177,16 @@ class MeshServer:
         self.stop()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        with self._settled:
+            self._in_flight += 1
+        try:
+            return await self._answer(request)
+        finally:
+            with self._settled:
+                self._in_flight -= 1
+                self._settled.notify_all()
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         byte_range = request.headers.get("Range", "")
         refused = self._verifier.check(
             "GET", request.raw_path, byte_range, request.headers.get(HEADER)

@@ -51,6 +51,7 @@ def test_another_users_process_is_refused(accounts, holder, tmp_path: Path) -> N
         ran = accounts[OUTSIDER].run(code, {"PYTHONPATH": str(REPO)}, home)
         assert ran.returncode == 0, ran.stderr
         assert json.loads(ran.stdout) == ["key refused", 401, 403]
+        assert server.wait_idle(5)  # a transfer's counts are final once it ends
         counts = server.counts()
     assert (counts.get("401"), counts.get("403"), counts.get("bytes")) == (1, 1, None)
     assert os.stat(key).st_uid == os.geteuid()

@@ -57,6 +57,7 @@ def test_a_peer_serves_a_published_shard_whole_and_by_range(holder, server) -> N
     assert part == blob[1000:1_501_000] and answer.start == 1000
     tail, _ = _fetch(server, request, start=len(blob) - 10)
     assert tail == blob[-10:]
+    assert server.wait_idle(5)  # a transfer's counts are final once it ends
     counts = server.counts()
     assert counts["200"] == 1 and counts["206"] == 2
     assert counts["bytes"] == len(blob) + 1_500_000 + 10
@@ -72,6 +73,7 @@ def test_requests_without_the_job_key_are_refused(holder, server) -> None:
     assert _raw(server, request, {HEADER: signed, "Range": "bytes=0-99999"}) == 403  # range changed
     assert _raw(server, request, {HEADER: signed, "Range": "bytes=0-9"}) == 206
     assert _raw(server, request, {HEADER: signed, "Range": "bytes=0-9"}) == 403  # replayed
+    assert server.wait_idle(5)  # a transfer's counts are final once it ends
     counts = server.counts()
     assert (counts["401"], counts["403"], counts["206"], counts.get("bytes")) == (1, 4, 1, 10)
 
@@ -113,6 +115,7 @@ def test_a_copy_its_record_does_not_describe_is_not_served(holder, server) -> No
     path.unlink()
     os.symlink(holder.cache.path_for(f"s3://{BUCKET}/a.tar"), path)  # a link in its place
     assert _refused(server, holder.requests[url]) == 404
+    assert server.wait_idle(5)
     assert server.counts()["404"] == 2
 
 
@@ -230,5 +233,6 @@ def test_the_upload_cap_paces_and_the_concurrency_cap_answers_503(holder) -> Non
         assert results["bytes"] == holder.blobs[url]
         # 1 MiB passes at once (the burst), the rest at 4 MB/s
         assert results["seconds"] >= (size - (1 << 20)) / 4e6 * 0.9
+        assert capped.wait_idle(5)  # a transfer's counts are final once it ends
         counts = capped.counts()
         assert counts["503"] == 1 and counts["200"] == 1 and counts["throttled_ms"] > 0

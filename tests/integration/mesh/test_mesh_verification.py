@@ -74,6 +74,7 @@ def test_a_flipped_byte_in_the_holders_copy_is_caught_and_names_the_peer(node, s
         _fetch(server, node.requests[url])
     assert caught.value.peer == f"127.0.0.1:{server.port}"
     assert f"from peer 127.0.0.1:{server.port}" in str(caught.value)
+    assert server.wait_idle(5)
     assert server.counts()["200"] == 1  # the server sent it: the receiver caught it
 
 
