@@ -4,8 +4,9 @@ user cannot read from a process's environment), else the user's own key file (ma
 use, readable by its owner only; shared by the nodes where the home directory is), and its
 fingerprint, which the nodes compare through the job's store before any of them serves.
 
-The key file is refused unless it is a regular file owned by this user that no one else may
-read or write: another user's or a readable key would let someone else into the mesh.
+With neither, the mesh stays off and says how to turn it on. The key file is refused unless
+it is a regular file owned by this user that no one else may read or write: another user's or
+a readable key would let someone else into the mesh.
 """
 
 from __future__ import annotations
@@ -13,28 +14,46 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
+import pwd
 import secrets
 import stat
 from pathlib import Path
 
 from .._base.errors import ConfigError
 
+logger = logging.getLogger("shardcache.mesh")
+
 SECRET_BYTES = 32
 _MIN_BYTES = 16
 
 
-def given_secret(value: str) -> bytes:
-    """A secret given as text (``SHARDCACHE_MESH_SECRET``): its UTF-8 bytes, at least 16."""
-    data = value.strip().encode()
-    if len(data) < _MIN_BYTES:
-        raise ConfigError(
-            f"SHARDCACHE_MESH_SECRET has {len(data)} bytes; expected at least {_MIN_BYTES}, "
-            'e.g. export SHARDCACHE_MESH_SECRET="$(openssl rand -hex 32)" in the job script.',
-            name="SHARDCACHE_MESH_SECRET",
-            value="***",
+def job_secret(given: str | None, key_file: Path) -> bytes | None:
+    """The secret of this job's mesh: ``given`` (the ``mesh_secret`` setting, checked there),
+    else the key file's (made when missing); None, with one warning naming the two ways to
+    turn the mesh on, when neither is usable."""
+    if given is not None:
+        return given.encode()
+    try:
+        return key_file_secret(key_file)
+    except (ConfigError, OSError) as exc:
+        problem = str(exc) if isinstance(exc, ConfigError) else f"it cannot be made ({exc})"
+        logger.warning(
+            "the cache mesh stays off: no secret for it. The key file gave none: %s. Turn it "
+            "on either way: export SHARDCACHE_MESH_SECRET for the job (the output of 'openssl "
+            "rand -hex 32', before srun or torchrun), or let every node read the same key "
+            "file %s (a home directory the nodes share, the file yours and mode 0600).",
+            problem,
+            key_file,
         )
-    return data
+        return None
+
+
+def default_key_file() -> Path:
+    """``~/.config/shardcache/mesh.key`` of the user running this process, the home directory
+    from the password database (not ``$HOME``, which a job's environment may change)."""
+    return Path(pwd.getpwuid(os.geteuid()).pw_dir) / ".config" / "shardcache" / "mesh.key"
 
 
 def key_file_secret(path: Path) -> bytes:

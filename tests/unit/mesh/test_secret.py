@@ -2,20 +2,54 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import pwd
 import threading
 from pathlib import Path
 
 import pytest
 
-from shardcache import ConfigError
-from shardcache._mesh.secret import fingerprint, given_secret, key_file_secret
+from shardcache import ConfigError, Settings
+from shardcache._mesh.secret import default_key_file, fingerprint, job_secret, key_file_secret
 
 
-def test_a_given_secret_needs_16_bytes() -> None:
-    assert given_secret(" " + "a" * 16 + "\n") == b"a" * 16
-    with pytest.raises(ConfigError, match="at least 16"):
-        given_secret("short")
+def test_the_given_secret_wins_over_the_key_file(tmp_path: Path) -> None:
+    given = Settings.resolve(env={"SHARDCACHE_MESH_SECRET": " " + "a" * 16 + "\n"}).mesh_secret
+    assert job_secret(given, tmp_path / "mesh.key") == b"a" * 16
+    assert not (tmp_path / "mesh.key").exists()  # not even made
+
+
+def test_without_a_given_secret_the_key_file_is_made_and_read(tmp_path: Path) -> None:
+    key = tmp_path / "cfg" / "mesh.key"
+    first = job_secret(None, key)
+    assert first is not None and first == key_file_secret(key) == job_secret(None, key)
+
+
+def test_without_a_usable_secret_the_mesh_is_off_with_one_warning_naming_both_ways(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    readable = tmp_path / "readable.key"
+    key_file_secret(readable)
+    readable.chmod(0o644)
+    for key, why in ((blocked / "mesh.key", "cannot be made"), (readable, "others may read")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardcache.mesh"):
+            assert job_secret(None, key) is None
+        [record] = caplog.records
+        text = record.getMessage()
+        assert why in text and "SHARDCACHE_MESH_SECRET" in text and str(key) in text
+        assert "mesh stays off" in text
+
+
+def test_the_default_key_file_is_in_the_users_home_from_the_password_database(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HOME", "/somewhere/else")
+    home = Path(pwd.getpwuid(os.geteuid()).pw_dir)
+    assert default_key_file() == home / ".config" / "shardcache" / "mesh.key"
 
 
 def test_the_key_file_is_made_private_once_and_read_back(tmp_path: Path) -> None:
