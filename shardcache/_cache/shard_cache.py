@@ -33,6 +33,7 @@ from .._base.trust import Trust
 from .._config.settings import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from .._disk.layout import CacheLayout, ShardId
 from .._disk.metadata import write_meta
+from .._mesh.node import MeshNode, join
 from .._observe import metrics
 from .._prefetch.prefetcher import Fetch, Prefetcher
 from .._prefetch.workers import WorkerProgress
@@ -78,6 +79,8 @@ class ShardCache:
     for every keyword (``max_bytes``, ``lock_mode``, ``lock_timeout``, ``retries``, ...).
     """
 
+    mesh: MeshNode | None = None  # the job's cache mesh, when on (SHARDCACHE_MESH)
+
     def __init__(
         self,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -95,6 +98,7 @@ class ShardCache:
             settings = settings.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.settings = settings
         self._init_runtime(Wiring())
+        self.mesh = join(settings)  # SHARDCACHE_MESH: once a process (never in an unpickled copy)
 
     @classmethod
     def _wired(cls, settings: Settings, wiring: Wiring) -> ShardCache:

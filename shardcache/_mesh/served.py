@@ -82,7 +82,7 @@ class ServedShards:
     def __init__(
         self, layouts: Mapping[str, CacheLayout], allowed: Callable[[str, str], bool]
     ) -> None:
-        self._layouts = dict(layouts)
+        self._layouts = layouts  # may make a layout when first asked
         self._allowed = allowed
 
     def open(self, request: ShardRequest) -> Served:

@@ -1,0 +1,171 @@
+"""Discovery: each node's mesh server publishes its address, and every process of the job
+with the mesh on reads the other nodes' (:class:`MeshMembership`).
+
+The record is ``mesh/<node>`` = ``{host, port, node, boot_id, pid, fingerprint}`` under the
+job's rendezvous namespace, a key of the job's store or a file ``mesh/<node>.json`` renamed
+into place in the shared directory (:mod:`shardcache._meeting.board`). A reader waits for the
+others in a background thread, at most the rendezvous timeout: a node that never publishes
+is simply absent (its shards come from the store), and a node whose key's fingerprint
+differs from this one's is left out with a log line that says why. Nothing here blocks the
+caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from .auth import JobKey
+from .client import Peer
+
+logger = logging.getLogger("shardcache.mesh")
+
+
+class Board(Protocol):
+    """What discovery needs of a notice board (:mod:`shardcache._meeting.board`)."""
+
+    def put(self, name: str, data: bytes) -> None: ...
+    def get(self, name: str) -> bytes: ...
+    def wait(self, names: list[str], timeout: float) -> Any: ...
+
+
+@dataclass(frozen=True)
+class MeshRecord:
+    """A node's mesh server as it publishes itself."""
+
+    host: str
+    port: int
+    node: int
+    boot_id: str
+    pid: int
+    fingerprint: str
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> MeshRecord:
+        """The record in ``data``; ``ValueError`` saying what is wrong with it."""
+        fields = json.loads(data)
+        if not isinstance(fields, dict) or set(fields) != {f.name for f in _FIELDS}:
+            raise ValueError(f"not a mesh record: {data[:200]!r}")
+        for field in _FIELDS:  # annotations are strings here: "str", "int"
+            if type(fields[field.name]).__name__ != field.type:
+                raise ValueError(f"a mesh record whose {field.name} is not {field.type}")
+        if not 0 < fields["port"] < 65536:
+            raise ValueError(f"a mesh record with port {fields['port']}")
+        return cls(**fields)
+
+    @property
+    def peer(self) -> Peer:
+        return Peer(self.host, self.port)
+
+
+_FIELDS = dataclasses.fields(MeshRecord)
+
+
+def record_name(node: int) -> str:
+    """The name of node ``node``'s record on the board."""
+    return f"mesh/{node}"
+
+
+class MeshMembership:
+    """The job's mesh as this process knows it: its own node, the job key, and the peers
+    (node -> :class:`Peer`) heard from so far, read in a background thread until every
+    other node was heard from or ``timeout`` seconds have passed."""
+
+    def __init__(
+        self,
+        own_node: int,
+        nodes: int,
+        job_key: JobKey,
+        fingerprint: str,
+        *,
+        board: Callable[[], Board],
+        timeout: float,
+    ) -> None:
+        self.own_node, self.nodes, self.job_key = own_node, nodes, job_key
+        self.fingerprint = fingerprint
+        self._peers: dict[int, Peer] = {}
+        self.refused: dict[int, str] = {}  # node -> why it was left out
+        self.absent: list[int] = []  # nodes not heard from within the bound
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._reader = threading.Thread(
+            target=self._read, args=(board, timeout), name="shardcache-mesh-discovery", daemon=True
+        )
+        self._reader.start()
+
+    def peers(self) -> Mapping[int, Peer]:
+        """The other nodes' servers heard from so far (never this node's own)."""
+        with self._lock:
+            return dict(self._peers)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until the reading ended (every node heard from, refused or given up on), at
+        most ``timeout`` seconds; whether it has."""
+        return self._done.wait(timeout)
+
+    def _read(self, make_board: Callable[[], Board], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        others = [node for node in range(self.nodes) if node != self.own_node]
+        try:
+            board = make_board()
+            for node in others:
+                name = record_name(node)
+                waited = board.wait([name], max(deadline - time.monotonic(), 0.001))
+                if getattr(waited, "gone", None) is not None:
+                    logger.warning("cache mesh: the job's store went away: %s", waited.gone)
+                    self.absent += [n for n in others if n >= node]
+                    return
+                if waited.missing:
+                    self.absent.append(node)
+                    continue
+                self._judge(node, board.get(name))
+        except Exception as exc:  # discovery never stops training: the store serves all
+            logger.warning(
+                "cache mesh: reading the other nodes' addresses failed (%s: %s); shards of "
+                "nodes not heard from come from the store",
+                type(exc).__name__,
+                exc,
+            )
+        finally:
+            if self.absent:
+                logger.warning(
+                    "cache mesh: nodes %s of %d published no address within %.0f s; their "
+                    "shards come from the store",
+                    ", ".join(map(str, self.absent)),
+                    self.nodes,
+                    timeout,
+                )
+            self._done.set()
+
+    def _judge(self, node: int, data: bytes) -> None:
+        try:
+            record = MeshRecord.decode(data)
+        except ValueError as exc:
+            self._refuse(node, str(exc))
+            return
+        if record.node != node:
+            self._refuse(node, f"its record names node {record.node}")
+        elif record.fingerprint != self.fingerprint:
+            self._refuse(
+                node,
+                f"its mesh key has fingerprint {record.fingerprint}, this node's "
+                f"{self.fingerprint}: the nodes were given different secrets (set the same "
+                "SHARDCACHE_MESH_SECRET for the whole job, or share the key file through the "
+                "home directory)",
+            )
+        else:
+            with self._lock:
+                self._peers[node] = record.peer
+
+    def _refuse(self, node: int, why: str) -> None:
+        self.refused[node] = why
+        logger.warning("cache mesh: node %d is left out: %s", node, why)
