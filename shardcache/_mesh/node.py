@@ -29,7 +29,7 @@ from .._config.rendezvous import Rendezvous, rendezvous
 from .._config.settings import Settings
 from .._disk.layout import CacheLayout
 from .._meeting.board import DirectoryBoard, StoreBoard, in_worker, own_store, shared_store
-from .address import cluster_address
+from .address import cluster_address, link_rate
 from .auth import JobKey, Verifier
 from .discovery import Board, MeshMembership, MeshRecord, record_name
 from .secret import default_key_file, fingerprint, job_secret
@@ -171,7 +171,7 @@ def _serve(
         Verifier(key),
         host,
         concurrency=settings.mesh_concurrency,
-        upload_rate=settings.mesh_upload_rate,
+        upload_rate=upload_cap(settings.mesh_upload_rate, host),
     ).start()
     name = record_name(settings.node_rank)
     record = MeshRecord(host, server.port, settings.node_rank, boot_id(), os.getpid(), print_)
@@ -182,6 +182,19 @@ def _serve(
         raise
     atexit.register(_leave, server, board, name)
     return server
+
+
+def upload_cap(setting: int | None, host: str) -> float | None:
+    """The bytes per second this node serves at most: the setting, else (``auto``) half the
+    speed of the interface holding ``host``, else (speed unknown) no cap."""
+    if setting is not None:
+        return float(setting)
+    speed = link_rate(host)
+    logger.info(
+        "cache mesh: upload cap %s (SHARDCACHE_MESH_UPLOAD_RATE=auto)",
+        "none: the interface's speed is unknown" if speed is None else f"{speed / 2e6:g} MB/s",
+    )
+    return None if speed is None else speed / 2
 
 
 def _leave(server: MeshServer, board: Board, name: str) -> None:

@@ -16,9 +16,10 @@ import pytest
 from mesh_holder import BUCKET, JOB, SECRET, Holder
 
 from shardcache import PeerFetchError
-from shardcache._mesh.address import cluster_address
+from shardcache._mesh.address import cluster_address, link_rate
 from shardcache._mesh.auth import JobKey, Verifier
 from shardcache._mesh.client import Bounds, Peer, fetch_range
+from shardcache._mesh.node import upload_cap
 from shardcache._mesh.server import MeshServer
 
 REPO = Path(__file__).parents[3]
@@ -104,3 +105,12 @@ def test_the_server_binds_the_route_to_the_job_and_nothing_else(
             )
         assert server.wait_idle(5)
         assert server.counts()["200"] == 1
+
+
+def test_the_default_upload_cap_is_half_the_interfaces_speed(node_namespace) -> None:
+    """A veth's speed is 10 Gb/s as the kernel gives it; loopback gives none: no cap."""
+    _, host_ip, _ = node_namespace
+    assert link_rate(host_ip) == 10_000 * 125_000
+    assert upload_cap(None, host_ip) == 10_000 * 125_000 / 2
+    assert upload_cap(None, "127.0.0.1") is None and link_rate("127.0.0.1") is None
+    assert upload_cap(5_000_000, host_ip) == 5_000_000  # the setting wins

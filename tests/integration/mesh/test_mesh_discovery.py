@@ -135,51 +135,57 @@ def _board_record(node: int) -> bytes:
     return _board(meet, 10, hosting=False).get(record_name(node))
 
 
-def run_nodes(place: str, where: str, tmp_path: Path, s3_env: dict[str, str]) -> list[dict]:
-    hosted, ready, out = CTX.Barrier(STARTED), CTX.Barrier(STARTED), CTX.Queue()
-    procs = [
-        CTX.Process(
-            target=node_process,
-            args=(node_env(n, place, where, s3_env), str(tmp_path / f"n{n}"), hosted, ready, out),
-        )
-        for n in range(STARTED)
-    ]
+def run_jobs(jobs: dict[str, str], tmp_path: Path, s3_env: dict[str, str]) -> dict[str, list]:
+    """Each job (place -> where its nodes meet) as ``STARTED`` node processes, all jobs at
+    once; each job's results by node."""
+    procs, outs, barriers = [], {}, []  # the barriers kept until the children have them
+    for place, where in jobs.items():
+        hosted, ready, outs[place] = CTX.Barrier(STARTED), CTX.Barrier(STARTED), CTX.Queue()
+        barriers += [hosted, ready]
+        for n in range(STARTED):
+            env, root = node_env(n, place, where, s3_env), str(tmp_path / place / f"n{n}")
+            args = (env, root, hosted, ready, outs[place])
+            procs.append(CTX.Process(target=node_process, args=args))
     for proc in procs:
         proc.start()
     try:
-        results = [out.get(timeout=90) for _ in procs]
+        results = {
+            place: [out.get(timeout=90) for _ in range(STARTED)] for place, out in outs.items()
+        }
     finally:
         for proc in procs:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-    assert not [r["error"] for r in results if "error" in r]
-    assert [p.exitcode for p in procs] == [0] * STARTED
-    return sorted(results, key=lambda r: r["node"])
+    for got in results.values():
+        assert not [r["error"] for r in got if "error" in r]
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return {place: sorted(got, key=lambda r: r["node"]) for place, got in results.items()}
 
 
-@pytest.mark.parametrize("place", ["store", "directory"])
-def test_nodes_find_each_other_and_fetch_at_the_discovered_address(
-    place: str, s3, tmp_path: Path
-) -> None:
+def test_nodes_find_each_other_and_fetch_at_the_discovered_address(s3, tmp_path: Path) -> None:
+    """Two jobs at once: one meets through SLURM task 0's store, one through a directory."""
     s3.put_objects(BUCKET, {KEY: BLOB})
     with reserved_port() as port:
-        where = str(port) if place == "store" else str(tmp_path / "shared")
-        results = run_nodes(place, where, tmp_path, s3.env())
+        jobs = {"store": str(port), "directory": str(tmp_path / "shared")}
+        for place, results in run_jobs(jobs, tmp_path, s3.env()).items():
+            check_job(place, results)
+
+
+def check_job(place: str, results: list[dict]) -> None:
     ports = {r["node"]: r["port"] for r in results}
     for r in results:
-        assert r["settled"] and r["absent"] == [3], r
-        assert TIMEOUT <= r["waited"] < TIMEOUT + 20, r  # node 3 waited for, within the bound
+        assert r["settled"] and r["absent"] == [3], (place, r)
+        assert TIMEOUT <= r["waited"] < TIMEOUT + 20, (place, r)  # node 3 waited for, bounded
         assert any("nodes 3 of 4 published no address" in w for w in r["warnings"]), r
-    same = {0, 1}
     for r in results[:2]:
-        assert r["peers"] == {n: ("127.0.0.1", ports[n]) for n in same - {r["node"]}}, r
+        assert r["peers"] == {n: ("127.0.0.1", ports[n]) for n in {0, 1} - {r["node"]}}, r
         assert list(r["refused"]) == [2] and "fingerprint" in r["refused"][2], r
         assert any(
             "node 2 is left out" in w and "SHARDCACHE_MESH_SECRET" in w for w in r["warnings"]
         )
-    assert results[2]["peers"] == {} and sorted(results[2]["refused"]) == [0, 1]
-    assert results[1]["fetched"] == (hashlib.sha256(BLOB).hexdigest(), len(BLOB))
+    assert results[2]["peers"] == {} and sorted(results[2]["refused"]) == [0, 1], place
+    assert results[1]["fetched"] == (hashlib.sha256(BLOB).hexdigest(), len(BLOB)), place
     assert results[2]["refused_fetch"] == 403  # the server refuses another secret's request
     counts = results[0]["counts"]  # the server's own counts, not only the clients'
-    assert (counts["200"], counts["403"], counts["bytes"]) == (1, 1, len(BLOB)), counts
+    assert (counts["200"], counts["403"], counts["bytes"]) == (1, 1, len(BLOB)), (place, counts)
