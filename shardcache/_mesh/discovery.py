@@ -17,10 +17,11 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from .._meeting.board import Waited
 from .auth import JobKey
 from .client import Peer
 
@@ -32,7 +33,7 @@ class Board(Protocol):
 
     def put(self, name: str, data: bytes) -> None: ...
     def get(self, name: str) -> bytes: ...
-    def wait(self, names: list[str], timeout: float) -> Any: ...
+    def wait(self, names: Sequence[str], timeout: float) -> Waited: ...
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class MeshMembership:
             for node in others:
                 name = record_name(node)
                 waited = board.wait([name], max(deadline - time.monotonic(), 0.001))
-                if getattr(waited, "gone", None) is not None:
+                if waited.gone is not None:
                     logger.warning("cache mesh: the job's store went away: %s", waited.gone)
                     self.absent += [n for n in others if n >= node]
                     return
