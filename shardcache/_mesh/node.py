@@ -31,6 +31,7 @@ from .._disk.layout import CacheLayout
 from .._meeting.board import DirectoryBoard, StoreBoard, in_worker, own_store, shared_store
 from .address import cluster_address, link_rate
 from .auth import JobKey, Verifier
+from .client import Bounds
 from .discovery import Board, MeshMembership, MeshRecord, record_name
 from .secret import default_key_file, fingerprint, job_secret
 from .served import ServedShards
@@ -83,13 +84,19 @@ class Offered:
 
 
 class MeshNode:
-    """This process in the job's mesh: its :attr:`membership`, and where this process is
-    local rank 0, its :attr:`server` and the :attr:`offered` shards."""
+    """This process in the job's mesh: its :attr:`membership`, the :attr:`bounds` a fetch
+    from a peer keeps (``SHARDCACHE_MESH_MIN_RATE``), and where this process is local rank 0,
+    its :attr:`server` and the :attr:`offered` shards."""
 
     def __init__(
-        self, membership: MeshMembership, server: MeshServer | None, offered: Offered
+        self,
+        membership: MeshMembership,
+        server: MeshServer | None,
+        offered: Offered,
+        bounds: Bounds,
     ) -> None:
         self.membership, self.server, self.offered = membership, server, offered
+        self.bounds = bounds
 
 
 def join(settings: Settings) -> MeshNode | None:
@@ -141,7 +148,7 @@ def _join(settings: Settings) -> MeshNode | None:
         board=lambda: _board(meet, timeout, hosting=False),
         timeout=timeout,
     )
-    return MeshNode(membership, server, offered)
+    return MeshNode(membership, server, offered, Bounds(min_rate=settings.mesh_min_rate))
 
 
 def _serve(

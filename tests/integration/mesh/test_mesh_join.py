@@ -37,6 +37,7 @@ def slurm_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         "SHARDCACHE_MESH_ADDR": "127.0.0.1",
         "SHARDCACHE_RENDEZVOUS_DIR": str(shared),
         "SHARDCACHE_RENDEZVOUS_TIMEOUT": "1s",
+        "SHARDCACHE_MESH_MIN_RATE": "5M/s",
     }.items():
         monkeypatch.setenv(name, value)
     return shared
@@ -54,6 +55,7 @@ def test_local_rank_0_serves_and_publishes_its_record(slurm_node: Path, tmp_path
         assert mesh.membership.wait(10) and mesh.membership.peers() == {}
         assert mesh.membership.own_node == 0 and mesh.membership.job_key.job == "4302"
         assert pickle.loads(pickle.dumps(cache)).mesh is None  # a worker's copy never serves
+        assert mesh.bounds.min_rate == 5_000_000  # SHARDCACHE_MESH_MIN_RATE, for the fetches
     finally:
         mesh.server.stop()
 
