@@ -108,6 +108,13 @@ class StoreBoard:
     def get(self, name: str) -> bytes:
         return bytes(self.store.get(name))
 
+    def get_many(self, names: Sequence[str]) -> list[bytes]:
+        """The records of ``names`` (all present), in one request where the store has
+        ``multi_get`` (torch 2.3 on), else one a name."""
+        if not hasattr(self.store, "multi_get"):
+            return [self.get(name) for name in names]
+        return [bytes(data) for data in self.store.multi_get(list(names))]
+
     def wait(self, names: Sequence[str], timeout: float) -> Waited:
         import torch.distributed as dist
 
@@ -146,6 +153,9 @@ class DirectoryBoard:
 
     def get(self, name: str) -> bytes:
         return self.path(name).read_bytes()
+
+    def get_many(self, names: Sequence[str]) -> list[bytes]:
+        return [self.get(name) for name in names]
 
     def wait(self, names: Sequence[str], timeout: float) -> Waited:
         paths = [self.path(name) for name in names]

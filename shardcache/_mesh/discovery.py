@@ -27,12 +27,14 @@ from .client import Peer
 
 logger = logging.getLogger("shardcache.mesh")
 
+_FIRST_ROUND, _LONGEST_ROUND = 1.0, 60.0  # seconds of one wait for the records not read yet
+
 
 class Board(Protocol):
     """What discovery needs of a notice board (:mod:`shardcache._meeting.board`)."""
 
     def put(self, name: str, data: bytes) -> None: ...
-    def get(self, name: str) -> bytes: ...
+    def get_many(self, names: Sequence[str]) -> list[bytes]: ...
     def wait(self, names: Sequence[str], timeout: float) -> Waited: ...
 
 
@@ -114,21 +116,28 @@ class MeshMembership:
         return self._done.wait(timeout)
 
     def _read(self, make_board: Callable[[], Board], timeout: float) -> None:
+        """Wait for the records not read yet, in rounds that double from 1 s to a minute, and
+        read those that arrived at each round's end in one request: two requests when every
+        node publishes within the first round, whatever the node count; then the nodes still
+        missing only."""
         deadline = time.monotonic() + timeout
-        others = [node for node in range(self.nodes) if node != self.own_node]
+        unknown = [node for node in range(self.nodes) if node != self.own_node]
+        round_ = _FIRST_ROUND
         try:
             board = make_board()
-            for node in others:
-                name = record_name(node)
-                waited = board.wait([name], max(deadline - time.monotonic(), 0.001))
+            while unknown and (left := deadline - time.monotonic()) > 0:
+                waited = board.wait([record_name(n) for n in unknown], min(round_, left))
                 if waited.gone is not None:
                     logger.warning("cache mesh: the job's store went away: %s", waited.gone)
-                    self.absent += [n for n in others if n >= node]
-                    return
-                if waited.missing:
-                    self.absent.append(node)
-                    continue
-                self._judge(node, board.get(name))
+                    break
+                missing = {unknown[at] for at in waited.missing}
+                arrived = [node for node in unknown if node not in missing]
+                if arrived:
+                    records = board.get_many([record_name(n) for n in arrived])
+                    for node, data in zip(arrived, records, strict=True):
+                        self._judge(node, data)
+                unknown = [node for node in unknown if node in missing]
+                round_ = min(round_ * 2, _LONGEST_ROUND)
         except Exception as exc:  # discovery never stops training: the store serves all
             logger.warning(
                 "cache mesh: reading the other nodes' addresses failed (%s: %s); shards of "
@@ -137,11 +146,12 @@ class MeshMembership:
                 exc,
             )
         finally:
-            if self.absent:
+            self.absent = unknown
+            if unknown:
                 logger.warning(
                     "cache mesh: nodes %s of %d published no address within %.0f s; their "
                     "shards come from the store",
-                    ", ".join(map(str, self.absent)),
+                    ", ".join(map(str, unknown)),
                     self.nodes,
                     timeout,
                 )

@@ -179,7 +179,17 @@ def _serve(
         host,
         concurrency=settings.mesh_concurrency,
         upload_rate=upload_cap(settings.mesh_upload_rate, host),
-    ).start()
+    )
+    try:
+        server.start()
+    except OSError as exc:
+        raise ConfigError(
+            f"the cache mesh cannot listen on {host} ({exc}); expected an IP address of this "
+            "node: set SHARDCACHE_MESH_ADDR to this node's address on the cluster network, or "
+            "unset it to use the route to the job's store host",
+            name="SHARDCACHE_MESH_ADDR",
+            value=host,
+        ) from exc
     name = record_name(settings.node_rank)
     record = MeshRecord(host, server.port, settings.node_rank, boot_id(), os.getpid(), print_)
     try:

@@ -73,11 +73,12 @@ def test_another_local_rank_or_a_node_serving_nothing_only_reads(
 
 
 @pytest.mark.parametrize(
-    ("unset", "said"),
+    ("cause", "said"),
     [
         ("SHARDCACHE_MESH_ADDR", "set SHARDCACHE_MESH_ADDR"),
         ("SLURM_STEP_NUM_NODES", "no node count"),
         ("SLURM_JOB_ID", "no meeting point"),
+        ("not an address of this node", "cannot listen on 203.0.113.9"),
     ],
 )
 def test_a_mesh_that_cannot_run_is_one_warning_and_the_cache_works(
@@ -85,11 +86,14 @@ def test_a_mesh_that_cannot_run_is_one_warning_and_the_cache_works(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    unset: str,
+    cause: str,
     said: str,
 ) -> None:
-    monkeypatch.delenv(unset)
-    if unset == "SLURM_JOB_ID":
+    if cause.startswith(("SHARDCACHE_", "SLURM_")):  # a variable unset
+        monkeypatch.delenv(cause)
+    else:  # TEST-NET-3: an address no interface of this machine holds
+        monkeypatch.setenv("SHARDCACHE_MESH_ADDR", "203.0.113.9")
+    if cause == "SLURM_JOB_ID":
         monkeypatch.delenv("SHARDCACHE_RENDEZVOUS_DIR")
     local = tmp_path / "local.tar"
     local.write_bytes(b"x" * 100)

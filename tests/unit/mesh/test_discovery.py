@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,44 @@ def test_only_scope_directories_of_the_root_are_served(tmp_path: Path) -> None:
     for name in ("..", "rank-1/..", "rank-x", "/etc", "nodes", ""):
         assert layouts.get(name) is None
     assert sorted(layouts) == ["node", "rank-12"]
+
+
+class CountingBoard(DirectoryBoard):
+    """A board of real files that counts its reads and, after its first wait, has
+    ``late`` published (a node that comes up after the first round)."""
+
+    def __init__(self, folder: Path, late: dict[str, bytes]) -> None:
+        super().__init__(folder, "addresses")
+        self.late, self.calls = late, Counter[str]()
+
+    def wait(self, names, timeout):  # type: ignore[no-untyped-def]
+        self.calls["wait"] += 1
+        waited = super().wait(names, timeout)
+        for name, data in self.late.items():
+            self.put(name, data)
+        self.late = {}
+        return waited
+
+    def get_many(self, names):  # type: ignore[no-untyped-def]
+        self.calls["get_many"] += 1
+        return super().get_many(names)
+
+
+def test_records_present_are_read_with_one_wait_and_one_read_whatever_the_node_count(
+    tmp_path: Path,
+) -> None:
+    board = CountingBoard(tmp_path, {})
+    for node in range(1, 50):
+        board.put(record_name(node), _record(node, 40000 + node).encode())
+    membership = MeshMembership(0, 50, KEY, "f" * 16, board=lambda: board, timeout=10)
+    assert membership.wait(10) and len(membership.peers()) == 49
+    assert board.calls == {"wait": 1, "get_many": 1}
+
+
+def test_a_node_that_publishes_late_is_read_in_a_later_round(tmp_path: Path) -> None:
+    board = CountingBoard(tmp_path, {record_name(2): _record(2, 40002).encode()})
+    board.put(record_name(1), _record(1, 40001).encode())
+    membership = MeshMembership(0, 3, KEY, "f" * 16, board=lambda: board, timeout=10)
+    assert membership.wait(10) and membership.absent == []
+    assert sorted(membership.peers()) == [1, 2]
+    assert board.calls == {"wait": 2, "get_many": 2}  # the second round waits for node 2 only
