@@ -11,7 +11,19 @@ from .._observe import metrics
 
 # CacheStats counters that are also loader metrics (shardcache._observe.metrics); lock waits are
 # counted by the lock itself, which knows whom it waited for.
-_METRICS_COUNTS = frozenset({"hits", "misses", "shared", "bytes_downloaded", "bytes_served"})
+_METRICS_COUNTS = frozenset(
+    {
+        "hits",
+        "misses",
+        "shared",
+        "from_peers",
+        "bytes_downloaded",
+        "bytes_from_peers",
+        "bytes_served",
+        "peer_fallbacks",
+        "peer_corruptions",
+    }
+)
 
 
 @dataclass
@@ -23,8 +35,12 @@ class CacheStats:
     hits: int = 0  # found complete in the cache
     misses: int = 0  # downloaded by this process
     shared: int = 0  # downloaded by another process while we waited for the lock
-    bytes_downloaded: int = 0
-    bytes_served: int = 0  # bytes of shards returned (hits, misses and shared)
+    from_peers: int = 0  # filled from a peer of the cache mesh by this process
+    bytes_downloaded: int = 0  # from the store
+    bytes_from_peers: int = 0
+    bytes_served: int = 0  # bytes of shards returned (hits, misses, shared and from peers)
+    peer_fallbacks: int = 0  # a peer failed (gave nothing usable): the next one, or the store
+    peer_corruptions: int = 0  # of those, a peer's copy whose bytes failed their checksum
     download_seconds: float = 0.0
     lock_wait_seconds: float = 0.0
     errors: int = 0

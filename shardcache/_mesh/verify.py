@@ -23,8 +23,23 @@ class Expected:
     """What the receiver knows the shard to be (its dataset lock, or the store's answer):
     None where it knows nothing of that field."""
 
+    size: int | None = None
     etag: str | None = None
     version_id: str | None = None
+
+
+def recorded_checksum(record: dict[str, Any]) -> Checksum | None:
+    """The store's checksum a holder's record names (its ``checksum``), if any."""
+    described = record.get("checksum")
+    if not isinstance(described, dict) or not described.get("algorithm"):
+        return None
+    parts = described.get("parts")
+    return Checksum(
+        str(described["algorithm"]),
+        str(described.get("value")),
+        "the holder's record",
+        None if parts is None else int(parts),
+    )
 
 
 def verified_by(record: dict[str, Any]) -> Checksum | None:
@@ -32,17 +47,9 @@ def verified_by(record: dict[str, Any]) -> Checksum | None:
     method): the store's additional checksum, or the ETag's MD5 where the holder's download
     was checked by it; None for a copy verified by its size only."""
     method = record.get("verified")
-    described = record.get("checksum")
-    if isinstance(described, dict) and described.get("algorithm"):
-        parts = described.get("parts")
-        checksum = Checksum(
-            str(described["algorithm"]),
-            str(described.get("value")),
-            "the holder's record",
-            None if parts is None else int(parts),
-        )
-        if checksum.method == method:
-            return checksum
+    checksum = recorded_checksum(record)
+    if checksum is not None and checksum.method == method:
+        return checksum
     md5 = etag_checksum(record.get("etag"))
     return md5 if md5 is not None and md5.method == method else None
 
@@ -53,7 +60,7 @@ class PeerCheck:
 
     def __init__(self, url: str, peer: Peer, record: dict[str, Any], expected: Expected) -> None:
         self.url, self.peer, self.size = url, peer, record.get("size")
-        for field in ("etag", "version_id"):
+        for field in ("size", "etag", "version_id"):
             want = getattr(expected, field)
             if want is not None and record.get(field) != want:
                 raise self._refused(f"holds {field} {record.get(field)!r}, expected {want!r}")
