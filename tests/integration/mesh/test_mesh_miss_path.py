@@ -8,11 +8,13 @@ report and Prometheus."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
 import random
 import signal
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import shardcache
 from shardcache import ShardCache
+from shardcache._cli.main import main
 from shardcache._disk.metadata import read_meta
 from shardcache._mesh.auth import JobKey
 from shardcache._mesh.client import Bounds, Peer
@@ -53,18 +56,29 @@ def holder(s3, fault_proxy, tmp_path: Path) -> Holder:
     return Holder(cache, blobs, list(blobs))
 
 
-def _receiver(holder: Holder, port: int, tmp_path: Path, fault_proxy, s3, **bounds) -> ShardCache:
-    """A second node's cache whose misses ask ``holder``'s server on ``port`` first; what
-    each shard is known to be comes from the holder's records (a dataset lock's entries)."""
+def _receiver(
+    holder: Holder,
+    port: int,
+    tmp_path: Path,
+    fault_proxy,
+    s3,
+    *,
+    before: tuple[Holding, ...] = (),
+    known_urls: bool = True,
+    **bounds: float,
+) -> ShardCache:
+    """A second node's cache whose misses ask ``before``, then ``holder``'s server on
+    ``port``, before the store; what each shard is known to be comes from the holder's
+    records (a dataset lock's entries), or nothing is known (``known_urls=False``)."""
     known = []
-    for url in holder.blobs:
+    for url in holder.blobs if known_urls else ():
         shard = holder.cache._identify(url)
         record = read_meta(holder.cache.layout, shard.data_path)
         expected = Expected(record["size"], record["etag"], record["version_id"])
         known.append((shard.canonical_url, expected))
     source = PeerSource(
         JobKey(SECRET, JOB),
-        Copies((Holding(Peer("127.0.0.1", port), "node"),)),
+        Copies((*before, Holding(Peer("127.0.0.1", port), "node"))),
         Known(tuple(known)),
         Bounds(**bounds),
     )
@@ -72,6 +86,7 @@ def _receiver(holder: Holder, port: int, tmp_path: Path, fault_proxy, s3, **boun
         tmp_path / "receiver",
         scope="node",
         storage_options=s3.storage_options(fault_proxy.endpoint_url),
+        metrics=str(tmp_path / "metrics"),
         _peers=source,
     )
 
@@ -88,13 +103,13 @@ def served(holder: Holder) -> Iterator[tuple[Popen[str], int]]:
 
 
 def test_a_miss_is_filled_from_the_holder_with_no_get_to_the_store(
-    holder, served, tmp_path, fault_proxy, s3, caplog
+    holder, served, tmp_path, fault_proxy, s3, caplog, capsys
 ) -> None:
     _proc, port = served
+    shardcache.log_epoch_summary(0)  # the holder's epoch (one process plays both nodes)
     receiver = _receiver(holder, port, tmp_path, fault_proxy, s3)
     gets_before = {name: _store_gets(fault_proxy, name) for name in SIZES}
     assert gets_before == dict.fromkeys(SIZES, 1)  # the holder's downloads
-    shardcache.log_epoch_summary(0)  # the holder's epoch (one process plays both nodes)
     with shardcache.PrometheusSink(port=0) as sink:
         shardcache.add_metrics_sink(sink)
         path = receiver.fetch(_url("a.tar"))
@@ -134,6 +149,15 @@ def test_a_miss_is_filled_from_the_holder_with_no_get_to_the_store(
         if s.name == "shardcache_peer_bytes_total"
     ]
     assert peer_bytes == [SIZES["a.tar"] + SIZES["b.tar"]]
+
+    assert main(["report", str(tmp_path / "metrics"), "--json"]) == 0
+    [job] = json.loads(capsys.readouterr().out)["jobs"]
+    assert (job["total"]["from_peers"], job["total"]["misses"]) == (2, 0)
+    assert job["total"]["bytes_from_peers"] == SIZES["a.tar"] + SIZES["b.tar"]
+    assert main(["report", str(tmp_path / "metrics")]) == 0
+    assert "from peers of the cache mesh: 2 shards (2.8 MB), 0 peers failed" in (
+        capsys.readouterr().out
+    )
 
 
 def test_a_flipped_byte_in_the_holders_copy_is_caught_named_and_fetched_from_the_store(
@@ -185,3 +209,33 @@ def test_a_holder_sigkilled_mid_transfer_falls_back_to_the_store_within_the_boun
     receiver.fetch(_url("c.tar"))
     assert receiver.stats().peer_fallbacks == 1
     assert _store_gets(fault_proxy, "c.tar") == 2
+
+
+def test_the_next_holder_is_asked_after_one_that_does_not_answer(
+    holder, served, tmp_path, fault_proxy, s3
+) -> None:
+    _proc, port = served
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        dead = Holding(Peer("127.0.0.1", silent.getsockname()[1]), "node")
+        receiver = _receiver(
+            holder, port, tmp_path, fault_proxy, s3, before=(dead,), first_byte=0.3
+        )
+        started = time.monotonic()
+        got = receiver.fetch(_url("b.tar"))
+        assert time.monotonic() - started < 0.3 + 1.5  # the silent one's bound, then the next
+    assert got.read_bytes() == holder.blobs[_url("b.tar")]
+    assert _store_gets(fault_proxy, "b.tar") == 1  # the holder's download only
+    stats = receiver.stats()
+    assert (stats.peer_fallbacks, stats.from_peers, stats.misses) == (1, 1, 0)
+
+
+def test_without_an_expected_identity_no_peer_is_asked(
+    holder, served, tmp_path, fault_proxy, s3
+) -> None:
+    _proc, port = served
+    receiver = _receiver(holder, port, tmp_path, fault_proxy, s3, known_urls=False)
+    got = receiver.fetch(_url("b.tar"))  # a copy could be of another version: the store's
+    assert got.read_bytes() == holder.blobs[_url("b.tar")]
+    assert _store_gets(fault_proxy, "b.tar") == 2
+    stats = receiver.stats()
+    assert (stats.from_peers, stats.peer_fallbacks, stats.misses) == (0, 0, 1)
