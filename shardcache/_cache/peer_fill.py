@@ -111,4 +111,5 @@ def _info(url: str, answer: Answer) -> ObjectInfo:
         checksum=recorded_checksum(record),
         verified=verified,
         parts_layout=PartLayout.from_record(record.get("parts")),
+        mesh_crc32c=record.get("mesh_crc32c"),  # what the bytes were checked against
     )

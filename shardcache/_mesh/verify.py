@@ -1,7 +1,8 @@
-"""A peer's whole copy checked as it arrives: against the checksum the holder recorded from
-the store (a full-object checksum, or a multipart upload's over the recorded parts), its
-size, and the identity (ETag, version) the receiver expects. Size alone is never enough: a
-record without a checksum is refused before any byte is taken.
+"""A peer's whole copy checked as it arrives: against the CRC32C its holder recorded as the
+bytes landed (``mesh_crc32c``; else, for an older record, the checksum the holder's download
+was verified by: a full-object checksum, or a multipart upload's over the recorded parts),
+its size, and the identity (size, ETag, version) the receiver expects. Size alone is never
+enough: a record without a checksum is refused before any byte is taken.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._base.errors import IntegrityError, PeerFetchError
-from .._transfer.checksums import Checksum, Hasher, etag_checksum
+from .._transfer.checksums import MESH_CRC, Checksum, Hasher, etag_checksum
 from .._transfer.multipart import PartLayout, PartsHasher
 from .auth import JobKey
 from .client import Answer, Bounds, Peer, fetch_range
@@ -54,6 +55,17 @@ def verified_by(record: dict[str, Any]) -> Checksum | None:
     return md5 if md5 is not None and md5.method == method else None
 
 
+def checked_by(record: dict[str, Any]) -> Checksum | None:
+    """What a peer's copy is checked against: the CRC32C its holder recorded of its bytes
+    as they landed (``mesh_crc32c``, after the store's check passed), else the checksum its
+    download was verified by (records made before ``mesh_crc32c``); None: nothing but the
+    size, refused."""
+    crc = record.get("mesh_crc32c")
+    if isinstance(crc, str) and crc:
+        return Checksum(MESH_CRC, crc, "the holder's CRC32C")
+    return verified_by(record)
+
+
 class PeerCheck:
     """The running check of ``url``'s copy from ``peer``, whose holder's record is
     ``record``; :meth:`finish` raises :class:`IntegrityError` naming the peer."""
@@ -64,9 +76,9 @@ class PeerCheck:
             want = getattr(expected, field)
             if want is not None and record.get(field) != want:
                 raise self._refused(f"holds {field} {record.get(field)!r}, expected {want!r}")
-        checksum = verified_by(record)
+        checksum = checked_by(record)
         if checksum is None:
-            raise self._refused("recorded no checksum from the store; size alone proves nothing")
+            raise self._refused("recorded no checksum of its copy; size alone proves nothing")
         self.algorithm, self.value, parts = checksum.algorithm, checksum.value, checksum.parts
         self._hasher: Hasher | PartsHasher
         if parts is None:

@@ -8,6 +8,7 @@ report and Prometheus."""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from subprocess import Popen
 
 import pytest
+from awscrt import checksums as crt_checksums
 from mesh_holder import JOB, SECRET, Copies, Holder, Known, peer_process
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -239,3 +241,82 @@ def test_without_an_expected_identity_no_peer_is_asked(
     assert _store_gets(fault_proxy, "b.tar") == 2
     stats = receiver.stats()
     assert (stats.from_peers, stats.peer_fallbacks, stats.misses) == (0, 0, 1)
+
+
+PART = 64 * 1024
+SIZE_ONLY_HEADERS = {  # as SSE-KMS answers: no checksum, an ETag that is no MD5
+    "ETag": '"0123456789abcdef0123456789abcdef"',
+    "x-amz-server-side-encryption": "aws:kms",
+}
+
+
+def _crc32c(data: bytes) -> str:
+    return base64.b64encode(crt_checksums.crc32c(data).to_bytes(4, "big")).decode()
+
+
+def test_every_download_records_a_crc32c_that_peers_check_a_size_only_shard_by(
+    s3, fault_proxy, tmp_path
+) -> None:
+    """The holder's downloads, by one stream (of an object its store vouches for by size
+    only, as SSE-KMS; of one cut off and resumed at its byte) and by parallel ranges (one
+    cut off and resumed), record the CRC32C of their bytes as they land; a peer checks its
+    copy against it, and a flipped byte is caught."""
+    objects = {
+        "kms.tar": random.Random(1).randbytes(200_000),
+        "resumed.tar": random.Random(3).randbytes(250_000),
+        "parallel.tar": random.Random(2).randbytes(5 * PART + 123),
+    }
+    s3.put_objects(BUCKET, {})
+    plain = s3.boto3_client(request_checksum_calculation="when_required")
+    for key, data in objects.items():
+        plain.put_object(Bucket=BUCKET, Key=key, Body=data)
+    # (not the parallel one: its ranged GETs' If-Match would carry the rewritten ETag)
+    fault_proxy.add_fault(
+        "headers", times=None, path_contains="kms.tar", set_headers=SIZE_ONLY_HEADERS
+    )
+    for key in ("resumed.tar", "parallel.tar"):  # the first GET's body cut short
+        fault_proxy.add_fault("truncate", times=1, path_contains=key, truncate_bytes=50_000)
+    cache = ShardCache(
+        tmp_path / "holder",
+        scope="node",
+        storage_options=s3.storage_options(fault_proxy.endpoint_url),
+        part_size=PART,
+        parallel_threshold=300_000,
+    )
+    urls = {_url(k): v for k, v in objects.items()}
+    for url in urls:
+        cache.fetch(url)
+    holder = Holder(cache, urls, list(urls))
+    verified = {}
+    for url, data in urls.items():
+        record = read_meta(cache.layout, cache.path_for(url))
+        verified[url] = record["verified"]
+        assert record["mesh_crc32c"] == _crc32c(data)
+    assert verified == {
+        _url("kms.tar"): "size",
+        _url("resumed.tar"): "md5",
+        _url("parallel.tar"): "md5",
+    }
+    assert fault_proxy.faults_injected("truncate") == 2
+    assert _store_gets(fault_proxy, "parallel.tar") > 2  # ranged GETs: the parallel path
+
+    gets = {name: _store_gets(fault_proxy, name) for name in objects}
+    with peer_process(holder) as (_proc, port):
+        receiver = _receiver(holder, port, tmp_path, fault_proxy, s3)
+        for url, data in urls.items():
+            assert receiver.fetch(url).read_bytes() == data
+        assert {name: _store_gets(fault_proxy, name) for name in objects} == gets
+        assert receiver.stats().from_peers == 3
+        mine = read_meta(receiver.layout, receiver.path_for(_url("kms.tar")))
+        assert (mine["mesh_crc32c"], mine["verified"]) == (_crc32c(objects["kms.tar"]), "size")
+
+        path = cache.path_for(_url("kms.tar"))
+        with open(path, "r+b") as copy:  # bit rot in the size-only copy
+            copy.seek(777)
+            byte = copy.read(1)
+            copy.seek(777)
+            copy.write(bytes([byte[0] ^ 0x01]))
+        other = _receiver(holder, port, tmp_path / "third", fault_proxy, s3)
+        assert other.fetch(_url("kms.tar")).read_bytes() == objects["kms.tar"]
+    assert _store_gets(fault_proxy, "kms.tar") == gets["kms.tar"] + 1
+    assert (other.stats().peer_corruptions, other.stats().misses) == (1, 1)
