@@ -4,26 +4,11 @@ the loader metrics among them (:mod:`shardcache._observe.metrics`)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .._observe import metrics
-
-# CacheStats counters that are also loader metrics (shardcache._observe.metrics); lock waits are
-# counted by the lock itself, which knows whom it waited for.
-_METRICS_COUNTS = frozenset(
-    {
-        "hits",
-        "misses",
-        "shared",
-        "from_peers",
-        "bytes_downloaded",
-        "bytes_from_peers",
-        "bytes_served",
-        "peer_fallbacks",
-        "peer_corruptions",
-    }
-)
+from .._observe.metric_records import COUNTS
 
 
 @dataclass
@@ -50,6 +35,11 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# CacheStats counters that are also loader metrics (shardcache._observe.metrics); lock waits are
+# counted by the lock itself, which knows whom it waited for.
+_METRICS_COUNTS = frozenset(COUNTS) & {f.name for f in fields(CacheStats)}
 
 
 class StatsCounter:

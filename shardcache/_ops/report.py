@@ -30,19 +30,6 @@ from .._observe import metric_records as mr
 
 DEFAULT_TOP = 10
 SHARDS_PER_RANK = 5  # slowest shards kept per rank (the schema's own bound per record)
-# The plain counts a rank's records are summed into.
-_SUMMED = (
-    "samples",
-    "shards",
-    "hits",
-    "misses",
-    "shared",
-    "from_peers",
-    "bytes_downloaded",
-    "bytes_from_peers",
-    "peer_fallbacks",
-    "peer_corruptions",
-)
 
 
 @dataclass
@@ -110,14 +97,8 @@ class RankSummary:
             self.workers.add(worker)
         self.records += 1
         self.first, self.last = min(self.first, begin), max(self.last, end)
-        for name in _SUMMED:
+        for name in mr.COUNTS:  # each a field of this summary
             setattr(self, name, getattr(self, name) + n(record, name))
-        self.bytes_served += n(record, "bytes_served")
-        self.integrity_redownloads += n(record, "integrity_redownloads")
-        self.stall_warnings += n(record, "stall_warnings")
-        self.stall_errors += n(record, "stall_errors")
-        self.delivery_checks += n(record, "delivery_checks")
-        self.delivery_mismatches += n(record, "delivery_mismatches")
         self.requests.update(mr.counts(record, "requests"))
         self.verified.update(mr.counts(record, "verified"))  # none in records before it
         self.retries.update(mr.counts(record, "retries"))

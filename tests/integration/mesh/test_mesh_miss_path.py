@@ -117,6 +117,8 @@ def test_a_miss_is_filled_from_the_holder_with_no_get_to_the_store(
         path = receiver.fetch(_url("a.tar"))
         # a DataLoader worker's copy of the cache fills from the peer too
         path_b = pickle.loads(pickle.dumps(receiver)).fetch(_url("b.tar"))
+        with receiver.open(_url("c.tar")) as opened:  # the prefetcher's streaming path
+            assert opened.read() == holder.blobs[_url("c.tar")]
         with caplog.at_level(logging.INFO, logger="shardcache"):
             report = shardcache.log_epoch_summary(0)
         with urllib.request.urlopen(sink.url, timeout=30) as response:
@@ -126,38 +128,39 @@ def test_a_miss_is_filled_from_the_holder_with_no_get_to_the_store(
     assert path_b.read_bytes() == holder.blobs[_url("b.tar")]
     assert {name: _store_gets(fault_proxy, name) for name in SIZES} == gets_before
     stats = receiver.stats()
-    assert (stats.from_peers, stats.misses, stats.hits) == (1, 0, 0)
-    assert stats.bytes_from_peers == SIZES["a.tar"] and stats.bytes_downloaded == 0
+    assert (stats.from_peers, stats.misses, stats.hits) == (2, 0, 0)
+    assert stats.bytes_from_peers == SIZES["a.tar"] + SIZES["c.tar"]
+    assert stats.bytes_downloaded == 0
     # The receiver's record names the checksum the holder's was verified by: it can serve on.
     mine = read_meta(receiver.layout, path)
     theirs = read_meta(holder.cache.layout, holder.cache.path_for(_url("a.tar")))
     assert verified_by(mine) == verified_by(theirs) is not None
     assert (mine["etag"], mine["size"]) == (theirs["etag"], theirs["size"])
 
-    assert (report["from_peers"], report["misses"]) == (2, 0)
-    assert report["bytes_from_peers"] == SIZES["a.tar"] + SIZES["b.tar"]
-    assert "0 misses, 0 shared, 2 from peers (2.8 MB)" in caplog.text
+    assert (report["from_peers"], report["misses"]) == (3, 0)
+    assert report["bytes_from_peers"] == sum(SIZES.values())
+    assert "0 misses, 0 shared, 3 from peers (3.0 MB)" in caplog.text
     fetches = {
         s.labels["result"]: s.value
         for family in text_string_to_metric_families(scrape)
         for s in family.samples
         if s.name == "shardcache_fetches_total"
     }
-    assert fetches == {"hit": 0, "miss": 0, "shared": 0, "peer": 2}
+    assert fetches == {"hit": 0, "miss": 0, "shared": 0, "peer": 3}
     peer_bytes = [
         s.value
         for family in text_string_to_metric_families(scrape)
         for s in family.samples
         if s.name == "shardcache_peer_bytes_total"
     ]
-    assert peer_bytes == [SIZES["a.tar"] + SIZES["b.tar"]]
+    assert peer_bytes == [sum(SIZES.values())]
 
     assert main(["report", str(tmp_path / "metrics"), "--json"]) == 0
     [job] = json.loads(capsys.readouterr().out)["jobs"]
-    assert (job["total"]["from_peers"], job["total"]["misses"]) == (2, 0)
-    assert job["total"]["bytes_from_peers"] == SIZES["a.tar"] + SIZES["b.tar"]
+    assert (job["total"]["from_peers"], job["total"]["misses"]) == (3, 0)
+    assert job["total"]["bytes_from_peers"] == sum(SIZES.values())
     assert main(["report", str(tmp_path / "metrics")]) == 0
-    assert "from peers of the cache mesh: 2 shards (2.8 MB), 0 peers failed" in (
+    assert "from peers of the cache mesh: 3 shards (3.0 MB), 0 peers failed" in (
         capsys.readouterr().out
     )
 
