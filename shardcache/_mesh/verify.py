@@ -35,11 +35,12 @@ def recorded_checksum(record: dict[str, Any]) -> Checksum | None:
     if not isinstance(described, dict) or not described.get("algorithm"):
         return None
     parts = described.get("parts")
+    try:
+        count = None if parts is None else int(parts)
+    except (TypeError, ValueError):
+        return None  # not a record this version wrote
     return Checksum(
-        str(described["algorithm"]),
-        str(described.get("value")),
-        "the holder's record",
-        None if parts is None else int(parts),
+        str(described["algorithm"]), str(described.get("value")), "the holder's record", count
     )
 
 
@@ -81,13 +82,20 @@ class PeerCheck:
             raise self._refused("recorded no checksum of its copy; size alone proves nothing")
         self.algorithm, self.value, parts = checksum.algorithm, checksum.value, checksum.parts
         self._hasher: Hasher | PartsHasher
-        if parts is None:
-            self._hasher = Hasher(self.algorithm)
-        else:
-            layout = PartLayout.from_record(record.get("parts"))
-            if layout is None or len(layout.sizes) != parts or layout.total != self.size:
-                raise self._refused(f"recorded no layout of the {parts} parts its checksum is over")
-            self._hasher = PartsHasher(self.algorithm, layout)
+        try:
+            if parts is None:
+                self._hasher = Hasher(self.algorithm)
+            else:
+                layout = PartLayout.from_record(record.get("parts"))
+                if layout is None or len(layout.sizes) != parts or layout.total != self.size:
+                    raise self._refused(
+                        f"recorded no layout of the {parts} parts its checksum is over"
+                    )
+                self._hasher = PartsHasher(self.algorithm, layout)
+        except ValueError:  # hashlib knows no such algorithm
+            raise self._refused(
+                f"recorded a checksum of an unknown kind {self.algorithm!r}"
+            ) from None
         self.received = 0
 
     def _refused(self, what: str) -> PeerFetchError:
