@@ -4,7 +4,8 @@ A thin facade over the steps of a fetch, each a unit of its own:
 
     identify (:mod:`~shardcache._store.shard_ids`) -> hit? (:mod:`~shardcache._store.hits`)
       -> miss (:mod:`~shardcache._cache.miss`): lock (:mod:`~shardcache._cache.locks`) -> re-check
-         -> room (:mod:`~shardcache._store.space`) -> download into a private temp file -> verify
+         -> a peer's copy (:mod:`~shardcache._cache.peer_fill`, with peers) or a download
+         -> room (:mod:`~shardcache._store.space`) -> into a private temp file -> verify
          -> publish (:mod:`~shardcache._store.publish`)
       -> pin (:mod:`~shardcache._cache.pinned`)
 
