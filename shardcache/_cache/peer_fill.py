@@ -3,9 +3,10 @@
 Each holder the :class:`~shardcache._mesh.holders.PeerSource` names is asked in turn,
 unless this process has put it aside after a failure (:mod:`shardcache._mesh.peers`). Its
 copy lands exactly as a download does: a private temp file (room made and reserved), the
-bytes checked as they arrive against the checksum its holder recorded from the store and
-the identity the job expects (:func:`~shardcache._mesh.verify.fetch_verified`), then the
-metadata record and the durable rename. A failure of any kind on the peer's side (no
+bytes checked as they arrive against the CRC32C its holder recorded as they landed there
+(or, in an older record, its store's checksum) and the size, ETag and version the job
+expects (:func:`~shardcache._mesh.verify.fetch_verified`), then the metadata record and
+the durable rename. A failure of any kind on the peer's side (no
 answer, too slow, refused, a damaged copy) puts that peer aside, is counted, and the next
 holder or the store is asked: nothing of a failed peer's copy is ever published.
 """
