@@ -6,9 +6,10 @@ copy lands exactly as a download does: a private temp file (room made and reserv
 bytes checked as they arrive against the CRC32C its holder recorded as they landed there
 (or, in an older record, its store's checksum) and the size, ETag and version the job
 expects (:func:`~shardcache._mesh.verify.fetch_verified`), then the metadata record and
-the durable rename. A failure of any kind on the peer's side (no
-answer, too slow, refused, a damaged copy) puts that peer aside, is counted, and the next
-holder or the store is asked: nothing of a failed peer's copy is ever published.
+the durable rename. A failure of any kind on the peer's side (no answer, too slow,
+refused, a damaged copy) puts that peer aside, is counted, and the next holder or the
+store is asked: nothing of a failed peer's copy is ever published. A peer that holds no
+copy (404) or is busy (503) is asked again for the next shard.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from .stats import StatsCounter
 logger = get_logger("shardcache._cache")  # the cache's records keep one logger name
 
 FROM_PEER = "from peer"  # the lock's and the progress's phase while a peer's copy arrives
+# A sound peer's answers that give no copy: it holds none (evicted since the hand-out), or
+# it is busy (its concurrency cap). The next holder or the store is asked, and the peer is
+# not put aside: its other shards are still worth asking it for.
+NOT_HERE = frozenset({404, 503})
 
 
 class PeerFill:
@@ -53,9 +58,12 @@ class PeerFill:
             try:
                 info = self._fill_from(holding, shard, expected, report)
             except (PeerFetchError, IntegrityError) as exc:
-                peers.failed(name, exc.message)
                 corrupt = int(isinstance(exc, IntegrityError))
                 self._stats.count(shard.url, peer_fallbacks=1, peer_corruptions=corrupt)
+                if isinstance(exc, PeerFetchError) and exc.status in NOT_HERE:
+                    logger.debug("peer %s: %s", name, exc.message)  # a sound peer
+                else:
+                    peers.failed(name, exc.message)
                 continue
             except DiskFull:
                 return None  # the store's download makes room and retries, once

@@ -323,3 +323,17 @@ def test_every_download_records_a_crc32c_that_peers_check_a_size_only_shard_by(
         assert other.fetch(_url("kms.tar")).read_bytes() == objects["kms.tar"]
     assert _store_gets(fault_proxy, "kms.tar") == gets["kms.tar"] + 1
     assert (other.stats().peer_corruptions, other.stats().misses) == (1, 1)
+
+
+def test_a_holder_without_the_copy_is_not_put_aside(
+    holder, served, tmp_path, fault_proxy, s3
+) -> None:
+    _proc, port = served
+    receiver = _receiver(holder, port, tmp_path, fault_proxy, s3)
+    assert holder.cache.remove(holder.cache.path_for(_url("b.tar")))  # evicted since
+    assert receiver.fetch(_url("b.tar")).read_bytes() == holder.blobs[_url("b.tar")]
+    assert _store_gets(fault_proxy, "b.tar") == 2  # 404 from the peer: the store's copy
+    assert receiver.fetch(_url("a.tar")).read_bytes() == holder.blobs[_url("a.tar")]
+    assert _store_gets(fault_proxy, "a.tar") == 1  # the same peer asked again, and it gave
+    stats = receiver.stats()
+    assert (stats.peer_fallbacks, stats.misses, stats.from_peers) == (1, 1, 1)
