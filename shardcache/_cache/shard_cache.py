@@ -4,7 +4,8 @@ A thin facade over the steps of a fetch, each a unit of its own:
 
     identify (:mod:`~shardcache._store.shard_ids`) -> hit? (:mod:`~shardcache._store.hits`)
       -> miss (:mod:`~shardcache._cache.miss`): lock (:mod:`~shardcache._cache.locks`) -> re-check
-         -> room (:mod:`~shardcache._store.space`) -> download into a private temp file -> verify
+         -> a peer's copy (:mod:`~shardcache._cache.peer_fill`, with peers) or a download
+         -> room (:mod:`~shardcache._store.space`) -> into a private temp file -> verify
          -> publish (:mod:`~shardcache._store.publish`)
       -> pin (:mod:`~shardcache._cache.pinned`)
 
@@ -33,6 +34,7 @@ from .._base.trust import Trust
 from .._config.settings import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from .._disk.layout import CacheLayout, ShardId
 from .._disk.metadata import write_meta
+from .._mesh.holders import PeerSource
 from .._mesh.node import MeshNode, join
 from .._observe import metrics
 from .._prefetch.prefetcher import Fetch, Prefetcher
@@ -50,6 +52,7 @@ from .._store.space import Space
 from .._transfer.remote import Progress, Remote, RemoteOptions
 from .locks import CacheLocks
 from .miss import MissPath
+from .peer_fill import PeerFill
 from .pinned import PinnedFetch, PinTable
 from .stats import CacheStats, StatsCounter
 
@@ -88,6 +91,7 @@ class ShardCache:
         storage_options: dict[str, Any] | None = None,
         *,
         settings: Settings | None = None,
+        _peers: PeerSource | None = None,
         **overrides: Any,
     ) -> None:
         explicit = {"cache_dir": cache_dir, "scope": scope, "storage_options": storage_options}
@@ -97,6 +101,7 @@ class ShardCache:
         elif any(v is not None for v in explicit.values()):
             settings = settings.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.settings = settings
+        self._peer_source = _peers  # the cache mesh's holders (internal: no setting yet)
         self._init_runtime(Wiring())
         self.mesh = join(settings)  # SHARDCACHE_MESH: once a process (never in an unpickled copy)
 
@@ -106,6 +111,7 @@ class ShardCache:
         collaborators (the tests' seam)."""
         cache = cls.__new__(cls)
         cache.settings = settings
+        cache._peer_source = None
         cache._init_runtime(wiring)
         return cache
 
@@ -138,6 +144,8 @@ class ShardCache:
         self._space = Space(
             self.layout, s, mount_for=wiring.mount_for, disk_usage=wiring.disk_usage
         )
+        publisher = Publisher(self.layout, self._space, s, write_meta=wiring.write_meta)
+        peers = self._peer_source
         self._miss = MissPath(
             s,
             self.layout,
@@ -145,8 +153,9 @@ class ShardCache:
             hits=self._hits,
             locks=self._locks,
             space=self._space,
-            publisher=Publisher(self.layout, self._space, s, write_meta=wiring.write_meta),
+            publisher=publisher,
             stats=self._stats,
+            peers=None if peers is None else PeerFill(peers, publisher, self._stats),
         )
         self._pins = PinTable(self.layout)
         self._pinned = PinnedFetch(self.layout, s, self._pins)
@@ -159,12 +168,16 @@ class ShardCache:
     # Picklable (DataLoader workers): runtime state is rebuilt in the receiving process,
     # through the same wiring (pickled only when it is not the real one).
     def __getstate__(self) -> dict[str, Any]:
-        if self._wiring == Wiring():
-            return {"settings": self.settings}
-        return {"settings": self.settings, "wiring": self._wiring}
+        state: dict[str, Any] = {"settings": self.settings}
+        if self._wiring != Wiring():
+            state["wiring"] = self._wiring
+        if self._peer_source is not None:
+            state["peers"] = self._peer_source
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.settings = state["settings"]
+        self._peer_source = state.get("peers")
         self._init_runtime(state.get("wiring", Wiring()))
 
     def __repr__(self) -> str:

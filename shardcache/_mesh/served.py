@@ -24,7 +24,16 @@ from .._disk.layout import CacheLayout
 from .._disk.metadata import read_meta
 
 # The record fields a receiver checks the bytes and the copy's identity against.
-RECORD_FIELDS = ("size", "checksum", "etag", "version_id", "verified", "mtime_ns", "parts")
+RECORD_FIELDS = (
+    "size",
+    "checksum",
+    "etag",
+    "version_id",
+    "verified",
+    "mtime_ns",
+    "parts",
+    "mesh_crc32c",
+)
 
 
 class NotServed(Exception):

@@ -1,7 +1,8 @@
-"""A peer's whole copy checked as it arrives: against the checksum the holder recorded from
-the store (a full-object checksum, or a multipart upload's over the recorded parts), its
-size, and the identity (ETag, version) the receiver expects. Size alone is never enough: a
-record without a checksum is refused before any byte is taken.
+"""A peer's whole copy checked as it arrives: against the CRC32C its holder recorded as the
+bytes landed (``mesh_crc32c``; else, for an older record, the checksum the holder's download
+was verified by: a full-object checksum, or a multipart upload's over the recorded parts),
+its size, and the identity (size, ETag, version) the receiver expects. Size alone is never
+enough: a record without a checksum is refused before any byte is taken.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._base.errors import IntegrityError, PeerFetchError
-from .._transfer.checksums import Checksum, Hasher, etag_checksum
+from .._transfer.checksums import MESH_CRC, Checksum, Hasher, etag_checksum
 from .._transfer.multipart import PartLayout, PartsHasher
 from .auth import JobKey
 from .client import Answer, Bounds, Peer, fetch_range
@@ -23,8 +24,24 @@ class Expected:
     """What the receiver knows the shard to be (its dataset lock, or the store's answer):
     None where it knows nothing of that field."""
 
+    size: int | None = None
     etag: str | None = None
     version_id: str | None = None
+
+
+def recorded_checksum(record: dict[str, Any]) -> Checksum | None:
+    """The store's checksum a holder's record names (its ``checksum``), if any."""
+    described = record.get("checksum")
+    if not isinstance(described, dict) or not described.get("algorithm"):
+        return None
+    parts = described.get("parts")
+    try:
+        count = None if parts is None else int(parts)
+    except (TypeError, ValueError):
+        return None  # not a record this version wrote
+    return Checksum(
+        str(described["algorithm"]), str(described.get("value")), "the holder's record", count
+    )
 
 
 def verified_by(record: dict[str, Any]) -> Checksum | None:
@@ -32,19 +49,22 @@ def verified_by(record: dict[str, Any]) -> Checksum | None:
     method): the store's additional checksum, or the ETag's MD5 where the holder's download
     was checked by it; None for a copy verified by its size only."""
     method = record.get("verified")
-    described = record.get("checksum")
-    if isinstance(described, dict) and described.get("algorithm"):
-        parts = described.get("parts")
-        checksum = Checksum(
-            str(described["algorithm"]),
-            str(described.get("value")),
-            "the holder's record",
-            None if parts is None else int(parts),
-        )
-        if checksum.method == method:
-            return checksum
+    checksum = recorded_checksum(record)
+    if checksum is not None and checksum.method == method:
+        return checksum
     md5 = etag_checksum(record.get("etag"))
     return md5 if md5 is not None and md5.method == method else None
+
+
+def checked_by(record: dict[str, Any]) -> Checksum | None:
+    """What a peer's copy is checked against: the CRC32C its holder recorded of its bytes
+    as they landed (``mesh_crc32c``, after the store's check passed), else the checksum its
+    download was verified by (records made before ``mesh_crc32c``); None: nothing but the
+    size, refused."""
+    crc = record.get("mesh_crc32c")
+    if isinstance(crc, str) and crc:
+        return Checksum(MESH_CRC, crc, "the holder's CRC32C")
+    return verified_by(record)
 
 
 class PeerCheck:
@@ -53,22 +73,29 @@ class PeerCheck:
 
     def __init__(self, url: str, peer: Peer, record: dict[str, Any], expected: Expected) -> None:
         self.url, self.peer, self.size = url, peer, record.get("size")
-        for field in ("etag", "version_id"):
+        for field in ("size", "etag", "version_id"):
             want = getattr(expected, field)
             if want is not None and record.get(field) != want:
                 raise self._refused(f"holds {field} {record.get(field)!r}, expected {want!r}")
-        checksum = verified_by(record)
+        checksum = checked_by(record)
         if checksum is None:
-            raise self._refused("recorded no checksum from the store; size alone proves nothing")
+            raise self._refused("recorded no checksum of its copy; size alone proves nothing")
         self.algorithm, self.value, parts = checksum.algorithm, checksum.value, checksum.parts
         self._hasher: Hasher | PartsHasher
-        if parts is None:
-            self._hasher = Hasher(self.algorithm)
-        else:
-            layout = PartLayout.from_record(record.get("parts"))
-            if layout is None or len(layout.sizes) != parts or layout.total != self.size:
-                raise self._refused(f"recorded no layout of the {parts} parts its checksum is over")
-            self._hasher = PartsHasher(self.algorithm, layout)
+        try:
+            if parts is None:
+                self._hasher = Hasher(self.algorithm)
+            else:
+                layout = PartLayout.from_record(record.get("parts"))
+                if layout is None or len(layout.sizes) != parts or layout.total != self.size:
+                    raise self._refused(
+                        f"recorded no layout of the {parts} parts its checksum is over"
+                    )
+                self._hasher = PartsHasher(self.algorithm, layout)
+        except ValueError:  # hashlib knows no such algorithm
+            raise self._refused(
+                f"recorded a checksum of an unknown kind {self.algorithm!r}"
+            ) from None
         self.received = 0
 
     def _refused(self, what: str) -> PeerFetchError:

@@ -5,28 +5,23 @@ second process, and fetched with fetch_range; what is refused, and every wait bo
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
-from mesh_holder import BUCKET, JOB, SECRET, Holder
+from mesh_holder import BUCKET, JOB, SECRET, Holder, peer_process
 
 from shardcache import PeerFetchError
 from shardcache._mesh.auth import HEADER, JobKey, Verifier
 from shardcache._mesh.client import Bounds, Peer, fetch_range
 from shardcache._mesh.served import ShardRequest
 from shardcache._mesh.server import PATH, MeshServer
-
-PEER_SCRIPT = Path(__file__).parents[2] / "support" / "mesh_peer.py"
 
 
 def _fetch(server: MeshServer, request: ShardRequest, **kw) -> tuple[bytes, object]:
@@ -127,26 +122,13 @@ def test_a_range_outside_the_copy_is_416(holder, server) -> None:
 
 
 @pytest.fixture
-def peer_process(holder: Holder) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    allowed = json.dumps(sorted(holder.allowed))
-    args = [sys.executable, str(PEER_SCRIPT), str(holder.cache.layout.root), JOB, allowed, "4e6"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])}
-    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(SECRET.hex() + "\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()  # the port, once it listens (the fixture's timeout bounds it)
-        assert line.strip().isdigit(), f"the peer process did not start: {line!r}"
-        yield proc, int(line)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+def peer(holder: Holder) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    with peer_process(holder, rate=4e6) as running:
+        yield running
 
 
-def test_a_second_process_serves_and_a_sigkill_mid_transfer_is_bounded(holder, peer_process):
-    proc, port = peer_process
+def test_a_second_process_serves_and_a_sigkill_mid_transfer_is_bounded(holder, peer):
+    proc, port = peer
     url = f"s3://{BUCKET}/a.tar"
     got = bytearray()
     peer, key = Peer("127.0.0.1", port), JobKey(SECRET, JOB)

@@ -50,13 +50,18 @@ def _fetch(server: MeshServer, request: ShardRequest, **kw) -> bytes:
     return bytes(got)
 
 
+@pytest.mark.parametrize("crc32c", [True, False], ids=["mesh_crc32c", "older-record"])
 @pytest.mark.parametrize("name", ["single.tar", "multi.tar"])
-def test_a_good_copy_is_checked_and_delivered(node, server, name) -> None:
+def test_a_good_copy_is_checked_and_delivered(node, server, name, crc32c) -> None:
     url = f"s3://{BUCKET}/{name}"
-    record = read_meta(node.cache.layout, node.cache.path_for(url))
+    path = node.cache.path_for(url)
+    record = read_meta(node.cache.layout, path)
     # moto: a CRC32 of a single-part upload; the ETag's MD5 of the 3 parts' MD5s of the other
     assert record["verified"] == {"single.tar": "crc32", "multi.tar": "md5-parts"}[name]
-    expected = Expected(etag=record["etag"], version_id=record["version_id"])
+    assert record["mesh_crc32c"]  # every download records one
+    if not crc32c:  # a record made before mesh_crc32c: checked against the store's checksum
+        write_meta(node.cache.layout, path, {**record, "mesh_crc32c": None})
+    expected = Expected(record["size"], record["etag"], record["version_id"])
     assert _fetch(server, node.requests[url], expected=expected) == node.blobs[url]
 
 
@@ -92,10 +97,10 @@ def test_another_version_is_refused_before_any_byte(node, server) -> None:
     assert sink_calls == [] and refused.value.peer == f"127.0.0.1:{server.port}"
 
 
-def test_a_copy_verified_by_its_size_only_is_refused(node, server) -> None:
+def test_a_copy_without_any_recorded_checksum_is_refused(node, server) -> None:
     url = f"s3://{BUCKET}/single.tar"
     path = node.cache.path_for(url)
     record = read_meta(node.cache.layout, path)
-    write_meta(node.cache.layout, path, {**record, "verified": "size"})
+    write_meta(node.cache.layout, path, {**record, "verified": "size", "mesh_crc32c": None})
     with pytest.raises(PeerFetchError, match="recorded no checksum"):
         _fetch(server, node.requests[url])
