@@ -58,6 +58,7 @@ _GROUP_FILES = {
         "test_ddp_epochs.py",
         "test_index_exchange_jobs.py",
         "test_mesh_discovery_torchrun.py",
+        "test_mesh_slurm.py",
         "test_node_lock.py",
         "test_report_job.py",
         "test_resume_slurm.py",

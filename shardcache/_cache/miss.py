@@ -66,7 +66,7 @@ class MissPath:
         self._space = space
         self._publisher = publisher
         self._stats = stats
-        self._peers = peers
+        self.peers = peers  # the cache mesh's step, when the cache has peers
 
     def fetch(self, shard: ShardId, progress: Progress | None, announce: Announce | None) -> Path:
         """Fetch ``shard``; ``announce`` (if given) gets the :class:`GrowingFile` of a
@@ -138,7 +138,7 @@ class MissPath:
 
             report(phase=REQUESTING, bytes_done=0, bytes_total=None)
             t0 = time.monotonic()
-            peer = self._peers.fill(shard, report) if self._peers is not None else None
+            peer = self.peers.fill(shard, report) if self.peers is not None else None
             if peer is not None:
                 self._stats.count(
                     url,

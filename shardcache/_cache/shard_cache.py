@@ -91,7 +91,6 @@ class ShardCache:
         storage_options: dict[str, Any] | None = None,
         *,
         settings: Settings | None = None,
-        _peers: PeerSource | None = None,
         **overrides: Any,
     ) -> None:
         explicit = {"cache_dir": cache_dir, "scope": scope, "storage_options": storage_options}
@@ -101,7 +100,7 @@ class ShardCache:
         elif any(v is not None for v in explicit.values()):
             settings = settings.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.settings = settings
-        self._peer_source = _peers  # the cache mesh's holders (internal: no setting yet)
+        self._peer_source: PeerSource | None = None  # the cache mesh's holders (_attach_peers)
         self._init_runtime(Wiring())
         self.mesh = join(settings)  # SHARDCACHE_MESH: once a process (never in an unpickled copy)
 
@@ -144,7 +143,9 @@ class ShardCache:
         self._space = Space(
             self.layout, s, mount_for=wiring.mount_for, disk_usage=wiring.disk_usage
         )
-        publisher = Publisher(self.layout, self._space, s, write_meta=wiring.write_meta)
+        self._publisher = publisher = Publisher(
+            self.layout, self._space, s, write_meta=wiring.write_meta
+        )
         peers = self._peer_source
         self._miss = MissPath(
             s,
@@ -159,6 +160,21 @@ class ShardCache:
         )
         self._pins = PinTable(self.layout)
         self._pinned = PinnedFetch(self.layout, s, self._pins)
+
+    def _attach_peers(self, source: PeerSource) -> None:
+        """Ask the peers ``source`` names on a miss, before the store (internal: a dataset
+        gives the holders of its hand-out, :mod:`shardcache._datasets.mesh_wiring`); it
+        pickles with the cache into DataLoader workers."""
+        self._peer_source = source
+        self._miss.peers = PeerFill(source, self._publisher, self._stats)
+
+    def _offer(self, urls: Iterable[str]) -> None:
+        """Let the job's other nodes fetch the published copies of ``urls`` from this
+        node's mesh server (internal: a dataset offers its shards); nothing when the mesh
+        is off."""
+        if self.mesh is not None:
+            shards = [self._identify(url) for url in urls]
+            self.mesh.offered.add((shard.canonical_url, shard.namespace) for shard in shards)
 
     @classmethod
     def from_env(cls) -> ShardCache:

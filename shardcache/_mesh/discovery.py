@@ -107,8 +107,7 @@ class MeshMembership:
 
     def peers(self) -> Mapping[int, Peer]:
         """The other nodes' servers heard from so far (never this node's own)."""
-        with self._lock:
-            return dict(self._peers)
+        return dict(self._peers)  # replaced whole, never changed: no lock a fork could hold
 
     def wait(self, timeout: float) -> bool:
         """Wait until the reading ended (every node heard from, refused or given up on), at
@@ -175,7 +174,7 @@ class MeshMembership:
             )
         else:
             with self._lock:
-                self._peers[node] = record.peer
+                self._peers = {**self._peers, node: record.peer}
 
     def _refuse(self, node: int, why: str) -> None:
         self.refused[node] = why

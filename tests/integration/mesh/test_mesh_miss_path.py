@@ -84,13 +84,14 @@ def _receiver(
         Known(tuple(known)),
         Bounds(**bounds),
     )
-    return ShardCache(
+    cache = ShardCache(
         tmp_path / "receiver",
         scope="node",
         storage_options=s3.storage_options(fault_proxy.endpoint_url),
         metrics=str(tmp_path / "metrics"),
-        _peers=source,
     )
+    cache._attach_peers(source)  # what a dataset in the mesh does (_datasets.mesh_wiring)
+    return cache
 
 
 def _store_gets(fault_proxy, name: str) -> int:
