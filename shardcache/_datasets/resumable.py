@@ -182,7 +182,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         refused, so the rest of that epoch is not skipped by accident."""
         epoch = whole("epoch", epoch, low=0)
         learn = self.index is None and self._split is None and in_group(*self._ranks()[:2])
-        if self._split is None and (learn or self._cache().settings.mesh):
+        if self._split is None and (learn or self._settings().mesh):
             self._epoch_split()  # learned with the job's ranks (a collective); the mesh's offer
         pending = self._pending
         if pending is not None and pending["epoch"] == epoch:
@@ -377,9 +377,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         known and divides the world), else 1."""
         if local_world_size is None or world_size % local_world_size:
             return 1
-        cache = self._stage.cache
-        scope = cache.settings.scope if cache is not None else Settings.resolve().scope
-        return local_world_size if scope == "node" else 1
+        return local_world_size if self._settings().scope == "node" else 1
 
     def _consumer(self) -> tuple[int, int, int]:
         """This consumer's slot, the number of consumers, and how many share its cache."""
@@ -489,9 +487,13 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
             progress.seen = None if progress.seen is None else progress.seen + folded
 
     def _checker(self, on_mismatch: str | None = None) -> Checker:
+        mode = mode_of(on_mismatch, self._settings().delivery_check)
+        return Checker(self._epoch_split(), self.urls, self._source, mode)
+
+    def _settings(self) -> Settings:
+        """The settings of the cache the dataset reads through (given, or the environment's)."""
         cache = self._stage.cache
-        mode = (cache.settings if cache is not None else Settings.resolve()).delivery_check
-        return Checker(self._epoch_split(), self.urls, self._source, mode_of(on_mismatch, mode))
+        return cache.settings if cache is not None else Settings.resolve()
 
     def _cache(self) -> ShardCache:
         return self._stage.cache if self._stage.cache is not None else ShardCache.from_env()

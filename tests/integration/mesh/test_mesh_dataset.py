@@ -4,7 +4,9 @@ own cache root (its "local disk") and a DataLoader worker: ``ResumableDataset`` 
 offers its shards to the node's server and gives its cache the holders of the job's
 hand-out. The split's internal rotation makes each node read the other's share in epoch 1:
 those misses are filled by the other node's server, not the store (the store's side counts
-GETs at the fault proxy, each server its transfers), the DataLoader worker fetching them."""
+GETs at the fault proxy, each server its transfers), the DataLoader worker fetching them;
+at node scope (cache *i* on node *i*) and, through a second cache of the same processes, at
+rank scope (rank *r*'s scope directory on rank *r*'s node)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from shardcache._cli.main import main as shardcache_main
 
 BUCKET = "meshdataset"
 NODES, SHARDS, SAMPLES = 2, 4, 5
+SCOPES = ("node", "rank")
 SECRET = "c" * 32
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,7 +41,6 @@ def node_env(node: int, meet: Path, s3_env: dict[str, str]) -> dict[str, str]:
         "SLURM_NTASKS_PER_NODE": "1",
         "SLURM_STEP_NUM_NODES": str(NODES),
         "SLURM_STEP_NODELIST": "127.0.0.1",
-        "SHARDCACHE_SCOPE": "node",
         "SHARDCACHE_MESH": "1",
         "SHARDCACHE_MESH_SECRET": SECRET,
         "SHARDCACHE_MESH_ADDR": "127.0.0.1",
@@ -58,27 +60,32 @@ def node_process(env: dict[str, str], job: dict[str, Any], barrier: Any, out: An
 
 
 def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
-    """Two epochs of the dataset through a DataLoader worker, the nodes in step between
-    them; then this node's server's counts."""
+    """Two epochs of the dataset at node scope and of the same shards through a rank-scope
+    cache, each through a DataLoader worker, the nodes in step between epochs; then this
+    node's server's counts (one server serves both scopes)."""
     import torch.utils.data
 
     import shardcache
 
-    cache = shardcache.ShardCache(job["root"])
-    dataset = shardcache.ResumableDataset(
-        job["spec"], index=job["index"], lock=job["lock"], cache=cache
-    )
-    dataset._rotate_units = True  # internal: epoch 1 reads the other node's share
-    epochs = []
+    caches = {scope: shardcache.ShardCache(job["root"], scope=scope) for scope in SCOPES}
+    datasets = {
+        scope: shardcache.ResumableDataset(
+            job["spec"], index=job["index"], lock=job["lock"], cache=cache
+        )
+        for scope, cache in caches.items()
+    }
+    keys: dict[str, list[list[str]]] = {scope: [] for scope in SCOPES}
     for epoch in range(2):
-        dataset.set_epoch(epoch)
-        loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
-        epochs.append([sample["__key__"] for sample in loader])
+        for scope, dataset in datasets.items():
+            dataset._rotate_units = True  # internal: epoch 1 reads the other node's share
+            dataset.set_epoch(epoch)
+            loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
+            keys[scope].append([sample["__key__"] for sample in loader])
         barrier.wait(60)  # every node's epoch is over: its shards are published
-    mesh = cache.mesh
-    assert mesh is not None and mesh.server is not None
+    mesh = caches["node"].mesh
+    assert mesh is not None and mesh.server is not None and caches["rank"].mesh is mesh
     assert mesh.server.wait_idle(10)
-    return {"node": me, "keys": epochs, "counts": mesh.server.counts()}
+    return {"node": me, "keys": keys, "counts": mesh.server.counts()}
 
 
 def run_nodes(tmp_path: Path, s3_env: dict[str, str], job: dict[str, Any]) -> list[dict]:
@@ -129,11 +136,12 @@ def test_epoch_one_reads_the_other_nodes_share_from_its_server(
     results = run_nodes(tmp_path, s3.env(fault_proxy.endpoint_url), job)
 
     every = sorted(key for s in range(SHARDS) for key, _ in shard_samples(s, SAMPLES))
-    for epoch in (0, 1):
-        assert sorted(k for r in results for k in r["keys"][epoch]) == every, epoch
-    assert set(results[0]["keys"][0]) == set(results[1]["keys"][1])  # the shares swapped
-    gets = _gets(fault_proxy) - before
-    assert gets == Counter({f"/{BUCKET}/train-{s}.tar": 1 for s in range(SHARDS)}), gets
-    served = [r["counts"] for r in results]  # the servers' own counts
-    assert [c.get("200", 0) for c in served] == [SHARDS // NODES] * NODES, served
+    for scope in SCOPES:
+        for epoch in (0, 1):
+            assert sorted(k for r in results for k in r["keys"][scope][epoch]) == every
+        assert set(results[0]["keys"][scope][0]) == set(results[1]["keys"][scope][1])  # swapped
+    gets = _gets(fault_proxy) - before  # each shard once into each scope's cache, epoch 0
+    assert gets == Counter({f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}), gets
+    served = [r["counts"] for r in results]  # the servers' own counts: a node's two shares
+    assert [c.get("200", 0) for c in served] == [len(SCOPES) * SHARDS // NODES] * NODES, served
     assert all(set(c) <= {"200", "bytes"} for c in served), served
