@@ -14,13 +14,10 @@ store's requests; each node's mesh server counts what it served.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import subprocess
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -37,7 +34,13 @@ from test_ddp_epochs import (
     shardcache_cli,
 )
 from test_slurm import PYTHON, SETUP_TIMEOUT, run_job
-from test_slurm_nodes import Cluster, node_env, parse_report, slurm_local
+from test_slurm_nodes import (
+    Cluster,
+    bring_up,
+    link,  # noqa: F401  (a fixture)
+    local_cache,  # noqa: F401  (a fixture)
+    node_env,
+)
 
 from shardcache.testing import FaultProxy, S3Server
 
@@ -54,35 +57,9 @@ pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + 240)
 
 @pytest.fixture(scope="module")
 def cluster() -> Cluster:
-    """Four running SLURM nodes in their own namespaces."""
-    required = os.environ.get("SHARDCACHE_REQUIRE_SLURM") == "1"
-    unavailable = pytest.fail if required else pytest.skip
-    try:
-        proc = slurm_local("--nodes", str(NODES))
-    except subprocess.TimeoutExpired as exc:
-        unavailable(f"scripts/slurm-local --nodes {NODES} did not finish: {exc}")
-    if proc.returncode != 0:
-        unavailable(
-            f"scripts/slurm-local --nodes {NODES} exited {proc.returncode}:\n"
-            f"{proc.stdout}{proc.stderr}"
-        )
-    return parse_report(proc.stdout)
-
-
-@pytest.fixture
-def link(cluster: Cluster, s3: S3Server) -> Iterator[FaultProxy]:
-    """The nodes' way to the S3 server: a proxy on the host's bridge address."""
-    with FaultProxy("127.0.0.1", s3.port, host=cluster.host_addr) as proxy:
-        yield proxy
-
-
-@pytest.fixture
-def local_cache(cluster: Cluster) -> Iterator[str]:
-    """A fresh cache directory on every node's local disk (the same path on each)."""
-    name = f"cache-{uuid.uuid4().hex[:8]}"
-    yield str(cluster.local_disk / name)
-    for node in cluster.nodes:
-        shutil.rmtree(node.local / name, ignore_errors=True)
+    """Four running SLURM nodes in their own namespaces (the link and the local cache of
+    tests/system/test_slurm_nodes.py use them)."""
+    return bring_up(NODES)
 
 
 def srun_tasks(args: list[str], env: Mapping[str, str], cwd: Path) -> str:
@@ -102,7 +79,11 @@ def srun_tasks(args: list[str], env: Mapping[str, str], cwd: Path) -> str:
 
 
 def test_epoch_one_swaps_shares_between_nodes_through_the_mesh(
-    cluster: Cluster, tmp_path: Path, s3: S3Server, link: FaultProxy, local_cache: str
+    cluster: Cluster,
+    tmp_path: Path,
+    s3: S3Server,
+    link: FaultProxy,  # noqa: F811
+    local_cache: str,  # noqa: F811
 ) -> None:
     """Epoch 0: each node fills its own share from the store. Epoch 1: each node reads
     another node's share, and every one of those shards comes from that node's mesh
