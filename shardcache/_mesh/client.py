@@ -7,12 +7,19 @@ socket has no event loop to carry across a fork. The connection must open within
 arrive before ``first_byte + length / min_rate`` seconds, each read bounded by what is left,
 so a peer that trickles cannot stretch the wait. Every failure is a :class:`PeerFetchError`
 naming the peer: the caller goes to the store.
+
+Each thread keeps its connection to a peer open after an answer read whole (HTTP keep-alive),
+for its next request there: no new connection a shard. A kept connection the peer closed
+meanwhile is replaced once, at once; a forked child never uses its parent's.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +32,8 @@ from .served import ShardRequest
 from .server import PATH, RECORD_HEADER
 
 _ERROR_TEXT = 512  # bytes of an error answer kept for the message
+
+logger = logging.getLogger("shardcache.mesh")
 
 
 @dataclass(frozen=True)
@@ -77,26 +86,108 @@ def fetch_range(
     byte_range = "" if start == 0 and end is None else f"bytes={start}-{'' if end is None else end}"
     target = f"{PATH}?{urlencode(shard.query())}"
     fail = _Failure(peer, shard.url, byte_range)
-    connection = http.client.HTTPConnection(peer.host, peer.port, timeout=bounds.connect)
+    connection, response = _answered(peer, key, target, byte_range, bounds=bounds, fail=fail)
+    whole = False  # read to its end on a connection that stays open: kept for the next
     try:
-        try:
-            connection.connect()
-            assert connection.sock is not None
-            connection.sock.settimeout(bounds.first_byte)
-            headers = {HEADER: key.sign("GET", target, byte_range)}
-            if byte_range:
-                headers["Range"] = byte_range
-            connection.request("GET", target, headers=headers)
-            response = connection.getresponse()
-        except (OSError, http.client.HTTPException) as exc:
-            raise fail("no answer", None, exc) from exc
         answer = _answer(response, byte_range, start, fail)
         if on_answer is not None:
             on_answer(answer)
         _receive(connection, response, sink, length=answer.length, bounds=bounds, fail=fail)
+        whole = response.isclosed() and not response.will_close
         return answer
     finally:
+        _kept.give_back(peer, connection, whole)
+
+
+def _answered(
+    peer: Peer, key: JobKey, target: str, byte_range: str, *, bounds: Bounds, fail: _Failure
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """The answer's head, on this thread's kept connection to ``peer`` or, when there is
+    none or the peer closed it meanwhile, on a new one."""
+    connection, kept = _kept.take(peer, bounds)
+    try:
+        return connection, _ask(connection, key, target, byte_range, bounds)
+    except _CLOSED as exc:
         connection.close()
+        if not kept:
+            raise fail("no answer", None, exc) from exc
+        logger.debug("cache mesh: %s closed a kept connection (%s); asking on a new one", peer, exc)
+    except (OSError, http.client.HTTPException) as exc:
+        connection.close()
+        raise fail("no answer", None, exc) from exc
+    connection = http.client.HTTPConnection(peer.host, peer.port, timeout=bounds.connect)
+    try:
+        return connection, _ask(connection, key, target, byte_range, bounds)
+    except (OSError, http.client.HTTPException) as exc:
+        connection.close()
+        raise fail("no answer", None, exc) from exc
+
+
+def _ask(
+    connection: http.client.HTTPConnection,
+    key: JobKey,
+    target: str,
+    byte_range: str,
+    bounds: Bounds,
+) -> http.client.HTTPResponse:
+    """Send the signed request (connecting first on a new connection); the answer's head."""
+    if connection.sock is None:
+        connection.connect()
+    assert connection.sock is not None
+    connection.sock.settimeout(bounds.first_byte)
+    headers = {HEADER: key.sign("GET", target, byte_range)}
+    if byte_range:
+        headers["Range"] = byte_range
+    connection.request("GET", target, headers=headers)
+    return connection.getresponse()
+
+
+class _Held:
+    """A connection kept open for the next request to its peer; closed if dropped."""
+
+    def __init__(self, connection: http.client.HTTPConnection) -> None:
+        self.connection: http.client.HTTPConnection | None = connection
+
+    def take(self) -> http.client.HTTPConnection | None:
+        connection, self.connection = self.connection, None
+        return connection
+
+    def __del__(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+
+
+class _Kept(threading.local):
+    """This thread's connections kept open, one a peer. A forked child starts with none:
+    its parent's sockets are not its to use (dropping its copies closes only its own
+    descriptors)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.held: dict[Peer, _Held] = {}
+
+    def take(self, peer: Peer, bounds: Bounds) -> tuple[http.client.HTTPConnection, bool]:
+        """The kept connection to ``peer`` (True) or a new one, not connected yet (False)."""
+        if self.pid != os.getpid():
+            self.pid, self.held = os.getpid(), {}
+        held = self.held.pop(peer, None)
+        connection = None if held is None else held.take()
+        if connection is not None and connection.sock is not None:
+            return connection, True
+        return http.client.HTTPConnection(peer.host, peer.port, timeout=bounds.connect), False
+
+    def give_back(self, peer: Peer, connection: http.client.HTTPConnection, whole: bool) -> None:
+        """Keep ``connection`` for the next request to ``peer`` when its answer was read
+        ``whole`` (the peer keeps it open too), else close it."""
+        if whole and self.pid == os.getpid():
+            self.held[peer] = _Held(connection)
+        else:
+            connection.close()
+
+
+_kept = _Kept()
+# What a kept connection the peer has closed meanwhile raises when asked on again.
+_CLOSED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
 def _answer(

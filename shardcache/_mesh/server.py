@@ -17,6 +17,7 @@ import contextlib
 import logging
 import socket
 import threading
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -87,6 +88,7 @@ class MeshServer:
         self._bucket = TokenBucket(upload_rate, self._pace) if upload_rate else None
         self._active = 0  # touched only in the server's loop
         self._counts: Counter[str] = Counter()
+        self._connections: weakref.WeakSet[Any] = weakref.WeakSet()  # touched only in the loop
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)
         self._in_flight = 0  # requests being answered, counted before they are done
@@ -101,7 +103,8 @@ class MeshServer:
 
     def counts(self) -> dict[str, int]:
         """Requests by answer (``"200"``, ``"206"``, ``"401"``, ...), transfers the peer
-        ``"aborted"``, ``"bytes"`` served and ``"throttled_ms"`` waited on the upload cap."""
+        ``"aborted"``, ``"bytes"`` served, ``"throttled_ms"`` waited on the upload cap, and
+        the ``"connections"`` peers made."""
         with self._lock:
             return dict(self._counts)
 
@@ -177,6 +180,10 @@ class MeshServer:
         self.stop()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        transport = request.transport
+        if transport is not None and transport not in self._connections:  # a new connection
+            self._connections.add(transport)
+            self._count("connections")
         with self._settled:
             self._in_flight += 1
         try:

@@ -159,4 +159,4 @@ def test_epoch_one_swaps_shares_between_nodes_through_the_mesh(
     # Each node served its own two shards once, to the node that reads them in epoch 1.
     assert [s["server"].get("200", 0) for s in served] == [2] * NODES, served
     for counts in served:
-        assert set(counts["server"]) <= {"200", "bytes"}, counts
+        assert set(counts["server"]) <= {"200", "bytes", "connections"}, counts

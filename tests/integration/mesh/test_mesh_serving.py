@@ -56,6 +56,34 @@ def test_a_peer_serves_a_published_shard_whole_and_by_range(holder, server) -> N
     counts = server.counts()
     assert counts["200"] == 1 and counts["206"] == 2
     assert counts["bytes"] == len(blob) + 1_500_000 + 10
+    assert counts["connections"] == 1  # the thread kept its connection for the next request
+
+
+def test_a_kept_connection_the_peer_closed_is_replaced_and_a_forked_child_makes_its_own(
+    holder,
+) -> None:
+    """A server stopped after an answer closes the connection the client kept; a new
+    server on the same port answers the next request on a new connection, with no failure.
+    A forked child asks on a connection of its own, never on its parent's socket."""
+    url = f"s3://{BUCKET}/b.tar"
+    verifier = Verifier(JobKey(SECRET, JOB))
+    with MeshServer(holder.shards(), verifier, "127.0.0.1") as first:
+        assert _fetch(first, holder.requests[url])[0] == holder.blobs[url]
+        port = first.port
+    with MeshServer(holder.shards(), verifier, "127.0.0.1", port=port) as second:
+        assert _fetch(second, holder.requests[url])[0] == holder.blobs[url]
+        child = os.fork()
+        if child == 0:  # the child's fetch, then its exit status says whether it got the bytes
+            try:
+                ok = _fetch(second, holder.requests[url])[0] == holder.blobs[url]
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert _fetch(second, holder.requests[url])[0] == holder.blobs[url]  # the kept one
+        assert second.wait_idle(5)
+        counts = second.counts()
+    assert (counts["200"], counts["connections"]) == (3, 2), counts
 
 
 def test_requests_without_the_job_key_are_refused(holder, server) -> None:
