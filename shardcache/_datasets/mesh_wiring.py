@@ -110,16 +110,20 @@ def mesh_peers(
         return None
     units, node_of, scope_of = placed
     per_unit = ranks[1] // units
-    owned = [set(shards) for shards in split.shard_units(units, per_unit)]
     owner = owners(split.unit_shares(units, per_unit), len(read_urls))
-    copies: Copies = {}
-    for shard, url in enumerate(read_urls):
-        holding = sorted(
-            (u for u in range(units) if shard in owned[u]), key=lambda u: (u != owner[shard], u)
+    holding: list[list[int]] = [[] for _ in read_urls]  # by shard: the caches reading it
+    for unit, shards in enumerate(split.shard_units(units, per_unit)):
+        for shard in shards:
+            holding[shard].append(unit)
+    own = node.membership.own_node
+    copies: Copies = {
+        url: tuple(
+            (node_of(u), scope_of(u))
+            for u in sorted(holding[shard], key=lambda u, s=shard: (u != owner[s], u))
+            if node_of(u) != own
         )
-        copies[url] = tuple(
-            (node_of(u), scope_of(u)) for u in holding if node_of(u) != node.membership.own_node
-        )
+        for shard, url in enumerate(read_urls)
+    }
     urls, dataset_lock = lock
     expected = {
         read: Expected(entry.size, entry.etag, entry.version_id)
@@ -138,12 +142,10 @@ def _placement(
     rank, world, local = ranks
     if local is None or world % local or rank // local != own_node:
         logger.warning(
-            "cache mesh: rank %d of %d with %s ranks a node is not on node %d in a numbering "
-            "of consecutive ranks a node; this dataset's misses go to the store, not to peers",
-            rank,
-            world,
-            local,
-            own_node,
+            "cache mesh: rank %d of %d is on node %d, which consecutive ranks %s a node would "
+            "not place it on; this dataset's misses go to the store, not to peers (number "
+            "the ranks node by node, as torchrun and SLURM's block distribution do)",
+            *(rank, world, own_node, "of unknown count" if local is None else f"of {local}"),
         )
         return None
     if scope == "node":
