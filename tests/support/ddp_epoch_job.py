@@ -186,9 +186,11 @@ def train(
 def write_mesh_counts(out: Path, rank: int) -> None:
     """This node's mesh server's counts, once no request is being answered (every rank is
     past its last epoch's barrier: no peer asks any more)."""
+    if os.environ.get("SHARDCACHE_MESH") != "1":
+        return
     node = shardcache.ShardCache.from_env().mesh  # the process's place in the mesh (once)
     if node is None:
-        return
+        raise RuntimeError("SHARDCACHE_MESH=1, but this process is not in the mesh (see the log)")
     server = node.server
     counts = None
     if server is not None:
