@@ -1,12 +1,13 @@
 """A dataset in the cache mesh, with real processes as the nodes of a two-node job on
 127.0.0.1 (SLURM's variables, one task a node, meeting in a shared directory), each with its
-own cache root (its "local disk") and a DataLoader worker: ``ResumableDataset`` with a lock
-offers its shards to the node's server and gives its cache the holders of the job's
-hand-out. The split's internal rotation makes each node read the other's share in epoch 1:
-those misses are filled by the other node's server, not the store (the store's side counts
-GETs at the fault proxy, each server its transfers), the DataLoader worker fetching them;
-at node scope (cache *i* on node *i*) and, through a second cache of the same processes, at
-rank scope (rank *r*'s scope directory on rank *r*'s node)."""
+own cache root (its "local disk") and a DataLoader worker: a dataset with a lock offers its
+shards to the node's server and gives its cache the holders of the job's hand-out. The
+split's internal rotation makes each node read the other's share in epoch 1: those misses
+are filled by the other node's server, not the store (the store's side counts GETs at the
+fault proxy, each server its transfers), the DataLoader worker fetching them. At node scope
+(cache *i* on node *i*) a ``MixtureDataset`` of two sources with a lock each, through one
+cache; through a second cache of the same processes, at rank scope (rank *r*'s scope
+directory on rank *r*'s node), a ``ResumableDataset`` of the first source."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from tars import shard_samples, tar_bytes
 from shardcache._cli.main import main as shardcache_main
 
 BUCKET = "meshdataset"
-NODES, SHARDS, SAMPLES = 2, 4, 5
+NODES, SHARDS, SAMPLES = 2, 4, 5  # shards a source
+SOURCES = ("a", "b")  # source a: shards 0..3, b: shards 4..7
 SCOPES = ("node", "rank")
 SECRET = "c" * 32
 pytestmark = pytest.mark.timeout(180)
@@ -60,24 +62,28 @@ def node_process(env: dict[str, str], job: dict[str, Any], barrier: Any, out: An
 
 
 def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
-    """Two epochs of the dataset at node scope and of the same shards through a rank-scope
-    cache, each through a DataLoader worker, the nodes in step between epochs; then this
-    node's server's counts (one server serves both scopes)."""
+    """Two epochs of the mixture at node scope and of source ``a`` at rank scope, each
+    through a DataLoader worker, the nodes in step between epochs; then this node's server's
+    counts (one server serves both scopes)."""
     import torch.utils.data
 
     import shardcache
 
     caches = {scope: shardcache.ShardCache(job["root"], scope=scope) for scope in SCOPES}
-    datasets = {
-        scope: shardcache.ResumableDataset(
-            job["spec"], index=job["index"], lock=job["lock"], cache=cache
+    sources = [
+        shardcache.Source(
+            job[name]["spec"], samples=SHARDS * SAMPLES, name=name, **job[name]["made"]
         )
-        for scope, cache in caches.items()
-    }
+        for name in SOURCES
+    ]
+    mixture = shardcache.MixtureDataset(sources, cache=caches["node"])
+    alone = shardcache.ResumableDataset(job["a"]["spec"], cache=caches["rank"], **job["a"]["made"])
+    datasets = {"node": mixture, "rank": alone}
+    for dataset in (*mixture._parts, alone):
+        dataset._rotate_units = True  # internal: epoch 1 reads the other node's share
     keys: dict[str, list[list[str]]] = {scope: [] for scope in SCOPES}
     for epoch in range(2):
         for scope, dataset in datasets.items():
-            dataset._rotate_units = True  # internal: epoch 1 reads the other node's share
             dataset.set_epoch(epoch)
             loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
             keys[scope].append([sample["__key__"] for sample in loader])
@@ -110,16 +116,21 @@ def run_nodes(tmp_path: Path, s3_env: dict[str, str], job: dict[str, Any]) -> li
 
 @pytest.fixture
 def job(s3, fault_proxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """The shards in the store, a sample index and a dataset lock made through the proxy."""
-    tars = {f"train-{s}.tar": tar_bytes(shard_samples(s, SAMPLES)) for s in range(SHARDS)}
+    """Each source's shards in the store, and its sample index and dataset lock made
+    through the proxy."""
+    tars = {f"train-{s}.tar": tar_bytes(shard_samples(s, SAMPLES)) for s in range(2 * SHARDS)}
     s3.put_objects(BUCKET, tars)
-    spec = f"s3://{BUCKET}/train-{{0..{SHARDS - 1}}}.tar"
     for name, value in s3.env(fault_proxy.endpoint_url).items():
         monkeypatch.setenv(name, value)
-    made = {"spec": spec, "index": str(tmp_path / "index.json"), "lock": str(tmp_path / "lock")}
-    cache = ["--cache-dir", str(tmp_path / "cli-cache")]
-    assert shardcache_main(["index", spec, "-o", made["index"], *cache]) == 0
-    assert shardcache_main(["lock", spec, "-o", made["lock"], *cache]) == 0
+    made: dict[str, Any] = {}
+    for at, name in enumerate(SOURCES):
+        first = at * SHARDS
+        spec = f"s3://{BUCKET}/train-{{{first}..{first + SHARDS - 1}}}.tar"
+        files = {"index": str(tmp_path / f"{name}.index"), "lock": str(tmp_path / f"{name}.lock")}
+        cache = ["--cache-dir", str(tmp_path / "cli-cache")]
+        assert shardcache_main(["index", spec, "-o", files["index"], *cache]) == 0
+        assert shardcache_main(["lock", spec, "-o", files["lock"], *cache]) == 0
+        made[name] = {"spec": spec, "made": files}
     return made
 
 
@@ -135,13 +146,18 @@ def test_epoch_one_reads_the_other_nodes_share_from_its_server(
     before = _gets(fault_proxy)  # the index's reads
     results = run_nodes(tmp_path, s3.env(fault_proxy.endpoint_url), job)
 
-    every = sorted(key for s in range(SHARDS) for key, _ in shard_samples(s, SAMPLES))
+    every = {
+        "node": sorted(key for s in range(2 * SHARDS) for key, _ in shard_samples(s, SAMPLES)),
+        "rank": sorted(key for s in range(SHARDS) for key, _ in shard_samples(s, SAMPLES)),
+    }
     for scope in SCOPES:
         for epoch in (0, 1):
-            assert sorted(k for r in results for k in r["keys"][scope][epoch]) == every
+            assert sorted(k for r in results for k in r["keys"][scope][epoch]) == every[scope]
         assert set(results[0]["keys"][scope][0]) == set(results[1]["keys"][scope][1])  # swapped
-    gets = _gets(fault_proxy) - before  # each shard once into each scope's cache, epoch 0
-    assert gets == Counter({f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}), gets
-    served = [r["counts"] for r in results]  # the servers' own counts: a node's two shares
-    assert [c.get("200", 0) for c in served] == [len(SCOPES) * SHARDS // NODES] * NODES, served
+    gets = _gets(fault_proxy) - before  # each shard once into each cache reading it, epoch 0
+    twice = {f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}  # source a: both scopes
+    once = {f"/{BUCKET}/train-{s}.tar": 1 for s in range(SHARDS, 2 * SHARDS)}
+    assert gets == Counter(twice | once), gets
+    served = [r["counts"] for r in results]  # the servers' own counts: a node's three shares
+    assert [c.get("200", 0) for c in served] == [3 * SHARDS // NODES] * NODES, served
     assert all(set(c) <= {"200", "bytes", "connections"} for c in served), served
