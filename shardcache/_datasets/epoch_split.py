@@ -157,7 +157,6 @@ class EpochSplit:
         remainder: str,
         epoch_size: int | None = None,
         lay: Lay | None = None,
-        rotate: bool = False,
     ) -> None:
         if remainder not in REMAINDERS:
             raise ConfigError(
@@ -170,7 +169,7 @@ class EpochSplit:
         self.starts = starts
         self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
         self.epoch_size = epoch_size  # None: the shards' samples
-        self.rotate = rotate  # each epoch, a unit's consumers read the unit ``epoch`` on's
+        self.rotate = False  # internal (tests): each epoch, units read the share ``epoch`` on
         self.counts = [len(s) for s in starts]
         self.total = sum(self.counts)
         if self.total == 0:

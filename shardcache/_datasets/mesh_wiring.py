@@ -84,17 +84,18 @@ class HandOut:
         self.__init__(None, state["copies"], state["expected"], state["peers"])  # type: ignore[misc]
 
 
-def mesh_peers(
+def mesh_peers(  # noqa: PLR0917  (the dataset's parts, in one call)
     cache: ShardCache,
     split: EpochSplit,
+    lock: DatasetLock | None,
+    urls: Sequence[str],
     read_urls: Sequence[str],
-    lock: tuple[Sequence[str], DatasetLock] | None,
     ranks: tuple[int, int, int | None],
 ) -> PeerSource | None:
-    """Offer ``read_urls`` to this node's server, and the peers ``cache`` asks for them on a
-    miss: None when the mesh is off, or holders or identities cannot be known. ``lock``: the
-    dataset's plain URLs (in the order of ``read_urls``) and its lock; ``ranks``: this
-    process's rank, the world size and the local world size."""
+    """Offer ``read_urls`` (``urls`` as read: a changed shard pinned to its version) to this
+    node's server, and the peers ``cache`` asks for them on a miss: None when the mesh is
+    off, or holders or identities cannot be known. ``lock``: the dataset's lock, by plain
+    URL; ``ranks``: this process's rank, the world size and the local world size."""
     node = cache.mesh
     if node is None:
         return None
@@ -124,11 +125,10 @@ def mesh_peers(
         )
         for shard, url in enumerate(read_urls)
     }
-    urls, dataset_lock = lock
     expected = {
         read: Expected(entry.size, entry.etag, entry.version_id)
         for plain, read in zip(urls, read_urls, strict=True)
-        if (entry := dataset_lock.shards.get(plain)) is not None
+        if (entry := lock.shards.get(plain)) is not None
     }
     handout = HandOut(node.membership, copies, expected)
     return PeerSource(node.membership.job_key, handout, handout.expected, node.bounds)

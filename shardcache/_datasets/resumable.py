@@ -7,28 +7,28 @@
     ).compose(wds.decode("rgb"), wds.to_tuple("jpg", "cls"))
     loader = StatefulDataLoader(dataset, batch_size=64, num_workers=4)
 
-Each epoch is split by samples between the job's *consumers* (rank x DataLoader worker), every
-rank computing the same split (:mod:`shardcache._datasets.epoch_split`): every consumer gets the
-same number of samples (the remainder padded by repeats, or dropped), so every rank yields the
-same number of batches, and each shard is read by the same cache (rank, or node) in every epoch
-while the order changes (:meth:`set_epoch`). The split needs each shard's sample offsets: an
-index file (``index=``, made by ``shardcache index``), or learned before the first sample with
-one read of each shard across the job, each cache indexing its own shards, and kept for the next
-job (:mod:`shardcache._datasets.job_index`). Each consumer reads its pieces through the
-WebDataset cache stage (:class:`~shardcache._datasets.wds.CacheStage`: prefetch threads, reading
-while downloading, the handler) and, optionally, a seeded shuffle buffer.
+Each epoch is split by samples between the job's *consumers* (rank x DataLoader worker),
+every rank computing the same split (:mod:`shardcache._datasets.epoch_split`): every consumer gets
+the same number of samples (the remainder padded by repeats, or dropped), so every rank
+yields the same number of batches, and each shard is read by the same cache (rank, or
+node) in every epoch while the order changes (:meth:`set_epoch`). The split needs each
+shard's sample offsets: an index file (``index=``, made by ``shardcache index``), or
+learned before the first sample with one read of each shard across the job, each cache
+indexing its own shards, and kept for the next job (:mod:`shardcache._datasets.job_index`).
+Each consumer reads its pieces through the WebDataset cache stage
+(:class:`~shardcache._datasets.wds.CacheStage`: prefetch threads, reading while downloading,
+the handler) and, optionally, a seeded shuffle buffer.
 
-:meth:`state_dict` says exactly which samples left the dataset: the piece and byte offset the
-next sample starts at, the samples in the shuffle buffer (shard, offset, key) and the buffer's
-draw count. StatefulDataLoader keeps one per worker. Restoring seeks to the offsets: nothing
-before them is read, let alone decoded. A state of all consumers
+:meth:`state_dict` says exactly which samples left the dataset: the piece and byte offset
+the next sample starts at, the samples in the shuffle buffer (shard, offset, key) and the
+buffer's draw count. StatefulDataLoader keeps one per worker. Restoring seeks to the
+offsets: nothing before them is read, let alone decoded. A state of all consumers
 (:func:`~shardcache._datasets.resume_state.job_state`) also resumes with another world size or
 worker count: the undelivered pieces are dealt out again, each sample exactly once.
 
-Stages (:meth:`compose`, ``.decode()``, ``.batched()``...) run after the state is counted:
-one that holds samples back (``wds.shuffle``) would hold samples counted as delivered. With
-the cache mesh on, the shards are offered to the node's server and misses ask the nodes the
-hand-out gave them to (:mod:`~shardcache._datasets.mesh_wiring`).
+Stages (:meth:`compose`, or :mod:`~shardcache._datasets.fluent`'s ``.decode()``, ``.batched()``...)
+run after the state is counted: one that holds samples back (``wds.shuffle``, ``wds.batched``,
+which reads one ahead) would hold samples the state counts as delivered.
 """
 
 from __future__ import annotations
@@ -83,29 +83,29 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     """WebDataset samples (``{"__key__", "__url__", "__local_path__", suffix: bytes}``)
     of a shard list, read through the cache, with a resumable, deterministic epoch order.
 
-    ``seed`` and the epoch (:meth:`set_epoch`) fix the shard order (``shuffle_shards``) and the
-    shuffle buffer's draws (``shuffle_buffer`` samples; 0: none). Every consumer gets the same
-    number of samples: ``remainder="pad"`` repeats samples to make up the rest, ``"drop"``
-    leaves it out. ``epoch_size`` (None: the shards' samples) sets how many samples an epoch
-    has: fewer than the shards hold, and the next epochs deliver the rest first (each cache
-    cycles through its own); more, and samples repeat. ``index`` is a sample index file (path
-    or URL) made by ``shardcache index``; None learns it (each cache its own shards, shared
-    through torch.distributed when a process group is initialised, else through torchrun's or
-    the SLURM step's store or ``SHARDCACHE_RENDEZVOUS_DIR``: see :meth:`prepare`) and keeps it
-    in the cache root, and also beside the shards with ``keep_index="data"``. ``rank`` and
-    ``world_size`` default to shardcache's detection (torch.distributed, torchrun, SLURM);
-    DataLoader workers are found by ``torch.utils.data.get_worker_info()``. ``handler``,
-    ``cache``, ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset stage's.
-    ``lock`` is a dataset lockfile (path or URL; made from what the cache holds when it does
-    not exist yet): every state records its digest, and the shards are checked against it
-    before they are read (:mod:`shardcache._datasets.lock_check`); a shard that changed is read
-    at its recorded version where the store keeps it, and otherwise raises
-    :class:`~shardcache.DatasetChangedError` (``shards_changed="error"``) or is read as it is
-    now with a warning (``"warn"``); None: ``SHARDCACHE_SHARDS_CHANGED``. With the cache mesh
-    on (``SHARDCACHE_MESH``), misses ask peers only for a dataset with a ``lock``.
+    ``seed`` and the epoch (:meth:`set_epoch`) fix the shard order (``shuffle_shards``)
+    and the shuffle buffer's draws (``shuffle_buffer`` samples; 0: none). Every consumer
+    gets the same number of samples: ``remainder="pad"`` repeats samples to make up the
+    rest, ``"drop"`` leaves it out. ``epoch_size`` (None: the shards' samples) sets how
+    many samples an epoch has: fewer than the shards hold, and the next epochs deliver the
+    rest first (each cache cycles through its own); more, and samples repeat.
+    ``index`` is a sample index file (path or URL) made by
+    ``shardcache index``; None learns it (each cache its own shards, shared through
+    torch.distributed when a process group is initialised, else through torchrun's or the
+    SLURM step's store or ``SHARDCACHE_RENDEZVOUS_DIR``: see :meth:`prepare`) and keeps
+    it in the cache root, and also beside the shards with ``keep_index="data"``. ``rank``
+    and ``world_size`` default to shardcache's detection (torch.distributed, torchrun,
+    SLURM); DataLoader workers are found by ``torch.utils.data.get_worker_info()``.
+    ``handler``, ``cache``, ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset
+    stage's.
+    ``lock`` is a dataset lockfile (path or URL; made from what the cache holds when it
+    does not exist yet): every state records its digest, and the shards are checked
+    against it before they are read (:mod:`shardcache._datasets.lock_check`); a shard
+    that changed is read at its recorded version where the store keeps it, and otherwise
+    raises :class:`~shardcache.DatasetChangedError` (``shards_changed="error"``) or is
+    read as it is now with a warning (``"warn"``); None: ``SHARDCACHE_SHARDS_CHANGED``.
+    With the cache mesh on (``SHARDCACHE_MESH``), only a dataset with a ``lock`` asks peers.
     """
-
-    _rotate_units = False  # internal: a cache's consumers read the share `epoch` caches on
 
     def __init__(
         self,
@@ -176,10 +176,11 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next (its own shard order and shuffle draws).
 
-        A loaded state applies to its own epoch: ``set_epoch`` of that epoch keeps it (the next
-        iteration, here or in DataLoader workers, resumes it), a later ``set_epoch`` then moves on.
-        Moving to another epoch straight after loading a state that still has samples to deliver is
-        refused, so the rest of that epoch is not skipped by accident."""
+        A loaded state applies to its own epoch: ``set_epoch`` of that epoch keeps it (the
+        next iteration, here or in DataLoader workers, resumes it), a later ``set_epoch``
+        then moves on. Moving to another epoch straight after loading a state that still
+        has samples to deliver is refused, so the rest of that epoch is not skipped by
+        accident."""
         epoch = whole("epoch", epoch, low=0)
         learn = self.index is None and self._split is None and in_group(*self._ranks()[:2])
         if self._split is None and (learn or self._settings().mesh):
@@ -240,16 +241,16 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     # -- the sample index and the split ----------------------------------------------
 
     def prepare(self, workers: int | None = None) -> ResumableDataset:
-        """Load or learn the shards' sample offsets, and hand the shards out to the caches, now, in
-        this process (DataLoader workers forked afterwards inherit both instead of each reading the
-        index and computing the hand-out); ``workers`` (the DataLoader's ``num_workers``) is what
-        ``len()`` counts.
+        """Load or learn the shards' sample offsets, and hand the shards out to the
+        caches, now, in this process (DataLoader workers forked afterwards inherit both
+        instead of each reading the index and computing the hand-out); ``workers`` (the
+        DataLoader's ``num_workers``) is what ``len()`` counts.
 
-        Learning with a torch.distributed process group initialised here is a collective (every rank
-        must call it; the first ``set_epoch()`` does it too): each rank indexes its own cache's
-        shards and the offsets are gathered, one read of each shard across the job. Without one they
-        are exchanged through the launcher's store (:mod:`~shardcache._datasets.job_index`), here or
-        in the DataLoader workers."""
+        Learning with a torch.distributed process group initialised here is a collective
+        (every rank must call it; the first ``set_epoch()`` does it too): each rank
+        indexes its own cache's shards and the offsets are gathered, one read of each
+        shard across the job. Without one they are exchanged through the launcher's store
+        (:mod:`~shardcache._datasets.job_index`), here or in the DataLoader workers."""
         self._count_workers(workers)
         _, world_size, local_world_size = self._ranks()
         per_cache = self._ranks_per_cache(world_size, local_world_size)
@@ -274,7 +275,6 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
                 remainder=self.remainder,
                 epoch_size=self.epoch_size,
                 lay=self._lay,
-                rotate=self._rotate_units,
             )
             empty = [url for url in self._read_urls if self._samples[url].count == 0]
             if empty:
@@ -282,9 +282,8 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
                     "%d of %d shards hold no sample and are left out (first: %s)",
                     *(len(empty), len(self.urls), empty[0]),
                 )
-            lock = None if self._lock.lock is None else (self.urls, self._lock.lock)
-            split, urls = self._split, self._read_urls
-            self._stage.peers = mesh_peers(self._cache(), split, urls, lock, self._ranks())
+            given = (self._lock.lock, self.urls, self._read_urls)
+            self._stage.peers = mesh_peers(self._cache(), self._split, *given, self._ranks())
         elif self._lay is not None and self._split.lay != self._lay:  # a mixture's new weights
             self._split = self._split.relaid(self._lay)
         return self._split

@@ -149,7 +149,8 @@ def train(
         cache=shardcache.ShardCache(args.cache),
         lock=args.lock,
     ).compose(key_and_features)
-    dataset._rotate_units = args.rotate  # internal: see the module's docstring
+    if args.rotate:  # internal: see the module's docstring
+        dataset.prepare()._epoch_split().rotate = True
     loader = StatefulDataLoader(
         dataset,
         batch_size=args.batch_size,

@@ -79,8 +79,8 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     mixture = shardcache.MixtureDataset(sources, cache=caches["node"])
     alone = shardcache.ResumableDataset(job["a"]["spec"], cache=caches["rank"], **job["a"]["made"])
     datasets = {"node": mixture, "rank": alone}
-    for dataset in (*mixture._parts, alone):
-        dataset._rotate_units = True  # internal: epoch 1 reads the other node's share
+    for dataset in (*mixture.prepare()._parts, alone.prepare()):
+        dataset._epoch_split().rotate = True  # internal: epoch 1 reads the other node's share
     keys: dict[str, list[list[str]]] = {scope: [] for scope in SCOPES}
     for epoch in range(2):
         for scope, dataset in datasets.items():

@@ -48,7 +48,7 @@ def _split() -> EpochSplit:
 
 def test_holders_come_from_the_hand_out_and_identities_from_the_lock(cache: ShardCache) -> None:
     split = _split()
-    source = mesh_peers(cache, split, URLS, (URLS, LOCK), (0, 2, 1))
+    source = mesh_peers(cache, split, LOCK, URLS, URLS, (0, 2, 1))
     assert source is not None and source.key == KEY and source.bounds.min_rate == 1e6
     theirs = set(split.shard_units(2)[1])
     assert 0 < len(theirs) < len(URLS)
@@ -85,7 +85,7 @@ def test_without_a_lock_no_peer_is_asked_but_the_shards_are_offered(
     cache: ShardCache, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="shardcache"):
-        assert mesh_peers(cache, _split(), URLS, None, (0, 2, 1)) is None
+        assert mesh_peers(cache, _split(), None, URLS, URLS, (0, 2, 1)) is None
     assert "has no lock" in caplog.text
     shard = cache._identify(URLS[0])
     assert cache.mesh is not None and cache.mesh.offered(shard.canonical_url, shard.namespace)
