@@ -57,6 +57,8 @@ _GROUP_FILES = {
     "system": {
         "test_ddp_epochs.py",
         "test_index_exchange_jobs.py",
+        "test_mesh_discovery_torchrun.py",
+        "test_mesh_slurm.py",
         "test_node_lock.py",
         "test_report_job.py",
         "test_resume_slurm.py",
@@ -68,7 +70,7 @@ _GROUP_FILES = {
         "test_slurm_nodes_shared_fs.py",
     },
     "bench": {"test_bench_smoke.py"},
-    "accounts": {"test_security.py"},
+    "accounts": {"test_security.py", "test_mesh_security.py"},
 }
 _GROUP_OF_FILE = {name: group for group, names in _GROUP_FILES.items() for name in names}
 _GROUP_OF_FIXTURE = {"slurm": "system", "cluster": "system", "accounts": "accounts"}

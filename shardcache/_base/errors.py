@@ -12,7 +12,8 @@
     │   │   ├── RemotePermissionError(PermissionError)       access denied, HTTP 401/403
     │   │   ├── RemoteIsADirectoryError(IsADirectoryError)   a directory given as a shard
     │   │   └── UnverifiableError             SHARDCACHE_VERIFY=strict: only a size to check
-    │   └── PipeCommandError              a pipe: command failed on every attempt
+    │   ├── PipeCommandError              a pipe: command failed on every attempt
+    │   └── PeerFetchError                a peer of the cache mesh did not give a shard's bytes
     ├── CacheError                        the local side
     │   ├── CacheDirError(OSError)        cache dir missing, not a dir, not writable
     │   ├── IntegrityError                downloaded bytes do not match size / ETag
@@ -134,6 +135,16 @@ class PipeCommandError(FetchError):
     retryable = True
 
 
+class PeerFetchError(FetchError):
+    """A peer of the job's cache mesh did not give a shard's bytes: refused, reset, too
+    slow, an error status or a short body. The fetch goes to the store instead.
+
+    Attributes: ``url``, ``peer`` (``host:port``), ``status`` (the HTTP status, or None when
+    no answer came), ``cause``."""
+
+    retryable = True
+
+
 class CacheError(ShardCacheError):
     """Something is wrong on the local cache side."""
 
@@ -228,6 +239,7 @@ __all__ = [
     "LockTimeout",
     "MetricsError",
     "MissingExtraError",
+    "PeerFetchError",
     "PermanentFetchError",
     "PipeCommandError",
     "RemoteIsADirectoryError",

@@ -1,7 +1,8 @@
 """The miss path of a fetch, a chain of steps that each hand off to the next:
 
-    fetch -> handling vanished files -> under the shard's lock -> handling a full disk
-          -> download once (into a private temp file, verified, published)
+    fetch -> handling vanished files -> under the shard's lock -> from a peer of the mesh
+          (:mod:`~shardcache._cache.peer_fill`, when the cache has peers) -> handling a full
+          disk -> download once (into a private temp file, verified, published)
 
 Every step recreates what it needs, so a miss is made again when the cache's own
 directories or files vanish under it (tmp cleaners, a user's ``rm -rf``).
@@ -34,6 +35,7 @@ from .._transfer.download import REQUESTING
 from .._transfer.remote import ObjectInfo, OpenedObject, Progress, Remote
 from .locks import CacheLocks
 from .offers import Offers, tell_failed
+from .peer_fill import PeerFill
 from .size_only import published_by_size
 from .stats import StatsCounter
 
@@ -54,6 +56,7 @@ class MissPath:
         space: Space,
         publisher: Publisher,
         stats: StatsCounter,
+        peers: PeerFill | None = None,
     ) -> None:
         self._settings = settings
         self._layout = layout
@@ -63,6 +66,7 @@ class MissPath:
         self._space = space
         self._publisher = publisher
         self._stats = stats
+        self.peers = peers  # the cache mesh's step, when the cache has peers
 
     def fetch(self, shard: ShardId, progress: Progress | None, announce: Announce | None) -> Path:
         """Fetch ``shard``; ``announce`` (if given) gets the :class:`GrowingFile` of a
@@ -134,6 +138,17 @@ class MissPath:
 
             report(phase=REQUESTING, bytes_done=0, bytes_total=None)
             t0 = time.monotonic()
+            peer = self.peers.fill(shard, report) if self.peers is not None else None
+            if peer is not None:
+                self._stats.count(
+                    url,
+                    from_peers=1,
+                    bytes_from_peers=peer.size or 0,
+                    bytes_served=peer.size or 0,
+                    download_seconds=time.monotonic() - t0,
+                    lock_wait_seconds=waited,
+                )
+                return final
             with self._remote.open(url) as opened:
                 info = self._download_handling_disk_full(opened, shard, report, offers)
             metrics.collector().shard_downloaded(url, time.monotonic() - t0, info.size)

@@ -4,7 +4,8 @@ A thin facade over the steps of a fetch, each a unit of its own:
 
     identify (:mod:`~shardcache._store.shard_ids`) -> hit? (:mod:`~shardcache._store.hits`)
       -> miss (:mod:`~shardcache._cache.miss`): lock (:mod:`~shardcache._cache.locks`) -> re-check
-         -> room (:mod:`~shardcache._store.space`) -> download into a private temp file -> verify
+         -> a peer's copy (:mod:`~shardcache._cache.peer_fill`, with peers) or a download
+         -> room (:mod:`~shardcache._store.space`) -> into a private temp file -> verify
          -> publish (:mod:`~shardcache._store.publish`)
       -> pin (:mod:`~shardcache._cache.pinned`)
 
@@ -33,6 +34,8 @@ from .._base.trust import Trust
 from .._config.settings import PREFETCH_OPTIONS, Settings, prefetch_overrides
 from .._disk.layout import CacheLayout, ShardId
 from .._disk.metadata import write_meta
+from .._mesh.holders import PeerSource
+from .._mesh.node import MeshNode, join
 from .._observe import metrics
 from .._prefetch.prefetcher import Fetch, Prefetcher
 from .._prefetch.workers import WorkerProgress
@@ -49,6 +52,7 @@ from .._store.space import Space
 from .._transfer.remote import Progress, Remote, RemoteOptions
 from .locks import CacheLocks
 from .miss import MissPath
+from .peer_fill import PeerFill
 from .pinned import PinnedFetch, PinTable
 from .stats import CacheStats, StatsCounter
 
@@ -78,6 +82,8 @@ class ShardCache:
     for every keyword (``max_bytes``, ``lock_mode``, ``lock_timeout``, ``retries``, ...).
     """
 
+    mesh: MeshNode | None = None  # the job's cache mesh, when on (SHARDCACHE_MESH)
+
     def __init__(
         self,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -94,7 +100,9 @@ class ShardCache:
         elif any(v is not None for v in explicit.values()):
             settings = settings.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.settings = settings
+        self._peer_source: PeerSource | None = None  # the cache mesh's holders (_attach_peers)
         self._init_runtime(Wiring())
+        self.mesh = join(settings)  # SHARDCACHE_MESH: once a process (never in an unpickled copy)
 
     @classmethod
     def _wired(cls, settings: Settings, wiring: Wiring) -> ShardCache:
@@ -102,6 +110,7 @@ class ShardCache:
         collaborators (the tests' seam)."""
         cache = cls.__new__(cls)
         cache.settings = settings
+        cache._peer_source = None
         cache._init_runtime(wiring)
         return cache
 
@@ -134,6 +143,10 @@ class ShardCache:
         self._space = Space(
             self.layout, s, mount_for=wiring.mount_for, disk_usage=wiring.disk_usage
         )
+        self._publisher = publisher = Publisher(
+            self.layout, self._space, s, write_meta=wiring.write_meta
+        )
+        peers = self._peer_source
         self._miss = MissPath(
             s,
             self.layout,
@@ -141,11 +154,27 @@ class ShardCache:
             hits=self._hits,
             locks=self._locks,
             space=self._space,
-            publisher=Publisher(self.layout, self._space, s, write_meta=wiring.write_meta),
+            publisher=publisher,
             stats=self._stats,
+            peers=None if peers is None else PeerFill(peers, publisher, self._stats),
         )
         self._pins = PinTable(self.layout)
         self._pinned = PinnedFetch(self.layout, s, self._pins)
+
+    def _attach_peers(self, source: PeerSource) -> None:
+        """Ask the peers ``source`` names on a miss, before the store (internal: a dataset
+        gives the holders of its hand-out, :mod:`shardcache._datasets.mesh_wiring`); it
+        pickles with the cache into DataLoader workers."""
+        self._peer_source = source
+        self._miss.peers = PeerFill(source, self._publisher, self._stats)
+
+    def _offer(self, urls: Iterable[str]) -> None:
+        """Let the job's other nodes fetch the published copies of ``urls`` from this
+        node's mesh server (internal: a dataset offers its shards); nothing when the mesh
+        is off."""
+        if self.mesh is not None:
+            shards = [self._identify(url) for url in urls]
+            self.mesh.offered.add((shard.canonical_url, shard.namespace) for shard in shards)
 
     @classmethod
     def from_env(cls) -> ShardCache:
@@ -155,12 +184,16 @@ class ShardCache:
     # Picklable (DataLoader workers): runtime state is rebuilt in the receiving process,
     # through the same wiring (pickled only when it is not the real one).
     def __getstate__(self) -> dict[str, Any]:
-        if self._wiring == Wiring():
-            return {"settings": self.settings}
-        return {"settings": self.settings, "wiring": self._wiring}
+        state: dict[str, Any] = {"settings": self.settings}
+        if self._wiring != Wiring():
+            state["wiring"] = self._wiring
+        if self._peer_source is not None:
+            state["peers"] = self._peer_source
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.settings = state["settings"]
+        self._peer_source = state.get("peers")
         self._init_runtime(state.get("wiring", Wiring()))
 
     def __repr__(self) -> str:

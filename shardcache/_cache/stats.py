@@ -4,14 +4,11 @@ the loader metrics among them (:mod:`shardcache._observe.metrics`)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .._observe import metrics
-
-# CacheStats counters that are also loader metrics (shardcache._observe.metrics); lock waits are
-# counted by the lock itself, which knows whom it waited for.
-_METRICS_COUNTS = frozenset({"hits", "misses", "shared", "bytes_downloaded", "bytes_served"})
+from .._observe.metric_records import COUNTS
 
 
 @dataclass
@@ -23,8 +20,12 @@ class CacheStats:
     hits: int = 0  # found complete in the cache
     misses: int = 0  # downloaded by this process
     shared: int = 0  # downloaded by another process while we waited for the lock
-    bytes_downloaded: int = 0
-    bytes_served: int = 0  # bytes of shards returned (hits, misses and shared)
+    from_peers: int = 0  # filled from a peer of the cache mesh by this process
+    bytes_downloaded: int = 0  # from the store
+    bytes_from_peers: int = 0
+    bytes_served: int = 0  # bytes of shards returned (hits, misses, shared and from peers)
+    peer_fallbacks: int = 0  # a peer failed (gave nothing usable): the next one, or the store
+    peer_corruptions: int = 0  # of those, a peer's copy whose bytes failed their checksum
     download_seconds: float = 0.0
     lock_wait_seconds: float = 0.0
     errors: int = 0
@@ -34,6 +35,11 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# CacheStats counters that are also loader metrics (shardcache._observe.metrics); lock waits are
+# counted by the lock itself, which knows whom it waited for.
+_METRICS_COUNTS = frozenset(COUNTS) & {f.name for f in fields(CacheStats)}
 
 
 class StatsCounter:

@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .._base.redact import redact_options, redact_text
+from .._base.redact import REDACTED, redact_options, redact_text
 from .parse import (
     BINARY_UNITS,
     SIZE_UNITS,
+    parse_byte_rate,
     parse_duration,
     parse_optional_rate,
     parse_optional_size,
     parse_size,
+    parse_switch,
+    parse_upload_rate,
 )
 from .specs import SPECS, SettingSpec
 
@@ -32,6 +35,10 @@ def format_setting(name: str, value: Any) -> str:
         return format_size(value)
     if spec is not None and spec.parse is parse_optional_rate:
         return f"{value:g}/s"
+    if spec is not None and spec.parse in (parse_byte_rate, parse_upload_rate):
+        return f"{format_size(value)}/s" if value else "0"
+    if spec is not None and spec.parse is parse_switch:
+        return "on" if value else "off"
     if isinstance(value, dict):
         return json.dumps(value)
     return str(value)
@@ -41,6 +48,8 @@ def shown(name: str, value: Any) -> Any:
     """``value`` of setting ``name`` as shown to people: credentials redacted."""
     if name == "storage_options":
         return redact_options(value)
+    if name == "mesh_secret" and value is not None:
+        return REDACTED
     return redact_text(value) if isinstance(value, str) else value
 
 
@@ -49,6 +58,8 @@ def show_bound(spec: SettingSpec, bound: float) -> str:
         return format_duration(bound)
     if spec.parse is parse_size:
         return format_size(int(bound))
+    if spec.parse is parse_byte_rate:
+        return f"{format_size(int(bound))}/s"
     return f"{bound:g}"
 
 

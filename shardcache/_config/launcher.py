@@ -1,6 +1,6 @@
 """What the launcher says of this node beyond the settings' ranks: the number of processes
 on it (torchrun's ``LOCAL_WORLD_SIZE``, SLURM's task counts), for
-:func:`shardcache.distributed.rank_info`."""
+:func:`shardcache.distributed.rank_info`, and the job's number of nodes, for the cache mesh."""
 
 from __future__ import annotations
 
@@ -47,19 +47,35 @@ def local_world_size(node_rank: int, env: Mapping[str, str] | None = None) -> in
     env = os.environ if env is None else env
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         if name in env:
-            text = env[name]
-            try:
-                value = int(text.strip())
-            except ValueError:
-                value = 0
-            if value < 1:
-                raise ConfigError(
-                    f"{name}={text!r} is not a positive integer; expected the number of "
-                    "processes on this node, e.g. 8.",
-                    name=name,
-                    value=text,
-                )
-            return value
+            return _positive(name, env[name], "the number of processes on this node, e.g. 8")
     if "SLURM_TASKS_PER_NODE" in env:
         return parse_tasks_per_node(env["SLURM_TASKS_PER_NODE"], node_rank, "SLURM_TASKS_PER_NODE")
     return None
+
+
+_NODE_COUNTS = ("GROUP_WORLD_SIZE", "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+
+
+def node_count(env: Mapping[str, str] | None = None) -> int | None:
+    """The number of nodes of the job: torchrun's ``GROUP_WORLD_SIZE``, else SLURM's step's
+    (or job's) node count; None when the launcher says nothing. Raises ``ConfigError`` for a
+    malformed value."""
+    env = os.environ if env is None else env
+    for name in _NODE_COUNTS:
+        if name in env:
+            return _positive(name, env[name], "the job's number of nodes, e.g. 4")
+    return None
+
+
+def _positive(name: str, text: str, expected: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(
+            f"{name}={text!r} is not a positive integer; expected {expected}.",
+            name=name,
+            value=text,
+        )
+    return value

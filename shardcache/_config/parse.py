@@ -8,6 +8,7 @@ accepted form. Which setting uses which parser: ``_config.specs``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -227,3 +228,79 @@ def parse_path(text: str, name: str) -> Path:
             value=text,
         )
     return Path(value).expanduser()
+
+
+SWITCH_ON, SWITCH_OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no", "")
+
+
+def parse_switch(text: str, name: str) -> bool:
+    """A switch: ``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``."""
+    value = str(text).strip().lower()
+    if value not in SWITCH_ON + SWITCH_OFF:
+        raise ConfigError(
+            f"{name}={text!r} is not a switch; expected 1 or 0 (also on/off, true/false, yes/no).",
+            name=name,
+            value=text,
+        )
+    return value in SWITCH_ON
+
+
+BYTE_RATE_FORM = f"bytes per second: {SIZE_FORM}, optionally with /s (100M/s)"
+
+
+def parse_byte_rate(text: str, name: str) -> int:
+    """Bytes per second: a size, optionally followed by ``/s`` (``100M/s``)."""
+    raw = str(text).strip()
+    if raw.lower().endswith("/s"):
+        raw = raw[:-2]
+    try:
+        return parse_size(raw, name)
+    except ConfigError:
+        raise ConfigError(
+            f"{name}={text!r} is not a rate; expected {BYTE_RATE_FORM}.", name=name, value=text
+        ) from None
+
+
+def parse_upload_rate(text: str, name: str) -> int | None:
+    """The mesh's upload cap: ``auto`` (None: half the link's speed), 0 (serve nothing) or
+    bytes per second."""
+    if str(text).strip().lower() == "auto":
+        return None
+    return parse_byte_rate(text, name)
+
+
+def parse_address(text: str, name: str) -> str:
+    """One IP address of this node to bind (never a wildcard, never a host name: a name
+    lookup would wait where no socket timeout bounds it)."""
+    value = str(text).strip()
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        problem = "is not an IP address"
+    else:
+        if not address.is_unspecified:
+            return str(address)
+        problem = "is the wildcard address, which would serve on every interface"
+    raise ConfigError(
+        f"{name}={text!r} {problem}; expected this node's IP address on the cluster network, "
+        "e.g. 10.0.3.17 (unset: the address of the route to the job's store host).",
+        name=name,
+        value=text,
+    )
+
+
+SECRET_MIN_BYTES = 16
+
+
+def parse_secret(text: str, name: str) -> str:
+    """A secret of at least 16 bytes; the value never appears in an error."""
+    value = str(text).strip()
+    if len(value.encode()) < SECRET_MIN_BYTES:
+        raise ConfigError(
+            f"{name} has {len(value.encode())} bytes (not shown); expected at least "
+            f"{SECRET_MIN_BYTES}: export the output of 'openssl rand -hex 32' as {name} in the "
+            "job script, before srun or torchrun.",
+            name=name,
+            value="***",
+        )
+    return value

@@ -1,6 +1,7 @@
 """Where a job's processes meet without a torch.distributed process group: torchrun's agent
 store, or a store that SLURM task 0 hosts on the first node of the step, or a shared
-directory the user names, for :mod:`shardcache._datasets.index_exchange`.
+directory the user names, for :mod:`shardcache._meeting.board` (the index exchange, the
+cache mesh's discovery).
 
 torchrun (static and c10d rendezvous alike) runs a ``TCPStore`` in the agent of node 0 at
 ``MASTER_ADDR:MASTER_PORT`` for the whole run and tells its workers so with

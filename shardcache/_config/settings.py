@@ -72,6 +72,12 @@ class Settings:
     rendezvous_port: int = SPECS["rendezvous_port"].default
     rendezvous_timeout: float = SPECS["rendezvous_timeout"].default
     rendezvous_dir: Path | None = SPECS["rendezvous_dir"].default
+    mesh: bool = SPECS["mesh"].default
+    mesh_addr: str | None = SPECS["mesh_addr"].default
+    mesh_secret: str | None = SPECS["mesh_secret"].default
+    mesh_upload_rate: int | None = SPECS["mesh_upload_rate"].default
+    mesh_concurrency: int = SPECS["mesh_concurrency"].default
+    mesh_min_rate: int = SPECS["mesh_min_rate"].default
     storage_options: dict[str, Any] = field(default_factory=dict)
     rank: int = SPECS["rank"].default
     local_rank: int = SPECS["local_rank"].default

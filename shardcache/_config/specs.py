@@ -11,6 +11,8 @@ from typing import Any
 
 from .parse import (
     one_of,
+    parse_address,
+    parse_byte_rate,
     parse_duration,
     parse_group,
     parse_int,
@@ -20,7 +22,10 @@ from .parse import (
     parse_optional_rate,
     parse_optional_size,
     parse_path,
+    parse_secret,
     parse_size,
+    parse_switch,
+    parse_upload_rate,
 )
 
 
@@ -305,6 +310,54 @@ SPECS: dict[str, SettingSpec] = {
         "process group (they learn their shards meanwhile)",
         0.01,
         7 * 86400,
+    ),
+    "mesh": SettingSpec(
+        "SHARDCACHE_MESH",
+        parse_switch,
+        False,
+        "the cache mesh: local rank 0 of each node serves its node's published shards to the "
+        "job's other nodes and learns their addresses through the job's store (1 or 0)",
+    ),
+    "mesh_addr": SettingSpec(
+        "SHARDCACHE_MESH_ADDR",
+        parse_address,
+        None,
+        "the IP address this node's mesh server binds (never a wildcard)",
+        unset="the address of the route to the job's store host",
+    ),
+    "mesh_secret": SettingSpec(
+        "SHARDCACHE_MESH_SECRET",
+        parse_secret,
+        None,
+        "the job's mesh secret, at least 16 bytes, never shown (unset: the key file "
+        "~/.config/shardcache/mesh.key, made on first use)",
+        unset="the key file",
+    ),
+    "mesh_upload_rate": SettingSpec(
+        "SHARDCACHE_MESH_UPLOAD_RATE",
+        parse_upload_rate,
+        None,
+        "bytes per second a node serves its peers at most, all transfers together; 0: serve "
+        "nothing (take only); auto: half the interface's speed, no cap where it is unknown",
+        unset="auto",
+    ),
+    "mesh_concurrency": SettingSpec(
+        "SHARDCACHE_MESH_CONCURRENCY",
+        parse_int,
+        8,
+        "transfers a node's mesh server runs at once; more are refused at once (the peer "
+        "asks the store)",
+        1,
+        1024,
+    ),
+    "mesh_min_rate": SettingSpec(
+        "SHARDCACHE_MESH_MIN_RATE",
+        parse_byte_rate,
+        20_000_000,
+        "the slowest a peer may send a shard: after 2 s + size / this rate the fetch goes to "
+        "the store",
+        100_000,
+        1e12,
     ),
     "storage_options": SettingSpec(
         "SHARDCACHE_STORAGE_OPTIONS",

@@ -169,6 +169,7 @@ class EpochSplit:
         self.starts = starts
         self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
         self.epoch_size = epoch_size  # None: the shards' samples
+        self.rotate = False  # internal (tests): each epoch, units read the share ``epoch`` on
         self.counts = [len(s) for s in starts]
         self.total = sum(self.counts)
         if self.total == 0:
@@ -251,7 +252,11 @@ class EpochSplit:
 
     def fresh(self, epoch: int, consumers: int, per_unit: int, slot: int) -> Share:
         """Consumer ``slot``'s share of a fresh epoch; consumers ``per_unit`` at a time share
-        a cache (``consumers`` is a multiple of ``per_unit``)."""
+        a cache (``consumers`` is a multiple of ``per_unit``). With :attr:`rotate` (internal),
+        the share is that of the slot ``epoch`` units on: every epoch the units read each
+        other's samples in turn, each sample still once an epoch."""
+        if self.rotate:
+            slot = (slot + epoch * per_unit) % consumers
         own = self.own_counts(consumers, per_unit)
         unit = slot // per_unit
         wanted = sum(own[unit * per_unit : (unit + 1) * per_unit])

@@ -53,6 +53,7 @@ from .epoch_split import EpochSplit, Lay
 from .fluent import Fluent
 from .job_index import in_group, job_index, rank_part, serve_exchange, urls_digest
 from .lock_check import LockUse
+from .mesh_wiring import mesh_peers
 from .resume_options import (
     flag,
     index_keeping,
@@ -103,6 +104,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     that changed is read at its recorded version where the store keeps it, and otherwise
     raises :class:`~shardcache.DatasetChangedError` (``shards_changed="error"``) or is
     read as it is now with a warning (``"warn"``); None: ``SHARDCACHE_SHARDS_CHANGED``.
+    With the cache mesh on (``SHARDCACHE_MESH``), only a dataset with a ``lock`` asks peers.
     """
 
     def __init__(
@@ -180,8 +182,9 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         has samples to deliver is refused, so the rest of that epoch is not skipped by
         accident."""
         epoch = whole("epoch", epoch, low=0)
-        if self._split is None and self.index is None and in_group(*self._ranks()[:2]):
-            self._epoch_split()  # learned with the job's ranks (a collective)
+        learn = self.index is None and self._split is None and in_group(*self._ranks()[:2])
+        if self._split is None and (learn or self._settings().mesh):
+            self._epoch_split()  # learned with the job's ranks (a collective); the mesh's offer
         pending = self._pending
         if pending is not None and pending["epoch"] == epoch:
             self._pending_entered = True
@@ -277,10 +280,10 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
             if empty:
                 logger.warning(
                     "%d of %d shards hold no sample and are left out (first: %s)",
-                    len(empty),
-                    len(self.urls),
-                    empty[0],
+                    *(len(empty), len(self.urls), empty[0]),
                 )
+            given = (self._lock.lock, self.urls, self._read_urls)
+            self._stage.peers = mesh_peers(self._cache(), self._split, *given, self._ranks())
         elif self._lay is not None and self._split.lay != self._lay:  # a mixture's new weights
             self._split = self._split.relaid(self._lay)
         return self._split
@@ -373,9 +376,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         known and divides the world), else 1."""
         if local_world_size is None or world_size % local_world_size:
             return 1
-        cache = self._stage.cache
-        scope = cache.settings.scope if cache is not None else Settings.resolve().scope
-        return local_world_size if scope == "node" else 1
+        return local_world_size if self._settings().scope == "node" else 1
 
     def _consumer(self) -> tuple[int, int, int]:
         """This consumer's slot, the number of consumers, and how many share its cache."""
@@ -388,14 +389,8 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     def _delivered(self, progress: Progress, recorder: Recorder) -> Iterator[dict[str, Any]]:
         """The consumer's samples in order; ``progress`` is kept true at every yield, and
         ``recorder`` records each sample that leaves."""
-        draws = RandomDraws(
-            self.seed,
-            progress.epoch,
-            progress.carried or "",
-            progress.consumers,
-            progress.slot,
-            draws=progress.draws,
-        )
+        key = (self.seed, progress.epoch, progress.carried or "", progress.consumers, progress.slot)
+        draws = RandomDraws(*key, draws=progress.draws)
         shuffler = ShuffleBuffer(progress, draws, self._source)
         record = recorder.positions.append
         skip = skipper(progress, recorder, self._epoch_split())
@@ -491,9 +486,13 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
             progress.seen = None if progress.seen is None else progress.seen + folded
 
     def _checker(self, on_mismatch: str | None = None) -> Checker:
+        mode = mode_of(on_mismatch, self._settings().delivery_check)
+        return Checker(self._epoch_split(), self.urls, self._source, mode)
+
+    def _settings(self) -> Settings:
+        """The settings of the cache the dataset reads through (given, or the environment's)."""
         cache = self._stage.cache
-        mode = (cache.settings if cache is not None else Settings.resolve()).delivery_check
-        return Checker(self._epoch_split(), self.urls, self._source, mode_of(on_mismatch, mode))
+        return cache.settings if cache is not None else Settings.resolve()
 
     def _cache(self) -> ShardCache:
         return self._stage.cache if self._stage.cache is not None else ShardCache.from_env()

@@ -49,11 +49,13 @@ from .._base.errors import ConfigError, ShardCacheError, StallError
 from .._base.redact import get_logger
 from .._cache.shard_cache import ShardCache
 from .._config.settings import prefetch_overrides, warn_unknown_env
+from .._mesh.holders import PeerSource
 from .._observe import metrics
 from .._prefetch.prefetcher import Prefetcher
 from .._store.growing import GrowingFile
 from ..distributed import rank_info
 from .decompressed import Opened
+from .mesh_wiring import attach
 from .tar_expansion import expand
 from .tar_guard import TarGuard
 
@@ -97,6 +99,7 @@ class CacheStage:
             threads=threads, depth=depth, stall_timeout=stall_timeout
         )
         self._live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+        self.peers: PeerSource | None = None  # the cache mesh's holders, a dataset's to give
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -126,6 +129,8 @@ class CacheStage:
 
     def _opened_shards(self, src: Iterable[Sample]) -> Generator[Sample, None, None]:
         cache = self.cache if self.cache is not None else ShardCache.from_env()
+        if self.peers is not None:
+            attach(cache, self.peers)
         source = iter(src)
         replay: deque[Sample] = deque()  # shards handed to a failed prefetcher, not yet served
         pending: deque[Sample] = deque()  # shards handed to the current prefetcher, in order

@@ -27,8 +27,12 @@ COUNTS = (
     "hits",
     "misses",
     "shared",
+    "from_peers",
     "bytes_downloaded",
+    "bytes_from_peers",
     "bytes_served",
+    "peer_fallbacks",
+    "peer_corruptions",
     "integrity_redownloads",
     "stall_warnings",
     "stall_errors",
@@ -63,7 +67,18 @@ VERIFIED_METHODS = (
 )
 # The counts a record also breaks down by mixture source (``sources``: name -> counts),
 # present when a MixtureDataset's sources counted in the period.
-SOURCE_COUNTS = ("samples", "hits", "misses", "shared", "bytes_downloaded", "bytes_served")
+SOURCE_COUNTS = (
+    "samples",
+    "hits",
+    "misses",
+    "shared",
+    "from_peers",
+    "bytes_downloaded",
+    "bytes_served",
+)
+# How a shard came to its consumer (Prometheus's ``result`` label -> a record's count): found
+# cached, downloaded, downloaded by another process, or filled from a peer of the cache mesh.
+FETCH_RESULTS = (("hit", "hits"), ("miss", "misses"), ("shared", "shared"), ("peer", "from_peers"))
 
 # What classify() says about one parsed JSON value.
 OK, NOT_A_RECORD, NEWER = "ok", "not a shardcache.metrics record", "newer version"

@@ -38,6 +38,9 @@ _COUNTERS = {
     "shards": ("shards", "Shards delivered to the consumer."),
     "downloaded_bytes": ("bytes_downloaded", "Bytes downloaded from the store."),
     "served_bytes": ("bytes_served", "Bytes served to readers (cache hits and downloads)."),
+    "peer_bytes": ("bytes_from_peers", "Bytes filled from peers of the cache mesh."),
+    "peer_fallbacks": ("peer_fallbacks", "Peers of the cache mesh that failed a fill."),
+    "peer_corruptions": ("peer_corruptions", "Peers' copies that failed their checksum."),
     "integrity_redownloads": (
         "integrity_redownloads",
         "Shards downloaded again after failing verification.",
@@ -77,8 +80,10 @@ class PrometheusSink:
     Neither: the metrics are only kept in ``sink.registry``, for you to expose.
 
     Counters (per ``job_id``, ``host``, ``rank``, ``worker``): ``shardcache_samples_total``,
-    ``shardcache_shards_total``, ``shardcache_fetches_total{result=hit|miss|shared}``,
+    ``shardcache_shards_total``, ``shardcache_fetches_total{result=hit|miss|shared|peer}``,
     ``shardcache_downloaded_bytes_total``, ``shardcache_served_bytes_total``,
+    ``shardcache_peer_bytes_total``, ``shardcache_peer_fallbacks_total``,
+    ``shardcache_peer_corruptions_total`` (the cache mesh's fills, failed peers, damaged copies),
     ``shardcache_requests_total{method}``, ``shardcache_retries_total{cause}``,
     ``shardcache_shards_verified_total{method}`` (shards downloaded, by verification:
     ``crc64nvme``, ``md5``, ``md5-parts``, ..., ``size``),
@@ -200,12 +205,12 @@ class PrometheusSink:
         }
         for name, (field, _help) in _COUNTERS.items():
             _inc(self._counters[name].labels(**labels), mr.number(record, field))
-        for result, field in (("hit", "hits"), ("miss", "misses"), ("shared", "shared")):
+        for result, field in mr.FETCH_RESULTS:
             _inc(self._fetches.labels(**labels, result=result), mr.number(record, field))
         for source, part in mr.sources(record).items():
             _inc(self._source_samples.labels(**labels, source=source), part["samples"])
             _inc(self._source_downloaded.labels(**labels, source=source), part["bytes_downloaded"])
-            for result, field in (("hit", "hits"), ("miss", "misses"), ("shared", "shared")):
+            for result, field in mr.FETCH_RESULTS:
                 fetches = self._source_fetches.labels(**labels, source=source, result=result)
                 _inc(fetches, part[field])
         for sent, n in mr.counts(record, "requests").items():

@@ -19,6 +19,7 @@ _DELTAS = {
     "hits": "hits",
     "misses": "misses",
     "shared": "shared",
+    "from_peers": "from_peers",
     "bytes_downloaded": "bytes_downloaded",
     "bytes_served": "bytes_served",
     "integrity_redownloads": "integrity_redownloads",
@@ -38,15 +39,15 @@ class TensorBoardSink:
     Per record, under ``prefix`` (``shardcache/``; a DataLoader worker's records under
     ``shardcache/worker<N>/``): ``data_wait_share`` (0..1, when the record carries a data
     wait), ``samples_per_s``, ``download_bytes_per_s``, ``hit_rate`` (when shards were
-    fetched), and the period's ``hits``, ``misses``, ``shared``, ``bytes_downloaded``,
-    ``bytes_served``, ``gets``, ``retries`` (all causes), ``integrity_redownloads``,
-    ``lock_wait_s``, ``stall_warnings``, ``stall_errors``, ``delivery_mismatches``, and
-    ``verified_<method>`` (shards
-    downloaded verified by ``method``: ``md5``, ``md5-parts``, ``size``, ...; for the methods
-    a record counts). The walltime is the record's ``time``. The step is ``step()`` when
-    given (e.g. ``lambda: trainer.global_step``, to line the scalars up with the training
-    curves), else the record's index in its process's series (0, 1, 2, ...; TensorBoard's
-    "wall" axis shows real time).
+    fetched), and the period's ``hits``, ``misses``, ``shared``, ``from_peers``,
+    ``bytes_downloaded``, ``bytes_served``, ``gets``, ``retries`` (all causes),
+    ``integrity_redownloads``, ``lock_wait_s``, ``stall_warnings``, ``stall_errors``,
+    ``delivery_mismatches``, and ``verified_<method>`` (shards downloaded verified by
+    ``method``: ``md5``, ``md5-parts``, ``size``, ...; for the methods a record counts).
+    The walltime is the record's ``time``. The step is ``step()`` when given (e.g.
+    ``lambda: trainer.global_step``, to line the scalars up with the training curves), else
+    the record's index in its process's series (0, 1, 2, ...; TensorBoard's "wall" axis
+    shows real time).
 
     Rates and the share use the time a record really covers (an epoch record's counts
     start at the process's previous record, not at the epoch start). Only the process that
@@ -104,7 +105,7 @@ class TensorBoardSink:
         if covered > 0:
             out["samples_per_s"] = n(record, "samples") / covered
             out["download_bytes_per_s"] = n(record, "bytes_downloaded") / covered
-        fetched = n(record, "hits") + n(record, "misses") + n(record, "shared")
+        fetched = sum(n(record, field) for _result, field in mr.FETCH_RESULTS)
         if fetched:
             out["hit_rate"] = n(record, "hits") / fetched
         return out

@@ -62,8 +62,12 @@ class RankSummary:
     hits: float = 0
     misses: float = 0
     shared: float = 0
+    from_peers: float = 0  # the cache mesh's fills, and below its failed peers
     bytes_downloaded: float = 0
+    bytes_from_peers: float = 0
     bytes_served: float = 0
+    peer_fallbacks: float = 0
+    peer_corruptions: float = 0
     requests: Counter[str] = field(default_factory=Counter)
     verified: Counter[str] = field(default_factory=Counter)  # shards downloaded, by method
     retries: Counter[str] = field(default_factory=Counter)
@@ -93,14 +97,8 @@ class RankSummary:
             self.workers.add(worker)
         self.records += 1
         self.first, self.last = min(self.first, begin), max(self.last, end)
-        for name in ("samples", "shards", "hits", "misses", "shared", "bytes_downloaded"):
+        for name in mr.COUNTS:  # each a field of this summary
             setattr(self, name, getattr(self, name) + n(record, name))
-        self.bytes_served += n(record, "bytes_served")
-        self.integrity_redownloads += n(record, "integrity_redownloads")
-        self.stall_warnings += n(record, "stall_warnings")
-        self.stall_errors += n(record, "stall_errors")
-        self.delivery_checks += n(record, "delivery_checks")
-        self.delivery_mismatches += n(record, "delivery_mismatches")
         self.requests.update(mr.counts(record, "requests"))
         self.verified.update(mr.counts(record, "verified"))  # none in records before it
         self.retries.update(mr.counts(record, "retries"))
@@ -171,7 +169,7 @@ class RankSummary:
 
     @property
     def hit_rate(self) -> float | None:
-        fetched = self.hits + self.misses + self.shared
+        fetched = self.hits + self.misses + self.shared + self.from_peers
         return self.hits / fetched if fetched else None
 
     def slowest_shards(self, k: int = SHARDS_PER_RANK) -> list[dict[str, Any]]:
@@ -204,8 +202,12 @@ class RankSummary:
             "hits": int(self.hits),
             "misses": int(self.misses),
             "shared": int(self.shared),
+            "from_peers": int(self.from_peers),
             "hit_rate": self.hit_rate,
             "bytes_downloaded": int(self.bytes_downloaded),
+            "bytes_from_peers": int(self.bytes_from_peers),
+            "peer_fallbacks": int(self.peer_fallbacks),
+            "peer_corruptions": int(self.peer_corruptions),
             "bytes_served": int(self.bytes_served),
             "requests": {k: int(v) for k, v in sorted(self.requests.items())},
             "verified": {k: int(v) for k, v in sorted(self.verified.items()) if v},

@@ -81,6 +81,7 @@ def _job_lines(job: JobReport, top: int) -> list[str]:
         lines.append("  ".join(cells).rstrip())
     lines += _wait_note(job)
     lines += _verified_lines(total)
+    lines += _peer_lines(total)
     lines += _source_lines(total)
     lines += _delivery_lines(total)
     details = [line for rank in shown for line in _details(rank)]
@@ -125,6 +126,17 @@ def _verified_lines(total: RankSummary) -> list[str]:
     if not methods:
         return []
     return ["downloads verified by: " + ", ".join(f"{m} {n:.0f}" for m, n in methods)]
+
+
+def _peer_lines(total: RankSummary) -> list[str]:
+    """The job's shards filled from peers of the cache mesh and its failed peers, if any."""
+    if not total.from_peers and not total.peer_fallbacks:
+        return []
+    return [
+        f"from peers of the cache mesh: {total.from_peers:.0f} shards "
+        f"({format_bytes(total.bytes_from_peers)}), {total.peer_fallbacks:.0f} peers failed "
+        f"({total.peer_corruptions:.0f} with a damaged copy)"
+    ]
 
 
 def _source_lines(total: RankSummary) -> list[str]:

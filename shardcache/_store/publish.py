@@ -287,6 +287,9 @@ def _record(shard: ShardId, info: ObjectInfo, fd: int) -> dict[str, Any]:
         "checksum": info.checksum.as_record() if info.checksum else None,
         "verified": verified_method(info),
         "parts": info.parts_layout.as_record() if info.parts_layout else None,
+        # The CRC32C of this copy's bytes, hashed as they landed: peers of the cache mesh
+        # check it against this (present for size-only stores too).
+        "mesh_crc32c": info.mesh_crc32c,
         "version_id": info.version_id,
         "mtime_ns": info.mtime_ns,
         "data_ino": os.fstat(fd).st_ino,  # the copy this record describes

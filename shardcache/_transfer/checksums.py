@@ -53,6 +53,12 @@ S3_ALGORITHMS = (
 )
 
 
+MESH_CRC = "crc32c"
+"""The checksum every download records of its bytes (``mesh_crc32c``), whatever the store's:
+peers of the cache mesh check a copy against it (as fast as any, present for size-only
+stores)."""
+
+
 @dataclass(frozen=True)
 class Checksum:
     """A checksum of an object's content, as the store reports it.

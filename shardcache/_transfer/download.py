@@ -64,6 +64,9 @@ class ObjectInfo:
     checksum: Checksum | None = None  # the store's own checksum (S3: x-amz-checksum-*)
     verified: Checksum | None = None  # set on the info a download returns: what it checked
     parts_layout: PartLayout | None = None  # with ``verified``: the parts it was checked in
+    # Set on the info a download returns: the CRC32C of the bytes written (base64, as S3's),
+    # hashed as they landed; what peers of the cache mesh check this copy against.
+    mesh_crc32c: str | None = None
 
     @property
     def md5(self) -> str | None:

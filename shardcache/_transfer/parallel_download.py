@@ -6,11 +6,12 @@ guarded by ``If-Match`` on the ETag (a change shows as HTTP 412: :class:`Integri
 Memory stays bounded by parts in flight x a 1 MiB read piece. The size is checked per
 part. The object's S3 checksum, when it is a CRC (CRC64NVME, CRC32C, CRC32: what S3 keeps of
 new objects), is computed per part as the bytes arrive and the parts' CRCs are combined: no
-byte is read twice. An algorithm that does not combine (the MD5 of a single-part ETag, SHA)
-is computed in order by a :class:`~shardcache._transfer.hash_follower.HashFollower` from the file
-(still in the page cache) while the parts arrive, so only the tail is left once the last
-part lands. A failed verification downloads the object again with fresh metadata, as a
-single stream if it is no longer large.
+byte is read twice. So is the CRC32C every download records (``mesh_crc32c``). An
+algorithm that does not combine (the MD5 of a single-part ETag, SHA) is computed in order
+by a :class:`~shardcache._transfer.hash_follower.HashFollower` from the file (still in the
+page cache) while the parts arrive, so only the tail is left once the last part lands. A
+failed verification downloads the object again with fresh metadata, as a single stream if
+it is no longer large.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import concurrent.futures as cf
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import BinaryIO
 
 from .._base.errors import IntegrityError
@@ -31,7 +33,7 @@ from .._retry.policy import (
     is_transient,
     retry_cause,
 )
-from .checksums import Hasher, combinable
+from .checksums import MESH_CRC, Hasher, combinable
 from .download import (
     Expected,
     LocalWriteError,
@@ -95,12 +97,13 @@ class ParallelDownload(Strategy):
                 return None  # fresh metadata says the object is no longer large
             head, first = first, None
             expected = self.expectation(info)
-            digest, parts = self._fetch_parts(info, out, progress, n, head=head, expected=expected)
+            plan = _Plan(expected, info.size or 0, self.options.part_size)
+            digest, parts = self._fetch_parts(info, out, progress, n, head=head, plan=plan)
             verified = self.verify(
                 info, info.size, digest, n, expected=expected, out=out, part_digests=parts
             )
             out.seek(info.size)
-            return verified
+            return replace(verified, mesh_crc32c=plan.crc32c())
 
         def on_retry(exc: Exception, n: int) -> None:
             nonlocal info
@@ -120,11 +123,11 @@ class ParallelDownload(Strategy):
         attempt: int,
         *,
         head: Iterator[bytes] | None,
-        expected: Expected,
+        plan: _Plan,
     ) -> tuple[str | None, list[bytes] | None]:
         """Every part at its offset; ``head``, the body of a whole-object GET already
         answered, gives the first part (then is closed) instead of a ranged GET of its own.
-        Returns the checksum of the object's bytes under ``expected`` (None: none asked)
+        Returns the checksum of the object's bytes under ``plan`` (None: none asked)
         and, for a multipart upload's, each upload part's digest."""
         size = info.size or 0
         with local_io():
@@ -132,7 +135,6 @@ class ParallelDownload(Strategy):
             fd = out.fileno()
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # parts land at their offsets in any order
-        plan = _Plan(expected, size, self.options.part_size)
         ranges, hashers = plan.ranges, plan.hashers
         done = PartsWritten(ranges)
         cancel = threading.Event()
@@ -157,6 +159,7 @@ class ParallelDownload(Strategy):
                     part_number=i,
                     head=head if i == 0 else None,
                     hasher=hashers[i],
+                    crc=plan.crcs[i],
                 )
                 for i, span in enumerate(ranges)
             ]
@@ -207,11 +210,12 @@ class ParallelDownload(Strategy):
         part_number: int,
         head: Iterator[bytes] | None = None,
         hasher: Hasher | None = None,
+        crc: Hasher,
     ) -> None:
         """Write bytes ``[start, end)`` of the object at their offset; resumes and retries.
         ``head``: the object's body from byte 0, read for the first attempt up to ``end``;
-        ``hasher``: updated with every byte written, in order (a resumed attempt goes on
-        from the byte the last one reached)."""
+        ``hasher`` and ``crc`` (the range's CRC32C): updated with every byte written, in
+        order (a resumed attempt goes on from the byte the last one reached)."""
         pos, end = span
 
         def attempt(n: int) -> None:
@@ -241,6 +245,7 @@ class ParallelDownload(Strategy):
                     done.add(part_number, pos, written)
                 if hasher is not None:
                     hasher.update(chunk)
+                crc.update(chunk)
             if pos < end:
                 raise TruncatedBody(f"part body ended at byte {pos}, expected {end}")
 
@@ -302,6 +307,11 @@ class _Plan:
         ]
         if self._algorithm is not None and not inline:
             self.follow = expected.hasher()
+        self.crcs = [Hasher(MESH_CRC) for _ in self.ranges]  # each range's, combined below
+
+    def crc32c(self) -> str:
+        """The CRC32C of the object's bytes (``mesh_crc32c``), once every range landed."""
+        return _combined(self.crcs, self.ranges)
 
     def part_digests(self) -> list[bytes] | None:
         """Each upload part's digest, for a multipart upload's checksum (else None)."""
@@ -318,10 +328,16 @@ class _Plan:
             return None
         if self._layout is not None:
             return composite_value(self._algorithm, [h.digest() for h in hashers])
-        total = hashers[0]
-        for hasher, (start, end) in zip(hashers[1:], self.ranges[1:], strict=True):
-            total.extend(hasher, end - start)
-        return total.value()
+        return _combined(hashers, self.ranges)
+
+
+def _combined(hashers: list[Hasher], ranges: list[tuple[int, int]]) -> str:
+    """The CRC of the ranges' bytes in order, from each range's ``hashers`` (the first
+    becomes the whole's)."""
+    total = hashers[0]
+    for hasher, (start, end) in zip(hashers[1:], ranges[1:], strict=True):
+        total.extend(hasher, end - start)
+    return total.value()
 
 
 def _piece(chunk_size: int) -> int:

@@ -12,6 +12,7 @@ fresh metadata (a replaced object has a new size and ETag).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, BinaryIO
 
 from .._base.redact import get_logger
@@ -19,6 +20,7 @@ from .._base.url_kinds import url_protocol
 from .._observe import metrics
 from .._retry.policy import TruncatedBody, describe, is_transient, retry_cause
 from .azure import AZURE_PROTOCOLS, azure_gets
+from .checksums import MESH_CRC, Hasher
 from .download import (
     Expected,
     LocalWriteError,
@@ -62,6 +64,7 @@ class StreamDownload(Strategy):
                     out.write(chunk)
                 if state.hasher is not None:
                     state.hasher.update(chunk)
+                state.crc.update(chunk)
                 state.done += len(chunk)
                 progress(phase="downloading", bytes_done=state.done, bytes_total=state.info.size)
                 if state.done > state.info.size:
@@ -69,7 +72,7 @@ class StreamDownload(Strategy):
             if state.done < state.info.size:
                 raise TruncatedBody(f"body ended at byte {state.done} of {state.info.size}")
             digest = state.hasher.value() if state.hasher is not None else None
-            return self.verify(
+            verified = self.verify(
                 state.info,
                 state.done,
                 digest,
@@ -80,6 +83,7 @@ class StreamDownload(Strategy):
                 if isinstance(state.hasher, PartsHasher)
                 else None,
             )
+            return replace(verified, mesh_crc32c=state.crc.value())
 
         def on_retry(exc: Exception, n: int) -> None:
             metrics.retried(retry_cause(exc))
@@ -129,7 +133,7 @@ class StreamDownload(Strategy):
 
 class _Stream:
     """Where a stream stands: the object it verifies against, bytes written, their
-    checksum (None: verified by size only)."""
+    checksum (None: verified by size only) and their CRC32C (``mesh_crc32c``)."""
 
     def __init__(self, info: ObjectInfo, expected: Expected) -> None:
         self.restart(info, expected)
@@ -139,6 +143,7 @@ class _Stream:
         self.expected = expected
         self.done = 0
         self.hasher = expected.hasher()
+        self.crc = Hasher(MESH_CRC)
 
 
 def _file(out: BinaryIO) -> BinaryIO | None:

@@ -21,7 +21,7 @@ download direction)::
 (bytes/s, token buckets).
 
 The rules and their records are :mod:`shardcache.testing.fault_rules`, one connection's
-relay :mod:`shardcache.testing.relay`, the buckets :mod:`shardcache.testing.token_bucket`.
+relay :mod:`shardcache.testing.relay`, the buckets :mod:`shardcache._base.token_bucket`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter, deque
 
+from shardcache._base.token_bucket import TokenBucket
 from shardcache.testing._service import HOST, LoopbackService
 from shardcache.testing.fault_rules import (
     FaultRule,
@@ -42,7 +43,6 @@ from shardcache.testing.fault_rules import (
     parse_kind,
 )
 from shardcache.testing.relay import _POLL, _Connection
-from shardcache.testing.token_bucket import TokenBucket
 
 logger = logging.getLogger(__name__)
 

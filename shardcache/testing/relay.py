@@ -13,8 +13,8 @@ import time
 from typing import Protocol
 from urllib.parse import unquote
 
+from shardcache._base.token_bucket import TokenBucket
 from shardcache.testing.fault_rules import FaultRule, s3_error_response
-from shardcache.testing.token_bucket import TokenBucket
 
 logger = logging.getLogger("shardcache.testing.faultproxy")
 

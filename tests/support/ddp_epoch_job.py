@@ -29,6 +29,14 @@ after the other: a list of objects, each with a ``name`` and any of ``spec``, ``
 ``batch_size``, ``remainder``, ``epoch_size``; run ``name`` reads through its own cache
 ``<cache>/<name>`` and logs to ``<out>/<name>/``.
 
+``--lock FILE`` gives the dataset a lockfile (with ``SHARDCACHE_MESH=1``, what makes its
+misses ask the other nodes). ``--rotate`` turns on the split's internal rotation: each epoch
+a node's ranks read the share of the node ``epoch`` places on, so epoch 1 reads what another
+node's cache filled in epoch 0. ``--mesh-addrs A,B,...``: node *k* serves on the *k*-th
+address (``SHARDCACHE_MESH_ADDR``, for a job meeting in a shared directory). With the mesh
+on, the job writes the counts of this node's mesh server (local rank 0's; after the last
+barrier, once it is idle) to ``<out>/mesh-<rank>.json``.
+
 ``--mark-epochs URL`` (a bucket URL on the S3 server): after each epoch, once every rank
 has passed the epoch's barrier, rank 0 sends ``HEAD <URL>/epoch-<e>``; the server's
 request log then shows where each epoch's requests end (every request of the epoch was
@@ -105,6 +113,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mark-epochs", default=None, metavar="URL")
     parser.add_argument("--index", default=None, metavar="FILE", help="a sample index file")
     parser.add_argument("--keep-index", default="cache", choices=("cache", "data"))
+    parser.add_argument("--lock", default=None, metavar="FILE", help="a dataset lockfile")
+    parser.add_argument("--rotate", action="store_true", help="rotate the shares by epoch")
+    parser.add_argument("--mesh-addrs", default=None, help="each node's address, by node id")
     parser.add_argument("--log-info", action="store_true", help="shardcache's INFO on stderr")
     parser.add_argument("--runs", type=json.loads, default=None, help="several runs (JSON)")
     return parser.parse_args()
@@ -136,7 +147,10 @@ def train(
         index=args.index,
         keep_index=args.keep_index,
         cache=shardcache.ShardCache(args.cache),
+        lock=args.lock,
     ).compose(key_and_features)
+    if args.rotate:  # internal: see the module's docstring
+        dataset.prepare()._epoch_split().rotate = True
     loader = StatefulDataLoader(
         dataset,
         batch_size=args.batch_size,
@@ -170,6 +184,24 @@ def train(
             dist.barrier()  # no rank starts the next epoch before the mark
 
 
+def write_mesh_counts(out: Path, rank: int) -> None:
+    """This node's mesh server's counts, once no request is being answered (every rank is
+    past its last epoch's barrier: no peer asks any more)."""
+    if os.environ.get("SHARDCACHE_MESH") != "1":
+        return
+    node = shardcache.ShardCache.from_env().mesh  # the process's place in the mesh (once)
+    if node is None:
+        raise RuntimeError("SHARDCACHE_MESH=1, but this process is not in the mesh (see the log)")
+    server = node.server
+    counts = None
+    if server is not None:
+        if not server.wait_idle(30):
+            raise RuntimeError(f"the mesh server {server.address} is still answering after 30 s")
+        counts = server.counts()
+    record = {"node": node.membership.own_node, "peers": len(node.membership.peers())}
+    (out / f"mesh-{rank}.json").write_text(json.dumps({**record, "server": counts}))
+
+
 def runs_of(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The job's runs: the one its options give or, with ``--runs``, each run's options over
     them, with the run's own cache and log directory."""
@@ -190,6 +222,9 @@ def runs_of(args: argparse.Namespace) -> list[argparse.Namespace]:
 
 def main() -> int:
     args = parse_args()
+    if args.mesh_addrs is not None:  # this node's mesh address (a shared directory meets)
+        addrs = args.mesh_addrs.split(",")
+        os.environ["SHARDCACHE_MESH_ADDR"] = addrs[int(os.environ["SLURM_NODEID"])]
     if args.log_info:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("shardcache").setLevel(logging.INFO)
@@ -201,6 +236,7 @@ def main() -> int:
 
     for run in runs_of(args):
         train(run, rank, model, optimizer)
+    write_mesh_counts(args.out, rank)
     del model, optimizer  # the DDP model holds the process group
     end_process_group()
     return 0

@@ -103,26 +103,32 @@ def slurm_local(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Cluster:
-    """Two running SLURM nodes in their own namespaces."""
+def bring_up(nodes: int) -> Cluster:
+    """``nodes`` running SLURM nodes in their own namespaces (another count's taken down
+    first); skipped when they cannot be brought up, failed under SHARDCACHE_REQUIRE_SLURM=1."""
     required = os.environ.get("SHARDCACHE_REQUIRE_SLURM") == "1"
     unavailable = pytest.fail if required else pytest.skip
     if shutil.which("bash") is None:
         unavailable("the multi-node SLURM tests need bash to run scripts/slurm-local")
     try:
-        proc = slurm_local("--nodes", str(NODES))
+        proc = slurm_local("--nodes", str(nodes))
     except subprocess.TimeoutExpired as exc:
         unavailable(
-            f"scripts/slurm-local --nodes {NODES} did not finish in {SETUP_TIMEOUT}s: {exc}"
+            f"scripts/slurm-local --nodes {nodes} did not finish in {SETUP_TIMEOUT}s: {exc}"
         )
     if proc.returncode != 0:
         root = "" if os.geteuid() == 0 else "needs root (namespaces, SLURM): "
         unavailable(
-            f"{root}scripts/slurm-local --nodes {NODES} exited {proc.returncode}:\n"
+            f"{root}scripts/slurm-local --nodes {nodes} exited {proc.returncode}:\n"
             f"{proc.stdout}{proc.stderr}"
         )
     return parse_report(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Cluster:
+    """Two running SLURM nodes in their own namespaces."""
+    return bring_up(NODES)
 
 
 @pytest.fixture

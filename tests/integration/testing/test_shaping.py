@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from shardcache._base.token_bucket import TokenBucket
 from shardcache.testing import FaultProxy
-from shardcache.testing.token_bucket import TokenBucket
 
 BUCKET = "shape"
 

@@ -1,5 +1,6 @@
-"""A thread-safe token bucket: the link shaping of :class:`~shardcache.testing.FaultProxy`
-(per connection and in total) and its request-rate limit."""
+"""A thread-safe token bucket: the cache mesh's upload cap, and the link shaping of
+:class:`~shardcache.testing.FaultProxy` (per connection and in total) and its request-rate
+limit."""
 
 from __future__ import annotations
 

@@ -1,0 +1,163 @@
+"""A dataset in the cache mesh, with real processes as the nodes of a two-node job on
+127.0.0.1 (SLURM's variables, one task a node, meeting in a shared directory), each with its
+own cache root (its "local disk") and a DataLoader worker: a dataset with a lock offers its
+shards to the node's server and gives its cache the holders of the job's hand-out. The
+split's internal rotation makes each node read the other's share in epoch 1: those misses
+are filled by the other node's server, not the store (the store's side counts GETs at the
+fault proxy, each server its transfers), the DataLoader worker fetching them. At node scope
+(cache *i* on node *i*) a ``MixtureDataset`` of two sources with a lock each, through one
+cache; through a second cache of the same processes, at rank scope (rank *r*'s scope
+directory on rank *r*'s node), a ``ResumableDataset`` of the first source."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from processes import CTX
+from tars import shard_samples, tar_bytes
+
+from shardcache._cli.main import main as shardcache_main
+
+BUCKET = "meshdataset"
+NODES, SHARDS, SAMPLES = 2, 4, 5  # shards a source
+SOURCES = ("a", "b")  # source a: shards 0..3, b: shards 4..7
+SCOPES = ("node", "rank")
+SECRET = "c" * 32
+pytestmark = pytest.mark.timeout(180)
+
+
+def node_env(node: int, meet: Path, s3_env: dict[str, str]) -> dict[str, str]:
+    return {
+        **s3_env,
+        "SLURM_JOB_ID": "4302",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(node),
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": str(node),
+        "SLURM_NTASKS": str(NODES),
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_STEP_NUM_NODES": str(NODES),
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SHARDCACHE_MESH": "1",
+        "SHARDCACHE_MESH_SECRET": SECRET,
+        "SHARDCACHE_MESH_ADDR": "127.0.0.1",
+        "SHARDCACHE_RENDEZVOUS_DIR": str(meet),
+        "SHARDCACHE_RENDEZVOUS_TIMEOUT": "30s",
+    }
+
+
+def node_process(env: dict[str, str], job: dict[str, Any], barrier: Any, out: Any) -> None:
+    os.environ.update(env)
+    me = int(env["SLURM_NODEID"])
+    try:
+        out.put(node(me, job, barrier))
+    except BaseException:
+        barrier.abort()
+        out.put({"node": me, "error": traceback.format_exc()})
+
+
+def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
+    """Two epochs of the mixture at node scope and of source ``a`` at rank scope, each
+    through a DataLoader worker, the nodes in step between epochs; then this node's server's
+    counts (one server serves both scopes)."""
+    import torch.utils.data
+
+    import shardcache
+
+    caches = {scope: shardcache.ShardCache(job["root"], scope=scope) for scope in SCOPES}
+    sources = [
+        shardcache.Source(
+            job[name]["spec"], samples=SHARDS * SAMPLES, name=name, **job[name]["made"]
+        )
+        for name in SOURCES
+    ]
+    mixture = shardcache.MixtureDataset(sources, cache=caches["node"])
+    alone = shardcache.ResumableDataset(job["a"]["spec"], cache=caches["rank"], **job["a"]["made"])
+    datasets = {"node": mixture, "rank": alone}
+    for dataset in (*mixture.prepare()._parts, alone.prepare()):
+        dataset._epoch_split().rotate = True  # internal: epoch 1 reads the other node's share
+    keys: dict[str, list[list[str]]] = {scope: [] for scope in SCOPES}
+    for epoch in range(2):
+        for scope, dataset in datasets.items():
+            dataset.set_epoch(epoch)
+            loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
+            keys[scope].append([sample["__key__"] for sample in loader])
+        barrier.wait(60)  # every node's epoch is over: its shards are published
+    mesh = caches["node"].mesh
+    assert mesh is not None and mesh.server is not None and caches["rank"].mesh is mesh
+    assert mesh.server.wait_idle(10)
+    return {"node": me, "keys": keys, "counts": mesh.server.counts()}
+
+
+def run_nodes(tmp_path: Path, s3_env: dict[str, str], job: dict[str, Any]) -> list[dict]:
+    barrier, out = CTX.Barrier(NODES), CTX.Queue()
+    procs = []
+    for n in range(NODES):
+        env = node_env(n, tmp_path / "meet", s3_env)
+        node_job = {**job, "root": str(tmp_path / f"node-{n}")}
+        procs.append(CTX.Process(target=node_process, args=(env, node_job, barrier, out)))
+    for proc in procs:
+        proc.start()
+    try:
+        results = [out.get(timeout=150) for _ in range(NODES)]
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    assert not [r["error"] for r in results if "error" in r]
+    return sorted(results, key=lambda r: r["node"])
+
+
+@pytest.fixture
+def job(s3, fault_proxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Each source's shards in the store, and its sample index and dataset lock made
+    through the proxy."""
+    tars = {f"train-{s}.tar": tar_bytes(shard_samples(s, SAMPLES)) for s in range(2 * SHARDS)}
+    s3.put_objects(BUCKET, tars)
+    for name, value in s3.env(fault_proxy.endpoint_url).items():
+        monkeypatch.setenv(name, value)
+    made: dict[str, Any] = {}
+    for at, name in enumerate(SOURCES):
+        first = at * SHARDS
+        spec = f"s3://{BUCKET}/train-{{{first}..{first + SHARDS - 1}}}.tar"
+        files = {"index": str(tmp_path / f"{name}.index"), "lock": str(tmp_path / f"{name}.lock")}
+        cache = ["--cache-dir", str(tmp_path / "cli-cache")]
+        assert shardcache_main(["index", spec, "-o", files["index"], *cache]) == 0
+        assert shardcache_main(["lock", spec, "-o", files["lock"], *cache]) == 0
+        made[name] = {"spec": spec, "made": files}
+    return made
+
+
+def _gets(fault_proxy) -> Counter[str]:
+    return Counter(
+        {path: n for (method, path), n in fault_proxy.requests_seen().items() if method == "GET"}
+    )
+
+
+def test_epoch_one_reads_the_other_nodes_share_from_its_server(
+    job, s3, fault_proxy, tmp_path: Path
+) -> None:
+    before = _gets(fault_proxy)  # the index's reads
+    results = run_nodes(tmp_path, s3.env(fault_proxy.endpoint_url), job)
+
+    every = {
+        "node": sorted(key for s in range(2 * SHARDS) for key, _ in shard_samples(s, SAMPLES)),
+        "rank": sorted(key for s in range(SHARDS) for key, _ in shard_samples(s, SAMPLES)),
+    }
+    for scope in SCOPES:
+        for epoch in (0, 1):
+            assert sorted(k for r in results for k in r["keys"][scope][epoch]) == every[scope]
+        assert set(results[0]["keys"][scope][0]) == set(results[1]["keys"][scope][1])  # swapped
+    gets = _gets(fault_proxy) - before  # each shard once into each cache reading it, epoch 0
+    twice = {f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}  # source a: both scopes
+    once = {f"/{BUCKET}/train-{s}.tar": 1 for s in range(SHARDS, 2 * SHARDS)}
+    assert gets == Counter(twice | once), gets
+    served = [r["counts"] for r in results]  # the servers' own counts: a node's three shares
+    assert [c.get("200", 0) for c in served] == [3 * SHARDS // NODES] * NODES, served
+    assert all(set(c) <= {"200", "bytes", "connections"} for c in served), served
