@@ -21,6 +21,9 @@ from tars import shard_samples, tar_bytes
 BUCKET = "index-exchange"
 COUNTS = (5, 9, 6, 7, 8)
 SPEC = f"s3://{BUCKET}/train-{{000000..{len(COUNTS) - 1:06d}}}.tar"
+# Why a bounded wait for the parts ended, as the error names it: the store's wait timed out
+# (SLURM task 0's store), or the shared directory's.
+REASONS = ("DistStoreError", "WaitTimeout")
 TARS = {f"train-{i:06d}.tar": tar_bytes(shard_samples(i, n)) for i, n in enumerate(COUNTS)}
 pytestmark = pytest.mark.timeout(TOGETHER_TIMEOUT)
 
@@ -66,7 +69,6 @@ def task(env: dict[str, str], root: str, start: Any, out: Any) -> None:
                 "missing": exc.missing,
                 "message": str(exc),
                 "bound": exc.timeout,
-                "cause": type(exc.__cause__).__name__,
                 "waited": time.monotonic() - began,
             }
         )
@@ -111,6 +113,6 @@ def test_a_rank_that_never_shows_up_is_named(s3, tmp_path: Path) -> None:
         # connection error, nor at another bound), and not before: the machine's speed
         # decides only how late after the bound the error comes.
         assert result["bound"] == 3 and "within 3s" in result["message"], result
-        assert result["cause"] in ("DistStoreError", "WaitTimeout"), result
+        assert any(f"within 3s ({why})" in result["message"] for why in REASONS), result
         assert result["waited"] >= 3, result
     assert sum("the shared directory" in r["message"] for r in results) == 2
