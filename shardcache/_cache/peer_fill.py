@@ -6,13 +6,17 @@ copy lands exactly as a download does: a private temp file (room made and reserv
 bytes checked as they arrive against the CRC32C its holder recorded as they landed there
 (or, in an older record, its store's checksum) and the size, ETag and version the job
 expects (:func:`~shardcache._mesh.verify.fetch_verified`), then the metadata record and
-the durable rename. A failure of any kind on the peer's side (no answer, too slow,
+the durable rename; a copy of a shard outside the cache's own share (``visiting``) is
+stamped least recently used first (:data:`VISITOR_MTIME`), so eviction takes it before any
+shard the cache reads itself. A failure of any kind on the peer's side (no answer, too slow,
 refused, a damaged copy) puts that peer aside, is counted, and the next holder or the
 store is asked: nothing of a failed peer's copy is ever published. A peer that holds no
 copy (404) or is busy (503) is asked again for the next shard.
 """
 
 from __future__ import annotations
+
+import os
 
 from .._base.errors import IntegrityError, PeerFetchError
 from .._base.redact import get_logger
@@ -34,6 +38,7 @@ FROM_PEER = "from peer"  # the lock's and the progress's phase while a peer's co
 # it is busy (its concurrency cap). The next holder or the store is asked, and the peer is
 # not put aside: its other shards are still worth asking it for.
 NOT_HERE = frozenset({404, 503})
+VISITOR_MTIME = 1.0  # a visiting copy's "last used": before every shard the cache used
 
 
 class PeerFill:
@@ -96,6 +101,8 @@ class PeerFill:
                 bounds=self._source.bounds,
             )
             out.flush()
+            if self._source.visiting is not None and self._source.visiting(shard):
+                os.utime(part.fd, (VISITOR_MTIME, VISITOR_MTIME))  # before the index records it
             info = _info(shard.url, answer)
             part.written(info)
             report(phase="publishing", bytes_done=size, bytes_total=size)

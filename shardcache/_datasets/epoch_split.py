@@ -35,8 +35,14 @@ samples repeat or are dropped (the ends of that order), and so which consumer re
 A unit that owns no sample at all (fewer samples than units) repeats samples of the whole
 sequence.
 
+``scope="global"`` deals anew every epoch: epoch ``e``'s hand-out is the one above of an
+order drawn from ``(seed, -1 - e)`` (:func:`deal_order`; epoch 0's is the cache-local one,
+the caches' *home* shares). An epoch size below the samples then takes a window of each
+epoch's deal: no sample twice in an epoch, but epochs do not walk through the samples.
+
 An elastic resume hands the samples left undelivered to the units owning their shards in
-the new layout, evened out the same way, then deals each unit's part to its consumers.
+the new layout (the epoch's deal, with ``"global"``), evened out the same way, then deals
+each unit's part to its consumers.
 
 Everything here is a pure function of its arguments: every rank computes the same split.
 """
@@ -55,7 +61,9 @@ from .cache_shares import Run, cache_shares, even_out, owners, quotas, whole_run
 from .resume_plan import Piece, epoch_order
 
 REMAINDERS = ("pad", "drop")
+SCOPES = ("cache", "global")  # shuffle scopes: each cache's own shards, or dealt anew
 RELAID_KEPT = 4  # splits of other lays kept (a schedule's epochs of other counts)
+SHARES_KEPT = 8  # hand-outs kept (of layouts, and with the "global" scope of epochs)
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,9 @@ class EpochSplit:
         remainder: str,
         epoch_size: int | None = None,
         lay: Lay | None = None,
+        scope: str = "cache",
     ) -> None:
+        scope_rule(scope, shuffle)
         if remainder not in REMAINDERS:
             raise ConfigError(
                 f"remainder must be one of {REMAINDERS}, not {remainder!r}: 'pad' repeats "
@@ -169,7 +179,7 @@ class EpochSplit:
         self.starts = starts
         self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
         self.epoch_size = epoch_size  # None: the shards' samples
-        self.rotate = False  # internal (tests): each epoch, units read the share ``epoch`` on
+        self.scope = scope
         self.counts = [len(s) for s in starts]
         self.total = sum(self.counts)
         if self.total == 0:
@@ -185,10 +195,9 @@ class EpochSplit:
         self._own: dict[tuple[int, int], list[int]] = {}
         self._relaid: dict[Lay, EpochSplit] = {self.lay: self}  # shared by relaid() copies
         self._walks: dict[tuple[int, int, int], tuple[int, int]] = {}  # shared too
-        self._order = _stable_order(len(starts), seed, shuffle)
-        order = self._order
+        self._order = order = _stable_order(len(starts), seed, shuffle)
         self._base = [Run(s, 0, self.counts[s]) for s in order if self.counts[s] > 0]
-        self._shares: dict[tuple[int, int], list[list[Run]]] = {}
+        self._shares: dict[tuple[int, int, int], list[list[Run]]] = {}
         self._last_order: tuple[tuple[int | None, ...] | None, list[Run], int] = (None, [], 0)
         self.digest = hashlib.blake2b(
             repr(self.counts).encode(), digest_size=12
@@ -252,11 +261,7 @@ class EpochSplit:
 
     def fresh(self, epoch: int, consumers: int, per_unit: int, slot: int) -> Share:
         """Consumer ``slot``'s share of a fresh epoch; consumers ``per_unit`` at a time share
-        a cache (``consumers`` is a multiple of ``per_unit``). With :attr:`rotate` (internal),
-        the share is that of the slot ``epoch`` units on: every epoch the units read each
-        other's samples in turn, each sample still once an epoch."""
-        if self.rotate:
-            slot = (slot + epoch * per_unit) % consumers
+        a cache (``consumers`` is a multiple of ``per_unit``)."""
         own = self.own_counts(consumers, per_unit)
         unit = slot // per_unit
         wanted = sum(own[unit * per_unit : (unit + 1) * per_unit])
@@ -297,7 +302,7 @@ class EpochSplit:
         comes again (and, when more than it owns, each as often as the others to one)."""
         key = (epoch, units, unit, wanted, walked)
         if self._last_order[0] != key:
-            runs = list(self.unit_shares(*units)[unit])
+            runs = list(self.unit_shares(*units, epoch=epoch)[unit])
             held = sum(len(r) for r in runs)
             if walked is not None or 0 < wanted < held:
                 if self.shuffle:
@@ -309,14 +314,17 @@ class EpochSplit:
             self._last_order = (key, runs, held)
         return self._last_order[1], self._last_order[2]
 
-    def share(self, left: Sequence[Piece], consumers: int, per_unit: int, slot: int) -> Share:
-        """Consumer ``slot``'s equal part of an elastic resume's undelivered pieces: each
-        goes to the unit owning its shard in this layout, evened out between units."""
+    def share(
+        self, left: Sequence[Piece], consumers: int, per_unit: int, slot: int, epoch: int = 0
+    ) -> Share:
+        """Consumer ``slot``'s equal part of an elastic resume's undelivered pieces of
+        ``epoch``: each goes to the unit owning its shard in this layout (in the epoch's
+        deal), evened out between units."""
         runs = [self.run_of(piece) for piece in left]
         samples = sum(len(r) for r in runs)
         each = self.per_consumer(samples, consumers) if samples else 0
         units = consumers // per_unit
-        owner = owners(self.unit_shares(units, per_unit), len(self.counts))
+        owner = owners(self.unit_shares(units, per_unit, epoch), len(self.counts))
         held: list[list[Run]] = [[] for _ in range(units)]
         for run in runs:
             held[owner[run.shard]].append(run)
@@ -324,19 +332,21 @@ class EpochSplit:
         mine = even_out(held, quotas(samples, loads))[slot // per_unit]
         return self._deal(mine, runs, [each] * consumers, per_unit, slot)
 
-    def unit_shares(self, units: int, per_unit: int = 1) -> list[list[Run]]:
+    def unit_shares(self, units: int, per_unit: int = 1, epoch: int = 0) -> list[list[Run]]:
         """The samples each of ``units`` (of ``per_unit`` consumers each) owns in a fresh
-        epoch (computed once). A mixture's source owns its lone hand-out, the same in
-        every epoch (so its walk goes on through the same samples), while no unit reads
-        more than that of it; else the larger shares where its lay reads more."""
-        key = (units, per_unit)
+        ``epoch`` (computed once; the same in every epoch but with the ``"global"`` scope).
+        A mixture's source owns its lone hand-out, while no unit reads more than that of
+        it; else the larger shares where its lay reads more."""
+        deal = epoch if self.scope == "global" else 0
+        key = (units, per_unit, deal)
         if key not in self._shares:
-            lay, shares = self.lay, cache_shares(self._order, self.counts, units)
+            order = self._order if deal == 0 else deal_order(len(self.counts), self.seed, deal)
+            lay, shares = self.lay, cache_shares(order, self.counts, units)
             reads = [0] * units
             if len(lay.counts) > 1:  # a mixture's source
                 reads = self._unit_reads(lay.counts, units * per_unit, per_unit)
             if any(r > sum(map(len, mine)) for r, mine in zip(reads, shares, strict=True)):
-                held = whole_runs(self._order, self.counts, units)
+                held = whole_runs(order, self.counts, units)
                 if len(lay.positions) == 1:  # where its one lay starts (round the units)
                     parts = lay_quotas(self.total, units, sum(lay.counts[: lay.index]) % units)
                 elif sum(reads) <= self.total:  # each unit owns what it reads, and the rest
@@ -344,6 +354,8 @@ class EpochSplit:
                 else:
                     parts = quotas(self.total, reads)
                 shares = even_out(held, parts)
+            if len(self._shares) >= SHARES_KEPT:  # the oldest goes (a deal an epoch)
+                del self._shares[next(iter(self._shares))]
             self._shares[key] = shares
         return self._shares[key]
 
@@ -373,12 +385,13 @@ class EpochSplit:
             self._relaid[lay] = split
         return self._relaid[lay]
 
-    def shard_units(self, units: int, per_unit: int = 1) -> list[list[int]]:
-        """The shards each of ``units`` reads in every epoch (for warming; a unit that owns
-        no sample reads from every shard)."""
+    def shard_units(self, units: int, per_unit: int = 1, epoch: int = 0) -> list[list[int]]:
+        """The shards each of ``units`` reads in ``epoch`` (in every epoch but with the
+        ``"global"`` scope; for warming; a unit that owns no sample reads from every
+        shard)."""
         return [
             sorted({r.shard for r in (runs or self._base)})
-            for runs in self.unit_shares(units, per_unit)
+            for runs in self.unit_shares(units, per_unit, epoch)
         ]
 
     def _deal(  # noqa: PLR0917
@@ -423,6 +436,20 @@ class EpochSplit:
         return [Piece(r.shard, self.starts[r.shard][r.first], len(r)) for r in runs]
 
 
+def scope_rule(scope: str, shuffle: bool) -> str:
+    """``scope`` if it is one of :data:`SCOPES` (``"global"`` with a shuffle), else a
+    ConfigError saying what each does."""
+    if scope not in SCOPES or (scope == "global" and not shuffle):
+        raise ConfigError(
+            f"shuffle_scope must be one of {SCOPES} ('global' with shuffle_shards=True "
+            f"only), not {scope!r}: 'cache' reads each cache's own shards every epoch, "
+            "'global' deals the shards across the whole job anew every epoch",
+            name="shuffle_scope",
+            value=scope,
+        )
+    return scope
+
+
 def indexing_shares(shards: int, seed: int, shuffle: bool, units: int) -> list[list[int]]:
     """The whole shards each of ``units`` holds before any sample count is known (what it
     indexes): the hand-out :meth:`EpochSplit.unit_shares` then evens out."""
@@ -431,7 +458,14 @@ def indexing_shares(shards: int, seed: int, shuffle: bool, units: int) -> list[l
 
 def _stable_order(shards: int, seed: int, shuffle: bool) -> list[int]:
     """The shards in the order of the hand-out, drawn from the seed alone."""
-    return list(epoch_order(shards, seed, -1, shuffle=shuffle))  # -1: not an epoch's
+    return deal_order(shards, seed, 0) if shuffle else list(range(shards))
+
+
+def deal_order(shards: int, seed: int, epoch: int) -> list[int]:
+    """The shards in the order of ``epoch``'s hand-out with the ``"global"`` scope: drawn
+    from ``(seed, -1 - epoch)``, apart from the orders within epochs (``(seed, epoch)``);
+    epoch 0's is the cache-local hand-out's."""
+    return epoch_order(shards, seed, -1 - epoch)
 
 
 def _take(runs: Sequence[Run], start: int, count: int) -> Iterator[Run]:

@@ -4,7 +4,11 @@ miss, made from the job's hand-out and the dataset lock.
 
 Which node holds a shard is computed, never asked: the hand-out
 (:meth:`~shardcache._datasets.epoch_split.EpochSplit.shard_units`) gives every cache the
-shards it reads in every epoch, identically on every rank. At node scope cache *i* is node
+shards it reads in every epoch, identically on every rank. With ``shuffle_scope="global"``
+it is epoch 0's deal: where every shard was first read, each cache's *home* share. A copy
+of another shard (a *visitor*, filled from a peer) lands marked least recently used, so
+eviction takes visitors before home shards (:class:`~shardcache._mesh.holders.PeerSource`'s
+``visiting``). At node scope cache *i* is node
 *i*; at rank scope rank *r*'s cache is on node ``r // local_world_size``, its scope
 directory ``rank-<r>``. Both need the ranks numbered contiguously per node (as torchrun and
 SLURM's default block distribution number them): where this process's rank says another
@@ -49,11 +53,13 @@ class HandOut:
         copies: Copies,
         expected: Mapping[str, Expected],
         peers: Mapping[int, Peer] | None = None,
+        home: frozenset[str] = frozenset(),
     ) -> None:
         self._membership = membership
         self._copies = dict(copies)
         self._expected = dict(expected)
         self._known = dict(peers or {})
+        self._home = set(home)
 
     def __call__(self, shard: ShardId) -> list[Holding]:
         """The copies of ``shard`` on nodes heard from, the shard's owner first."""
@@ -63,6 +69,10 @@ class HandOut:
             for node, scope in self._copies.get(shard.url, ())
             if node in peers
         ]
+
+    def visiting(self, shard: ShardId) -> bool:
+        """Whether ``shard`` is outside this cache's home share (read by it in epoch 0)."""
+        return shard.url not in self._home
 
     def expected(self, shard: ShardId) -> Expected | None:
         """What ``shard`` is, by its dataset lock entry; None for a shard of no lock."""
@@ -76,12 +86,20 @@ class HandOut:
         """Add the shards of another dataset read through the same cache."""
         self._copies.update(other._copies)
         self._expected.update(other._expected)
+        self._home |= other._home
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"copies": self._copies, "expected": self._expected, "peers": dict(self.peers())}
+        peers = dict(self.peers())
+        return {
+            "copies": self._copies,
+            "expected": self._expected,
+            "peers": peers,
+            "home": self._home,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(None, state["copies"], state["expected"], state["peers"])  # type: ignore[misc]
+        given = (state["copies"], state["expected"], state["peers"], frozenset(state["home"]))
+        self.__init__(None, *given)  # type: ignore[misc]
 
 
 def mesh_peers(  # noqa: PLR0917  (the dataset's parts, in one call)
@@ -113,7 +131,8 @@ def mesh_peers(  # noqa: PLR0917  (the dataset's parts, in one call)
     per_unit = ranks[1] // units
     owner = owners(split.unit_shares(units, per_unit), len(read_urls))
     holding: list[list[int]] = [[] for _ in read_urls]  # by shard: the caches reading it
-    for unit, shards in enumerate(split.shard_units(units, per_unit)):
+    reads = split.shard_units(units, per_unit)  # in every epoch, or epoch 0 ("global")
+    for unit, shards in enumerate(reads):
         for shard in shards:
             holding[shard].append(unit)
     own = node.membership.own_node
@@ -130,8 +149,10 @@ def mesh_peers(  # noqa: PLR0917  (the dataset's parts, in one call)
         for plain, read in zip(urls, read_urls, strict=True)
         if (entry := lock.shards.get(plain)) is not None
     }
-    handout = HandOut(node.membership, copies, expected)
-    return PeerSource(node.membership.job_key, handout, handout.expected, node.bounds)
+    home = frozenset(read_urls[shard] for shard in reads[ranks[0] // per_unit])
+    handout = HandOut(node.membership, copies, expected, home=home)
+    key = node.membership.job_key
+    return PeerSource(key, handout, handout.expected, node.bounds, handout.visiting)
 
 
 def _placement(

@@ -8,10 +8,10 @@
     loader = StatefulDataLoader(dataset, batch_size=64, num_workers=4)
 
 Each epoch is split by samples between the job's *consumers* (rank x DataLoader worker),
-every rank computing the same split (:mod:`shardcache._datasets.epoch_split`): every consumer gets
-the same number of samples (the remainder padded by repeats, or dropped), so every rank
-yields the same number of batches, and each shard is read by the same cache (rank, or
-node) in every epoch while the order changes (:meth:`set_epoch`). The split needs each
+every rank computing the same split (:mod:`shardcache._datasets.epoch_split`): every
+consumer gets the same number of samples (the remainder padded by repeats, or dropped), and
+each shard is read by the same cache (rank, or node) in every epoch, or with
+``shuffle_scope="global"`` dealt anew each epoch (:meth:`set_epoch`). The split needs each
 shard's sample offsets: an index file (``index=``, made by ``shardcache index``), or
 learned before the first sample with one read of each shard across the job, each cache
 indexing its own shards, and kept for the next job (:mod:`shardcache._datasets.job_index`).
@@ -49,7 +49,7 @@ from ..distributed import rank_info
 from .dataset_lock import ShardIdentity
 from .delivery_check import Checker, DeliveryCheck, mode_of, skipper
 from .delivery_digest import BATCH, Recorder, SampleHasher
-from .epoch_split import EpochSplit, Lay
+from .epoch_split import EpochSplit, Lay, scope_rule
 from .fluent import Fluent
 from .job_index import in_group, job_index, rank_part, serve_exchange, urls_digest
 from .lock_check import LockUse
@@ -89,6 +89,8 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     rest, ``"drop"`` leaves it out. ``epoch_size`` (None: the shards' samples) sets how
     many samples an epoch has: fewer than the shards hold, and the next epochs deliver the
     rest first (each cache cycles through its own); more, and samples repeat.
+    ``shuffle_scope="global"`` deals the shards across the job anew each epoch (``"cache"``:
+    each cache reads its own every epoch).
     ``index`` is a sample index file (path or URL) made by
     ``shardcache index``; None learns it (each cache its own shards, shared through
     torch.distributed when a process group is initialised, else through torchrun's or the
@@ -96,8 +98,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     it in the cache root, and also beside the shards with ``keep_index="data"``. ``rank``
     and ``world_size`` default to shardcache's detection (torch.distributed, torchrun,
     SLURM); DataLoader workers are found by ``torch.utils.data.get_worker_info()``.
-    ``handler``, ``cache``, ``threads``, ``depth`` and ``stall_timeout`` are the WebDataset
-    stage's.
+    ``handler``, ``cache``, ``threads``, ``depth``, ``stall_timeout``: the WebDataset stage's.
     ``lock`` is a dataset lockfile (path or URL; made from what the cache holds when it
     does not exist yet): every state records its digest, and the shards are checked
     against it before they are read (:mod:`shardcache._datasets.lock_check`); a shard
@@ -116,6 +117,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         shuffle_buffer: int = 0,
         remainder: str = "pad",
         epoch_size: int | None = None,
+        shuffle_scope: str = "cache",
         index: str | None = None,
         keep_index: str = "cache",
         handler: Handler = wds.reraise_exception,
@@ -135,11 +137,12 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         self.shuffle_shards = flag("shuffle_shards", shuffle_shards)
         self.remainder = remainder_rule(remainder)
         self.epoch_size = None if epoch_size is None else whole("epoch_size", epoch_size, low=1)
+        self.shuffle_scope = scope = scope_rule(shuffle_scope, self.shuffle_shards)
         self.index = index_location(index)
         self.keep_index = index_keeping(keep_index)
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.identity = DatasetIdentity.of(
-            self.urls, self.seed, shuffle_shards, remainder, self.epoch_size
+            self.urls, self.seed, shuffle_shards, remainder, self.epoch_size, shuffle_scope=scope
         )
         self.epoch = 0
         self._stage = CacheStage(
@@ -275,6 +278,7 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
                 remainder=self.remainder,
                 epoch_size=self.epoch_size,
                 lay=self._lay,
+                scope=self.shuffle_scope,
             )
             empty = [url for url in self._read_urls if self._samples[url].count == 0]
             if empty:
@@ -326,16 +330,15 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
     def share_taken(self) -> tuple[int, int]:
         """The samples this consumer gets in the running epoch, and has delivered (0, 0)."""
         progress = self._progress
-        if progress is None:
-            return 0, 0
-        return progress.sizes.get("own", 0), progress.delivered
+        return (0, 0) if progress is None else (progress.sizes.get("own", 0), progress.delivered)
 
     def cache_urls(self) -> list[str]:
         """The shards this process's cache (its rank's, or its node's at node scope) reads
-        in every epoch: what to warm so that training makes no request."""
+        in every epoch (with ``shuffle_scope="global"``: in the epoch set): what to warm so
+        that training makes no request."""
         rank, world_size, local_world_size = self._ranks()
-        per_node = self._ranks_per_cache(world_size, local_world_size)
-        owned = self._epoch_split().shard_units(world_size // per_node, per_node)[rank // per_node]
+        per = self._ranks_per_cache(world_size, local_world_size)
+        owned = self._epoch_split().shard_units(world_size // per, per, self.epoch)[rank // per]
         return [self._read_urls[shard] for shard in owned]
 
     # -- iteration ------------------------------------------------------------------
@@ -460,13 +463,11 @@ class ResumableDataset(Fluent, torch.utils.data.IterableDataset):
         self, *states: Any, epoch_end: bool = False, on_mismatch: str | None = None
     ) -> DeliveryCheck | None:
         """Check what the job delivered of its epoch against the plan: ``states`` are every
-        rank's states (what :func:`job_state` takes: each rank's
-        ``StatefulDataLoader.state_dict()``, gathered), at a checkpoint (against the plan
-        up to each consumer's position) or, with ``epoch_end``, after the epoch's last
-        batch (against the whole epoch's plan). A mismatch raises
-        :class:`DeliveryMismatchError` or warns (``on_mismatch``: "raise", "warn"; None:
-        ``SHARDCACHE_DELIVERY_CHECK``). Returns the check (seen, expected), None for
-        states written before shardcache kept tallies."""
+        rank's (what :func:`job_state` takes), at a checkpoint (the plan up to each
+        consumer's position) or, with ``epoch_end``, after the epoch's last batch (the whole
+        plan). A mismatch raises :class:`DeliveryMismatchError` or warns (``on_mismatch``:
+        "raise", "warn"; None: ``SHARDCACHE_DELIVERY_CHECK``). Returns the check (seen,
+        expected), None for states written before shardcache kept tallies."""
         job = job_state(*states)
         self.identity.check(job)
         return self._checker(on_mismatch).job_check(job, epoch_end=epoch_end)

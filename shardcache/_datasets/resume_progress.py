@@ -72,7 +72,7 @@ def _elastic(
     slot, consumers, per_unit = consumer.slot, consumer.consumers, consumer.per_unit
     before = checker.elastic(pending, loud=slot == 0)
     pieces, digest = leftover(pending, plan_for(split, epoch))
-    share = split.share(pieces, consumers, per_unit, slot)
+    share = split.share(pieces, consumers, per_unit, slot, epoch)
     logger.info(
         "epoch %d resumed elastically: %d undelivered samples split between %d "
         "consumers, %d to this one (consumer %d, %d of them repeated)",

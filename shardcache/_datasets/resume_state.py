@@ -51,6 +51,7 @@ class DatasetIdentity:
     shuffle_shards: bool
     remainder: str
     epoch_size: int | None = None
+    shuffle_scope: str = "cache"
 
     @classmethod
     def of(
@@ -60,10 +61,20 @@ class DatasetIdentity:
         shuffle_shards: bool,
         remainder: str,
         epoch_size: int | None = None,
+        *,
+        shuffle_scope: str = "cache",
     ) -> DatasetIdentity:
         digest = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:32]
         return cls(
-            len(urls), digest, urls[0], urls[-1], seed, shuffle_shards, remainder, epoch_size
+            len(urls),
+            digest,
+            urls[0],
+            urls[-1],
+            seed,
+            shuffle_shards,
+            remainder,
+            epoch_size,
+            shuffle_scope,
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -76,6 +87,7 @@ class DatasetIdentity:
             "shuffle_shards": self.shuffle_shards,
             "remainder": self.remainder,
             "epoch_size": self.epoch_size,
+            "shuffle_scope": self.shuffle_scope,
         }
 
     def check(self, state: Mapping[str, Any]) -> None:
@@ -108,15 +120,16 @@ class DatasetIdentity:
                 expected=mine,
                 seen=theirs,
             )
-        for name in ("seed", "shuffle_shards", "remainder", "epoch_size"):
-            if theirs.get(name) != mine[name]:
+        for name in ("seed", "shuffle_shards", "remainder", "epoch_size", "shuffle_scope"):
+            seen = theirs.get(name, "cache" if name == "shuffle_scope" else None)  # older states
+            if seen != mine[name]:
                 raise ResumeError(
-                    f"the state was taken with {name}={theirs.get(name)!r}; this dataset has "
+                    f"the state was taken with {name}={seen!r}; this dataset has "
                     f"{name}={mine[name]!r}: the epoch's order would differ. Resume with "
-                    f"{name}={theirs.get(name)!r}",
+                    f"{name}={seen!r}",
                     what=name,
                     expected=mine[name],
-                    seen=theirs.get(name),
+                    seen=seen,
                 )
 
 

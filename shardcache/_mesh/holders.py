@@ -37,9 +37,12 @@ class PeerSource:
     """The peers a cache asks before the store. ``holders``: the copies of a shard, asked in
     order; ``expected``: what the shard is known to be (its size, ETag, version), None when
     nothing is known, and then no peer is asked (a peer's copy could be of another version);
-    ``key`` signs the requests, ``bounds`` bound each."""
+    ``key`` signs the requests, ``bounds`` bound each; ``visiting``: whether a shard is
+    outside the cache's own share (its copy then lands marked least recently used, evicted
+    before the cache's own shards; None: every copy lands as a download does)."""
 
     key: JobKey
     holders: Callable[[ShardId], Sequence[Holding]]
     expected: Callable[[ShardId], Expected | None]
     bounds: Bounds = field(default_factory=Bounds)
+    visiting: Callable[[ShardId], bool] | None = None

@@ -1,10 +1,11 @@
 """A dataset in the cache mesh, with real processes as the nodes of a two-node job on
 127.0.0.1 (SLURM's variables, one task a node, meeting in a shared directory), each with its
 own cache root (its "local disk") and a DataLoader worker: a dataset with a lock offers its
-shards to the node's server and gives its cache the holders of the job's hand-out. The
-split's internal rotation makes each node read the other's share in epoch 1: those misses
-are filled by the other node's server, not the store (the store's side counts GETs at the
-fault proxy, each server its transfers), the DataLoader worker fetching them. At node scope
+shards to the node's server and gives its cache the holders of the job's hand-out. With
+``shuffle_scope="global"`` epoch 1 deals the shards anew, so each node reads shards of the
+other's home share (epoch 0's deal): those misses are filled by the other node's server, not
+the store (the store's side counts GETs at the fault proxy, each server its transfers), the
+DataLoader worker fetching them, and land marked least recently used. At node scope
 (cache *i* on node *i*) a ``MixtureDataset`` of two sources with a lock each, through one
 cache; through a second cache of the same processes, at rank scope (rank *r*'s scope
 directory on rank *r*'s node), a ``ResumableDataset`` of the first source."""
@@ -76,11 +77,11 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         )
         for name in SOURCES
     ]
-    mixture = shardcache.MixtureDataset(sources, cache=caches["node"])
-    alone = shardcache.ResumableDataset(job["a"]["spec"], cache=caches["rank"], **job["a"]["made"])
+    mixture = shardcache.MixtureDataset(sources, cache=caches["node"], shuffle_scope="global")
+    alone = shardcache.ResumableDataset(
+        job["a"]["spec"], cache=caches["rank"], shuffle_scope="global", **job["a"]["made"]
+    )
     datasets = {"node": mixture, "rank": alone}
-    for dataset in (*mixture.prepare()._parts, alone.prepare()):
-        dataset._epoch_split().rotate = True  # internal: epoch 1 reads the other node's share
     keys: dict[str, list[list[str]]] = {scope: [] for scope in SCOPES}
     for epoch in range(2):
         for scope, dataset in datasets.items():
@@ -91,7 +92,11 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     mesh = caches["node"].mesh
     assert mesh is not None and mesh.server is not None and caches["rank"].mesh is mesh
     assert mesh.server.wait_idle(10)
-    return {"node": me, "keys": keys, "counts": mesh.server.counts()}
+    stamps = {
+        scope: {e.url.rsplit("/", 1)[-1]: e.last_used for e in caches[scope].entries() if e.url}
+        for scope in SCOPES
+    }
+    return {"node": me, "keys": keys, "counts": mesh.server.counts(), "stamps": stamps}
 
 
 def run_nodes(tmp_path: Path, s3_env: dict[str, str], job: dict[str, Any]) -> list[dict]:
@@ -140,7 +145,13 @@ def _gets(fault_proxy) -> Counter[str]:
     )
 
 
-def test_epoch_one_reads_the_other_nodes_share_from_its_server(
+def _shards_read(keys: list[str]) -> set[str]:
+    """The shards (file names) whose samples ``keys`` are."""
+    owner = {key: s for s in range(2 * SHARDS) for key, _ in shard_samples(s, SAMPLES)}
+    return {f"train-{owner[key]}.tar" for key in keys}
+
+
+def test_a_global_shuffle_reads_other_nodes_home_shards_from_their_servers(
     job, s3, fault_proxy, tmp_path: Path
 ) -> None:
     before = _gets(fault_proxy)  # the index's reads
@@ -150,14 +161,22 @@ def test_epoch_one_reads_the_other_nodes_share_from_its_server(
         "node": sorted(key for s in range(2 * SHARDS) for key, _ in shard_samples(s, SAMPLES)),
         "rank": sorted(key for s in range(SHARDS) for key, _ in shard_samples(s, SAMPLES)),
     }
+    served_by = [0] * NODES  # what each node's server must have sent: the visitors it homes
     for scope in SCOPES:
+        home = [_shards_read(r["keys"][scope][0]) for r in results]  # epoch 0's deal
         for epoch in (0, 1):
             assert sorted(k for r in results for k in r["keys"][scope][epoch]) == every[scope]
-        assert set(results[0]["keys"][scope][0]) == set(results[1]["keys"][scope][1])  # swapped
+        for me, result in enumerate(results):
+            visitors = _shards_read(result["keys"][scope][1]) - home[me]
+            assert visitors, (scope, me)  # the deal moved shards between the nodes
+            served_by[1 - me] += len(visitors)
+            stamps = result["stamps"][scope]  # visitors least recently used, home shards not
+            assert {name for name, used in stamps.items() if used < 2} == visitors, stamps
+            assert set(stamps) == home[me] | visitors
     gets = _gets(fault_proxy) - before  # each shard once into each cache reading it, epoch 0
     twice = {f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}  # source a: both scopes
     once = {f"/{BUCKET}/train-{s}.tar": 1 for s in range(SHARDS, 2 * SHARDS)}
     assert gets == Counter(twice | once), gets
-    served = [r["counts"] for r in results]  # the servers' own counts: a node's three shares
-    assert [c.get("200", 0) for c in served] == [3 * SHARDS // NODES] * NODES, served
+    served = [r["counts"] for r in results]  # the servers' own counts
+    assert [c.get("200", 0) for c in served] == served_by, served
     assert all(set(c) <= {"200", "bytes", "connections"} for c in served), served

@@ -104,17 +104,23 @@ def test_caches_map_onto_nodes_only_with_consecutive_ranks(
     assert caplog.text.count("misses go to the store") == 2
 
 
-def test_the_internal_rotation_gives_each_cache_another_caches_share_each_epoch() -> None:
-    """The split's rotation (the mesh's multi-node test): in epoch ``e`` a cache's consumers
-    read what the cache ``e`` places on owns, so every sample still comes once an epoch."""
-    plain, rotated = _split(), _split()
-    rotated.rotate = True
-    consumers, per_unit = 4, 2  # two caches of two consumers
-    for epoch in range(3):
-        for slot in range(consumers):
-            moved = (slot + epoch * per_unit) % consumers
-            assert rotated.fresh(epoch, consumers, per_unit, slot) == plain.fresh(
-                epoch, consumers, per_unit, moved
-            )
-    assert rotated.fresh(0, consumers, per_unit, 0) == plain.fresh(0, consumers, per_unit, 0)
-    assert rotated.fresh(1, consumers, per_unit, 0) != plain.fresh(1, consumers, per_unit, 0)
+def test_with_a_global_shuffle_the_holders_are_epoch_0s_deal_and_others_are_visitors(
+    cache: ShardCache,
+) -> None:
+    """Epoch 0's deal is where every shard was first read: its cache holds it; a shard
+    outside this cache's share of it lands as a visitor (evicted first)."""
+    starts = [[0, 512, 1024]] * len(URLS)
+    split = EpochSplit(starts, seed=0, shuffle=True, remainder="pad", scope="global")
+    source = mesh_peers(cache, split, LOCK, URLS, URLS, (0, 2, 1))
+    assert source is not None and source.visiting is not None
+    mine, theirs = (set(shards) for shards in split.shard_units(2))
+    assert any(set(split.shard_units(2, 1, epoch)[0]) != mine for epoch in range(1, 4))
+    for index, url in enumerate(URLS):
+        shard = cache._identify(url)
+        assert source.holders(shard) == ([Holding(PEER, "node")] if index in theirs else [])
+        assert source.visiting(shard) == (index not in mine)
+    copy = pickle.loads(pickle.dumps(source))  # a DataLoader worker's
+    assert copy.visiting is not None
+    assert [copy.visiting(cache._identify(url)) for url in URLS] == [
+        source.visiting(cache._identify(url)) for url in URLS
+    ]
