@@ -30,17 +30,17 @@ after the other: a list of objects, each with a ``name`` and any of ``spec``, ``
 ``<cache>/<name>`` and logs to ``<out>/<name>/``.
 
 ``--lock FILE`` gives the dataset a lockfile (with ``SHARDCACHE_MESH=1``, what makes its
-misses ask the other nodes). ``--rotate`` turns on the split's internal rotation: each epoch
-a node's ranks read the share of the node ``epoch`` places on, so epoch 1 reads what another
-node's cache filled in epoch 0. ``--mesh-addrs A,B,...``: node *k* serves on the *k*-th
-address (``SHARDCACHE_MESH_ADDR``, for a job meeting in a shared directory). With the mesh
-on, the job writes the counts of this node's mesh server (local rank 0's; after the last
-barrier, once it is idle) to ``<out>/mesh-<rank>.json``.
+misses ask the other nodes). ``--shuffle-scope global`` deals the shards across the job anew
+every epoch, so later epochs read shards another node's cache filled in epoch 0.
+``--mesh-addrs A,B,...``: node *k* serves on the *k*-th address (``SHARDCACHE_MESH_ADDR``, for a job
+meeting in a shared directory). With the mesh on, the job writes the counts of this node's
+mesh server (local rank 0's; after the last barrier, once it is idle) to
+``<out>/mesh-<rank>.json``.
 
-``--mark-epochs URL`` (a bucket URL on the S3 server): after each epoch, once every rank
-has passed the epoch's barrier, rank 0 sends ``HEAD <URL>/epoch-<e>``; the server's
-request log then shows where each epoch's requests end (every request of the epoch was
-answered before the barrier, so it is logged before the mark).
+``--mark-epochs URL`` (a bucket URL on the S3 server): after each epoch, once every rank has
+passed the epoch's barrier, rank 0 sends ``HEAD <URL>/epoch-<e>``; the server's request log
+then shows where each epoch's requests end (every request of the epoch was answered before
+the barrier, so it is logged before the mark).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--index", default=None, metavar="FILE", help="a sample index file")
     parser.add_argument("--keep-index", default="cache", choices=("cache", "data"))
     parser.add_argument("--lock", default=None, metavar="FILE", help="a dataset lockfile")
-    parser.add_argument("--rotate", action="store_true", help="rotate the shares by epoch")
+    parser.add_argument("--shuffle-scope", default="cache", help="the dataset's shuffle_scope")
     parser.add_argument("--mesh-addrs", default=None, help="each node's address, by node id")
     parser.add_argument("--log-info", action="store_true", help="shardcache's INFO on stderr")
     parser.add_argument("--runs", type=json.loads, default=None, help="several runs (JSON)")
@@ -148,9 +148,8 @@ def train(
         keep_index=args.keep_index,
         cache=shardcache.ShardCache(args.cache),
         lock=args.lock,
+        shuffle_scope=args.shuffle_scope,
     ).compose(key_and_features)
-    if args.rotate:  # internal: see the module's docstring
-        dataset.prepare()._epoch_split().rotate = True
     loader = StatefulDataLoader(
         dataset,
         batch_size=args.batch_size,

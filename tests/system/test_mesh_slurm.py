@@ -1,14 +1,14 @@
 """The cache mesh on four SLURM nodes: ``scripts/slurm-local --nodes 4``, each node its own
 network namespace, address and local disk.
 
-tests/support/ddp_epoch_job.py runs as one ``srun`` task a node (gloo at node 1's address,
-a DDP step a batch), two DataLoader workers a task, node scope on the node's local disk,
+tests/support/ddp_epoch_job.py runs as one ``srun`` task a node (gloo at node 1's address, a
+DDP step a batch), two DataLoader workers a task, node scope on the node's local disk,
 ``SHARDCACHE_MESH=1`` with a secret; the nodes meet in a shared directory
 (``SHARDCACHE_RENDEZVOUS_DIR``: the nodes' names do not resolve here, so task 0's store
-cannot be reached by name) and each serves on its own bridge address. The dataset has a
-lock, and the split's internal rotation makes every node read, in epoch 1, the share
-another node's cache filled in epoch 0. The S3 server behind the fault proxy counts the
-store's requests; each node's mesh server counts what it served.
+cannot be reached by name) and each serves on its own bridge address. The dataset has a lock
+and ``shuffle_scope="global"``: epochs 1 and 2 deal the shards anew, so every node reads
+shards another node's cache filled in epoch 0, from that node. The S3 server behind the
+fault proxy counts the store's requests; each node's mesh server counts what it served.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from processes import job_env
+from tars import shard_samples
 from test_ddp_epochs import (
     JOB,
     SEED,
@@ -123,32 +124,30 @@ def test_epoch_one_swaps_shares_between_nodes_through_the_mesh(
         f"--cache={local_cache}",
         f"--out={tmp_path / 'out'}",
         f"--workers={WORKERS}",
-        "--epochs=2",
+        "--epochs=3",
         "--batch-size=4",
         f"--seed={SEED}",
         f"--timeout={COLLECTIVE_TIMEOUT}",
         f"--index={index}",
         f"--lock={lock}",
-        "--rotate",
+        "--shuffle-scope=global",
         f"--mesh-addrs={','.join(node.addr for node in cluster.nodes)}",
         f"--mark-epochs={link.endpoint_url}/{MARK_BUCKET}",
     ]
     srun_tasks(args, env, tmp_path)
 
     logged = records(tmp_path, NODES)
-    for epoch in (0, 1):
+    for epoch in (0, 1, 2):
         sizes = check_epoch(
             logged, epoch, all_keys(COUNTS), batch_size=4, remainder="pad", workers=WORKERS
         )
         assert sizes["repeated"] == 0
     gets, methods = requests_by_epoch(s3, BUCKET, MARK_BUCKET)
     print(f"store requests by epoch: {[dict(m) for m in methods]}")
-    assert len(gets) == 3, "the job did not mark the end of each of its 2 epochs"
-    first, second, after = gets
+    assert len(gets) == 4, "the job did not mark the end of each of its 3 epochs"
     shards = [f"train-{s:06d}.tar" for s in range(len(COUNTS))]
-    assert first == Counter(shards), f"epoch 0's GETs: {dict(first)}"
-    assert not second, f"epoch 1 went to the store: {dict(second)}"
-    assert not after
+    assert gets[0] == Counter(shards), f"epoch 0's GETs: {dict(gets[0])}"
+    assert not sum(gets[1:], Counter()), f"epochs 1-2 went to the store: {gets[1:]}"
 
     served = [
         json.loads((tmp_path / "out" / f"mesh-{rank}.json").read_text()) for rank in range(NODES)
@@ -156,7 +155,15 @@ def test_epoch_one_swaps_shares_between_nodes_through_the_mesh(
     print(f"mesh servers: {served}")
     assert [s["node"] for s in served] == list(range(NODES))
     assert [s["peers"] for s in served] == [NODES - 1] * NODES  # every other node heard of
-    # Each node served its own two shards once, to the node that reads them in epoch 1.
-    assert [s["server"].get("200", 0) for s in served] == [2] * NODES, served
+    # Each node served its home shards (epoch 0's) once to each node that read them later.
+    owner = {key: s for s, n in enumerate(COUNTS) for key, _ in shard_samples(s, n)}
+    read = [[{owner[k] for k in logged[n][e]["keys"]} for e in range(3)] for n in range(NODES)]
+    home = {shard: n for n in range(NODES) for shard in read[n][0]}
+    wanted = [0] * NODES
+    for node in range(NODES):
+        for shard in (read[node][1] | read[node][2]) - read[node][0]:
+            wanted[home[shard]] += 1
+    assert sum(wanted) > 0, read  # the deal moved shards
+    assert [s["server"].get("200", 0) for s in served] == wanted, (served, read)
     for counts in served:
         assert set(counts["server"]) <= {"200", "bytes", "connections"}, counts

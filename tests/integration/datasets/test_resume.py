@@ -115,6 +115,67 @@ def test_elastic_resume_with_another_worker_count_delivers_the_rest_once(
             assert Counter(keys) == Counter(ALL_KEYS), (step, workers)
 
 
+def _rank_epochs(
+    cache_dir: Path, world: int, start: tuple[int, dict] | None = None, **options: Any
+) -> dict[int, list]:
+    """Each rank's batches of epochs 0..2 (rank ``r`` through its own cache, one DataLoader
+    worker), or from ``start`` (an epoch, and the loaders' states by rank) on; without
+    ``start``, the loaders' states after each batch too (by step, under "states")."""
+    out: dict[int, list] = {}
+    for rank in range(world):
+        dataset = _dataset(cache_dir / f"rank-{rank}", rank=rank, world_size=world, **options)
+        loader = _loader(dataset, workers=1)
+        if start is not None:
+            loader.load_state_dict(start[1][rank])
+        batches: list = []
+        for epoch in range(0 if start is None else start[0], 3):
+            dataset.set_epoch(epoch)
+            for keys in loader:
+                state = None if start else json.loads(json.dumps(loader.state_dict()))
+                batches.append((epoch, keys, state))
+        out[rank] = batches
+    return out
+
+
+def test_a_global_shuffle_deals_every_epoch_anew_and_resumes_exactly_and_elastically(
+    dataset_s3, tmp_path: Path
+) -> None:
+    run = _rank_epochs(tmp_path, 2, shuffle_scope="global")
+    owner = {key: s for s in range(SHARDS) for key, _ in shard_samples(s, PER_SHARD)}
+
+    def keys(rank: int, epoch: int, upto: int | None = None) -> list[str]:
+        return [k for e, ks, _ in run[rank][:upto] if e == epoch for k in ks]
+
+    assert len(run[0]) == len(run[1]) == 3 * 13  # equal batches: 39 samples a rank an epoch
+    for epoch in (0, 1, 2):  # every sample once an epoch
+        assert Counter(keys(0, epoch) + keys(1, epoch)) == Counter(ALL_KEYS), epoch
+    shards = [[{owner[k] for k in keys(rank, epoch)} for epoch in (0, 1, 2)] for rank in (0, 1)]
+    assert shards[0][1:] != [shards[0][0]] * 2  # the ranks' shards move between epochs
+    local = _rank_epochs(tmp_path / "local", 2)  # epoch 0's deal: the cache-local hand-out
+    assert [{owner[k] for e, ks, _ in local[r] if e == 0 for k in ks} for r in (0, 1)] == [
+        shards[0][0],
+        shards[1][0],
+    ]
+    for step in (4, 17):  # mid epoch 0, mid epoch 1
+        epoch, states = run[0][step - 1][0], {r: run[r][step - 1][2] for r in (0, 1)}
+        resumed = _rank_epochs(tmp_path, 2, (epoch, states), shuffle_scope="global")
+        for rank in (0, 1):  # exact: the rest of the uninterrupted run
+            rest = [(e, ks) for e, ks, _ in resumed[rank]]
+            assert rest == [(e, ks) for e, ks, _ in run[rank][step:]], (step, rank)
+        job = job_state(*states.values())
+        dataset = _dataset(tmp_path / "rank-0", shuffle_scope="global")  # elastic: one rank
+        dataset.load_state_dict(job)
+        rest_keys = [
+            k
+            for _e, ks in _epochs(_loader(dataset, 1), dataset, range(epoch, epoch + 1))
+            for k in ks
+        ]
+        delivered = keys(0, epoch, step) + keys(1, epoch, step)
+        assert Counter(delivered + rest_keys) == Counter(ALL_KEYS), step
+        with pytest.raises(ResumeError, match="shuffle_scope='global'; this dataset has"):
+            _dataset(tmp_path / "rank-0").load_state_dict(job)
+
+
 def test_a_cold_cache_resumes_while_downloading(dataset_s3, tmp_path: Path, s3) -> None:
     batches, states = _run_until(tmp_path / "warm", {7, 45})
     # With the sample index made ahead; without it the dataset learns it by fetching every
@@ -203,6 +264,10 @@ def _state_after(dataset: ResumableDataset, count: int) -> dict:
         ({"seed": 12}, "taken with seed=11; this dataset has seed=12"),
         ({"shuffle_shards": False}, "shuffle_shards=True; this dataset has shuffle_shards=False"),
         ({"epoch_size": 40}, "epoch_size=None; this dataset has epoch_size=40"),
+        (
+            {"shuffle_scope": "global"},
+            "taken with shuffle_scope='cache'; this dataset has shuffle_scope='global'",
+        ),
     ],
 )
 def test_a_state_of_another_seed_or_order_is_refused(
@@ -352,6 +417,8 @@ def test_a_shard_that_no_longer_matches_its_index_file_is_refused(
         ({"epoch_size": True}, "epoch_size must be a whole number >= 1"),
         ({"rank": 2, "world_size": 2}, "rank 2 is not below world_size 2"),
         ({"rank": None, "world_size": 2}, "give both rank and world_size"),
+        ({"shuffle_scope": "node"}, "shuffle_scope must be one of"),
+        ({"shuffle_scope": "global", "shuffle_shards": False}, "shuffle_shards=True only"),
     ],
 )
 def test_bad_arguments_are_config_errors(tmp_path: Path, options: dict, message: str) -> None:
