@@ -20,7 +20,8 @@ no buffer (no shuffle), and a uniformly random permutation of all samples (a glo
 ``of_global`` places a figure between them (0 no shuffle, 1 global). Two more figures: the distinct
 shards in a global batch (ranks x batch samples), and how many of a rank's samples it also had in
 the previous epoch (a global shuffle: 1 / ranks; a split that keeps each cache's shards: all of them
-at rank scope). Mosaic's own algorithms are added when ``streaming`` is importable (its partition
+at rank scope; ``shuffle_scope="global"`` deals the shards anew each epoch). Mosaic's own
+algorithms are added when ``streaming`` is importable (its partition
 and shuffle functions, default block size, canonical nodes = physical nodes).
 """
 
@@ -81,9 +82,12 @@ class Dataset:
         ordered = [rank[k] for k in range(max(map(len, steps))) for rank in steps if k < len(rank)]
         return np.concatenate(ordered)
 
-    def shardcache(self, *, per_node: int | None, buffer: int, shuffle: bool, seed: int) -> Order:
-        """ResumableDataset at rank scope (``per_node`` None) or node scope."""
-        split = EpochSplit(self.starts, seed=seed, shuffle=shuffle, remainder="pad")
+    def shardcache(
+        self, *, per_node: int | None, buffer: int, shuffle: bool, seed: int, scope: str = "cache"
+    ) -> Order:
+        """ResumableDataset at rank scope (``per_node`` None) or node scope, with its
+        ``shuffle_scope``."""
+        split = EpochSplit(self.starts, seed=seed, shuffle=shuffle, remainder="pad", scope=scope)
         consumers = self.ranks * self.workers
         per_unit = self.workers * (per_node or 1)
 
@@ -192,6 +196,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"shardcache node scope ({nodes} nodes x {args.ranks // nodes} ranks), "
             f"shuffle_buffer={buffer}"
         ] = ds.shardcache(per_node=args.ranks // nodes, buffer=buffer, shuffle=True, seed=args.seed)
+    for buffer in args.buffers:
+        rows[
+            f'shardcache shuffle_scope="global", node scope ({nodes} nodes x '
+            f"{args.ranks // nodes} ranks), shuffle_buffer={buffer}"
+        ] = ds.shardcache(
+            per_node=args.ranks // nodes,
+            buffer=buffer,
+            shuffle=True,
+            seed=args.seed,
+            scope="global",
+        )
     try:
         from bench import peers
 

@@ -79,7 +79,7 @@ def srun_tasks(args: list[str], env: Mapping[str, str], cwd: Path) -> str:
     return run_job(cmd, env, cwd, name)
 
 
-def test_epoch_one_swaps_shares_between_nodes_through_the_mesh(
+def test_a_global_shuffle_reads_later_epochs_from_the_nodes_that_hold_the_shards(
     cluster: Cluster,
     tmp_path: Path,
     s3: S3Server,
