@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from split_samples import delivered, starts_of
 
 from shardcache import ConfigError
-from shardcache._datasets.epoch_split import EpochSplit, scope_rule
+from shardcache._datasets.epoch_split import EpochSplit, Lay, consumer_counts, scope_rule
 
 
 def _split(counts: list[int], seed: int = 3, **options) -> EpochSplit:
@@ -132,3 +132,37 @@ def test_a_scope_is_checked() -> None:
         scope_rule("node", True)
     with pytest.raises(ConfigError, match="'global' with shuffle_shards=True only"):
         _split([3, 4], shuffle=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=8), min_size=2, max_size=3),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from(["pad", "drop"]),
+    st.data(),
+)
+def test_a_mixtures_sources_dealt_anew_give_their_counts_and_none_twice_an_epoch(
+    sources: list[list[int]], units: int, per_unit: int, remainder: str, data: st.DataObject
+) -> None:
+    """A ``MixtureDataset`` with ``shuffle_scope="global"``: each source's split (its samples
+    walking on over epochs, as a mixture's do) deals every consumer its count of the source
+    each epoch; an epoch asking no more than the source holds repeats none."""
+    consumers = units * per_unit
+    sources = [counts if sum(counts) else [1, *counts[1:]] for counts in sources]
+    asked = tuple(data.draw(st.integers(0, sum(counts))) for counts in sources)
+    if sum(asked) < consumers:
+        return
+    want = consumer_counts(asked, consumers, remainder, per_unit)
+    for index, counts in enumerate(sources):
+        lay = Lay(asked, index, history=lambda _epoch: asked)
+        split = _split(counts, 7, remainder=remainder, epoch_size=asked[index] or None, lay=lay)
+        for epoch in range(3):
+            seen: Counter[tuple[int, int]] = Counter()
+            for slot in range(consumers):
+                share = split.fresh(epoch, consumers, per_unit, slot)
+                samples = delivered(split, share.pieces)
+                assert len(samples) == share.samples == want[index][slot]
+                seen.update(samples)
+            if seen.total() <= sum(counts):
+                assert not seen or max(seen.values()) == 1, (index, epoch)
