@@ -93,10 +93,26 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     assert mesh is not None and mesh.server is not None and caches["rank"].mesh is mesh
     assert mesh.server.wait_idle(10)
     stamps = {
-        scope: {e.url.rsplit("/", 1)[-1]: e.last_used for e in caches[scope].entries() if e.url}
-        for scope in SCOPES
+        scope: {_name(e.url): e.last_used for e in caches[scope].entries()} for scope in SCOPES
     }
-    return {"node": me, "keys": keys, "counts": mesh.server.counts(), "stamps": stamps}
+    evicted = {}  # down to the home share (epoch 0's shards): what eviction takes first
+    for scope in SCOPES:
+        home = _shards_read(keys[scope][0])
+        entries = caches[scope].entries()
+        report = caches[scope].evict(sum(e.size for e in entries if _name(e.url) in home))
+        evicted[scope] = sorted(_name(e.url) for e in report.removed)
+    counts = mesh.server.counts()
+    return {"node": me, "keys": keys, "counts": counts, "stamps": stamps, "evicted": evicted}
+
+
+def _name(url: str | None) -> str:
+    return str(url).rsplit("/", 1)[-1]
+
+
+def _shards_read(keys: list[str]) -> set[str]:
+    """The shards (file names) whose samples ``keys`` are."""
+    owner = {key: s for s in range(2 * SHARDS) for key, _ in shard_samples(s, SAMPLES)}
+    return {f"train-{owner[key]}.tar" for key in keys}
 
 
 def run_nodes(tmp_path: Path, s3_env: dict[str, str], job: dict[str, Any]) -> list[dict]:
@@ -145,12 +161,6 @@ def _gets(fault_proxy) -> Counter[str]:
     )
 
 
-def _shards_read(keys: list[str]) -> set[str]:
-    """The shards (file names) whose samples ``keys`` are."""
-    owner = {key: s for s in range(2 * SHARDS) for key, _ in shard_samples(s, SAMPLES)}
-    return {f"train-{owner[key]}.tar" for key in keys}
-
-
 def test_a_global_shuffle_reads_other_nodes_home_shards_from_their_servers(
     job, s3, fault_proxy, tmp_path: Path
 ) -> None:
@@ -173,6 +183,7 @@ def test_a_global_shuffle_reads_other_nodes_home_shards_from_their_servers(
             stamps = result["stamps"][scope]  # visitors least recently used, home shards not
             assert {name for name, used in stamps.items() if used < 2} == visitors, stamps
             assert set(stamps) == home[me] | visitors
+            assert result["evicted"][scope] == sorted(visitors)  # and no home shard
     gets = _gets(fault_proxy) - before  # each shard once into each cache reading it, epoch 0
     twice = {f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}  # source a: both scopes
     once = {f"/{BUCKET}/train-{s}.tar": 1 for s in range(SHARDS, 2 * SHARDS)}
