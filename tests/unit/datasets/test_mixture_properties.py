@@ -2,8 +2,9 @@
 global batches, equal shares, and exact and elastic resume.
 
 Random sources (2-4, a few shards of random sizes, empty ones too), weights (ints, floats,
-0) and ``samples=`` counts, epoch sizes, seeds, epochs, ``remainder``, shuffle buffers and
-shard shuffling, ranks (1-3) x workers (1-3), batch sizes, window sizes and stop points.
+0) and ``samples=`` counts, epoch sizes, seeds, epochs, ``remainder``, shuffle buffers,
+shard shuffling and ``shuffle_scope``, ranks (1-3) x workers (1-3), batch sizes, window
+sizes and stop points.
 Consumer ``r*W + w`` of a job of R ranks x W workers is built as ``rank=r*W+w,
 world_size=R*W`` (as tests/unit/datasets/test_resume_properties.py does); a rank's
 DataLoader takes its workers' batches in turn and a global batch is every rank's batch of
@@ -87,7 +88,8 @@ def mixtures(draw: st.DrawFn) -> dict:
         "epoch": draw(st.integers(0, 2)),
         "remainder": draw(st.sampled_from(["pad", "drop"])),
         "buffer": draw(st.sampled_from([0, 0, 2, 5])),
-        "shuffle_shards": draw(st.booleans()),
+        "shuffle_shards": (shuffled := draw(st.booleans())),
+        "shuffle_scope": draw(st.sampled_from(["cache", "global"])) if shuffled else "cache",
         "batch": draw(st.integers(1, 8)),
         "window": draw(st.integers(1, 6)),
         "fractions": draw(st.lists(st.floats(0, 1), min_size=9, max_size=9)),
@@ -114,6 +116,7 @@ class Mix:
             epoch_size=self.spec["epoch_size"],
             seed=self.spec["seed"],
             shuffle_shards=self.spec["shuffle_shards"],
+            shuffle_scope=self.spec["shuffle_scope"],
             shuffle_buffer=self.spec["buffer"],
             remainder=self.spec["remainder"],
             cache=self.cache,

@@ -1,8 +1,8 @@
 """Property-based tests of the resumable epoch: order, split, exact and elastic resume.
 
 Random shard counts, samples per shard (empty shards too), world sizes, worker counts,
-shuffle buffers, seeds, epochs and checkpoint positions. A job of R ranks x W workers is R*W
-consumers; consumer ``r*W + w`` is built here as ``rank=r*W+w, world_size=R*W`` with no
+shuffle buffers, shuffle scopes, seeds, epochs and checkpoint positions. A job of R ranks x
+W workers is R*W consumers; consumer ``r*W + w`` is built here as ``rank=r*W+w, world_size=R*W`` with no
 DataLoader, which is the same slot a real worker computes
 (tests/integration/datasets/test_resume.py runs the real DataLoader, StatefulDataLoader and
 torchrun)."""
@@ -44,7 +44,8 @@ def jobs(draw: st.DrawFn) -> dict:
         "buffer": draw(st.sampled_from([0, 1, 3, 8])),
         "seed": draw(st.integers(0, 2**40)),
         "epoch": draw(st.integers(0, 3)),
-        "shuffle_shards": draw(st.booleans()),
+        "shuffle_shards": (shuffled := draw(st.booleans())),
+        "shuffle_scope": draw(st.sampled_from(["cache", "global"])) if shuffled else "cache",
         "fractions": draw(st.lists(st.floats(0, 1), min_size=9, max_size=9)),
         # None: the shards' samples; else fewer (the rest waits) or more (samples repeat)
         "epoch_size": draw(st.none() | st.integers(consumers, 3 * sum(counts) + consumers)),
@@ -69,6 +70,7 @@ class Job:
             self.urls,
             seed=self.spec["seed"],
             shuffle_shards=self.spec["shuffle_shards"],
+            shuffle_scope=self.spec["shuffle_scope"],
             shuffle_buffer=self.spec["buffer"],
             remainder=self.spec["remainder"],
             epoch_size=self.spec["epoch_size"],
