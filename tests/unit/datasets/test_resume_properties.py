@@ -2,8 +2,8 @@
 
 Random shard counts, samples per shard (empty shards too), world sizes, worker counts,
 shuffle buffers, shuffle scopes, seeds, epochs and checkpoint positions. A job of R ranks x
-W workers is R*W consumers; consumer ``r*W + w`` is built here as ``rank=r*W+w, world_size=R*W`` with no
-DataLoader, which is the same slot a real worker computes
+W workers is R*W consumers; consumer ``r*W + w`` is built here as ``rank=r*W+w,
+world_size=R*W`` with no DataLoader, which is the same slot a real worker computes
 (tests/integration/datasets/test_resume.py runs the real DataLoader, StatefulDataLoader and
 torchrun)."""
 
