@@ -353,6 +353,11 @@ class MixtureDataset(Fluent, torch.utils.data.IterableDataset):
                 sample = next(streams[i], None)
                 if sample is not None:  # None: that source ended early too
                     yield sample
+            for stream in streams:
+                # Its share is out: its stream ends as a lone dataset's does, after the
+                # verdict of the shard it read last. Closed instead, that shard's download
+                # (read while it landed) would be cancelled unpublished and fetched again.
+                next(stream, None)  # a sample past the share: the delivery check counts it
             for name, part in zip(self.names, self._parts, strict=True):
                 with _naming(name):
                     part._check_share_end()

@@ -1,0 +1,83 @@
+"""A mixture's share end lets each source finish the shard it read last: the download of
+a shard whose samples were all read as its bytes landed is published, not cancelled, so the
+next epoch reads it from the cache instead of downloading it again."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from mixture_files import MixtureFiles
+
+from shardcache import MixtureDataset, ShardCache, Source
+from shardcache._cache.shard_cache import Wiring
+from shardcache._config.settings import Settings
+from shardcache._prefetch.prefetcher import Prefetcher
+from shardcache._store.growing import GrowingFile
+from shardcache._transfer.remote import Remote
+
+pytestmark = pytest.mark.timeout(60)
+SAMPLES = 4
+
+
+def test_a_source_s_last_shard_read_while_downloading_is_published_at_its_share_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each source is one shard, read while it downloads: every byte has landed (the
+    reader has every sample) but the download has not reported its last bytes yet. It goes
+    on only once its consumer is done with the shard: the stage waits for the shard's
+    verdict, or the prefetcher was closed (cancelled). The share's end must wait."""
+    files = MixtureFiles(tmp_path, [[SAMPLES], [SAMPLES]])  # indexed: reads stop at a piece's end
+    done_with_shard = threading.Event()
+    closed = Prefetcher.close
+
+    def close(self: Prefetcher, *args: object, **kwargs: object) -> None:
+        shared = self._shared
+        if shared is not None:  # once cancelled, the held downloads go on (and stop)
+            threading.Thread(
+                target=lambda: shared.cancelled.wait(30) and done_with_shard.set(), daemon=True
+            ).start()
+        closed(self, *args, **kwargs)
+
+    verdict = GrowingFile.verdict
+
+    def waited_for(self: GrowingFile, until_stall):
+        done_with_shard.set()  # the stage waits for the download's outcome
+        return verdict(self, until_stall)
+
+    monkeypatch.setattr(Prefetcher, "close", close)
+    monkeypatch.setattr(GrowingFile, "verdict", waited_for)
+
+    class HeldAtTheEnd(Remote):
+        """Writes every byte, then holds the report of the last ones."""
+
+        def download(self, info, out, progress=None, opened=None):
+            def held(*, phase: str, bytes_done: int, bytes_total: int | None) -> None:
+                if bytes_done == info.size and phase != "publishing":
+                    assert done_with_shard.wait(30)
+                if progress is not None:
+                    progress(phase=phase, bytes_done=bytes_done, bytes_total=bytes_total)
+
+            return super().download(info, out, held, opened)
+
+    settings = Settings.resolve(cache_dir=tmp_path / "reading", max_bytes=1 << 30)
+    cache = ShardCache._wired(settings, Wiring(remote=HeldAtTheEnd))
+    mixture = MixtureDataset(
+        [
+            Source(urls, samples=SAMPLES, name=name, index=index)
+            for name, urls, index in files.parts
+        ],
+        cache=cache,
+        threads=1,
+        rank=0,
+        world_size=1,
+    )
+    shards = [url for _, urls, _ in files.parts for url in urls]
+    samples = iter(mixture)
+    keys = {next(samples)["__key__"] for _ in range(2 * SAMPLES)}
+    assert keys == files.keys["m0"] | files.keys["m1"]  # every sample read, ...
+    assert [cache.contains(url) for url in shards] == [False, False]  # ... none published yet
+    assert next(samples, None) is None  # the epoch's end
+    assert [cache.contains(url) for url in shards] == [True, True]  # published, not cancelled
+    assert cache.stats().misses == 2
