@@ -69,7 +69,7 @@ def _run(made: list[Node], urls: list[str], per_node: int, with_node_lock: bool)
         args += [(str(node.root / f"cache-{tag}"), lock_dir, urls)] * per_node
     before = _counters(made)
     t0 = time.monotonic()
-    stats = run_together(_fetcher, args, timeout=600)
+    stats = run_together(_fetcher, args)
     seconds = time.monotonic() - t0
     after = _counters(made)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
