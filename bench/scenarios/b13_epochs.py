@@ -77,9 +77,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from bench import peers
-from bench.common import Bench, verdict
-from bench.infra import (
+from bench.support import peers
+from bench.support.common import Bench, verdict
+from bench.support.infra import (
     BUCKET,
     CTX,
     MB,
@@ -576,9 +576,3 @@ def b13_epochs(b: Bench) -> dict[str, Any]:
         "scope; epoch 0 fetches each shard once per cache that reads it",
         "verdict": verdict(ok),
     }
-
-
-if __name__ == "__main__":  # python -m bench.b13_epochs: same as bench.run --only B13
-    from bench.run import main
-
-    sys.exit(main([*sys.argv[1:], "--only", "B13"]))
