@@ -15,9 +15,7 @@ from bench.support.common import (
     timed,
     verdict,
 )
-from bench.support.infra import (
-    MiB,
-)
+from bench.support.infra import MiB
 
 
 def b1_warm(b: Bench) -> dict[str, Any]:

@@ -6,19 +6,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.support.common import (
-    Bench,
-    new_cache,
-    read_shardcache,
-    read_wds,
-    summarise,
-    verdict,
-)
-from bench.support.infra import (
-    CpuMeter,
-    MiB,
-    install_wds_s3_opener,
-)
+from bench.support.common import Bench, new_cache, read_shardcache, read_wds, summarise, verdict
+from bench.support.infra import CpuMeter, MiB, install_wds_s3_opener
 from bench.support.processes import run_together
 
 

@@ -8,14 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.support.common import (
-    Bench,
-    new_cache,
-    verdict,
-)
-from bench.support.infra import (
-    median,
-)
+from bench.support.common import Bench, new_cache, verdict
+from bench.support.infra import median
 
 
 def _per_call(fn: Callable[[], Any], calls: int) -> float:

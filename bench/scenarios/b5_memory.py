@@ -7,17 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.support.common import (
-    Bench,
-    new_cache,
-    verdict,
-)
-from bench.support.infra import (
-    BUCKET,
-    CTX,
-    MiB,
-    put,
-)
+from bench.support.common import Bench, new_cache, verdict
+from bench.support.infra import BUCKET, CTX, MiB, put
 
 
 def _status_kib(field: str) -> int:

@@ -10,20 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.support import peers
-from bench.support.common import (
-    Bench,
-    clear_fs_caches,
-    new_cache,
-    verdict,
-)
-from bench.support.infra import (
-    BUCKET,
-    CpuMeter,
-    MiB,
-    env_vars,
-    median,
-    put,
-)
+from bench.support.common import Bench, clear_fs_caches, new_cache, verdict
+from bench.support.infra import BUCKET, CpuMeter, MiB, env_vars, median, put
 
 
 def _client_cpu_s(fn: Callable[[], Any]) -> tuple[float, float]:

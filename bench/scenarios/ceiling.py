@@ -5,15 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from bench.support.common import (
-    Bench,
-    summarise,
-    timed,
-)
-from bench.support.infra import (
-    BUCKET,
-    put,
-)
+from bench.support.common import Bench, summarise, timed
+from bench.support.infra import BUCKET, put
 
 
 def server_ceiling(b: Bench) -> dict[str, Any]:

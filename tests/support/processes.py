@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import queue
 import sys
@@ -13,7 +12,8 @@ from typing import Any, NoReturn
 
 import pytest
 
-CTX = mp.get_context("spawn")
+from tools.processes import started_together
+
 # The timeout of a test whose spawned processes start together (each importing shardcache,
 # some torch): a bound for a hang only. Beside other tests' load (load average 20 on 2
 # cores) such a test took up to 190 s where it takes 10-25 s on an idle machine.
@@ -33,20 +33,10 @@ def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...
     the ``start`` barrier (so they really race; with no time bound: how long the others take
     to start depends on the machine's load) and put one result on ``out``. Returns the
     results (in completion order) after checking every process exited cleanly."""
-    start, out = CTX.Barrier(len(arg_lists)), CTX.Queue()
-    procs = [CTX.Process(target=target, args=(*args, start, out)) for args in arg_lists]
-    for p in procs:
-        p.start()
-    try:
+    with started_together(target, arg_lists) as (procs, out):
         results = collect(out, procs, len(procs))
         for p in procs:  # ending (a process group's teardown) can take a while under load
             p.join()
-    finally:
-        start.abort()  # no process waits at the barrier for one that is gone
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
     codes = [p.exitcode for p in procs]
     assert codes == [0] * len(procs), f"exit codes {codes}"
     return results
