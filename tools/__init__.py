@@ -1,3 +1,4 @@
 """Development tools beside the package: the docs build's hooks and griffe extensions
-(``docs_ext``), the check against webdataset's own test suite (``devcheck``), and a JuiceFS
-volume mounted once per "node" (``juicefs``), which the test suite and benchmark B12 both use."""
+(``docs_ext``), the check against webdataset's own test suite (``devcheck``), and what the
+test suite and the benchmarks share: a JuiceFS volume mounted once per "node" (``juicefs``)
+and processes started to race (``processes``)."""
