@@ -13,7 +13,9 @@ from bench.studies import STUDIES, measure, merged
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Compute the studies into bench/results.json.")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.studies", description="Compute the studies into bench/results.json."
+    )
     parser.add_argument("--only", default="", help="comma-separated study names")
     parser.add_argument("--results", type=Path, default=docs_tables.RESULTS)
     args = parser.parse_args(argv)
