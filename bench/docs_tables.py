@@ -140,7 +140,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "ratio": "FUSE operations, with / without the node lock",
         "title": "the node lock on a network file system",
         "headline": ("fuse_ops_per_shard", "FUSE ops a shard"),
-        "merge": "python -m bench.b12_node_lock --merge",
+        "merge": "python -m bench.scenarios.b12_node_lock --merge",
         "columns": [
             ("fuse_ops_per_shard", "FUSE ops a shard"),
             ("meta_ops_per_shard", "metadata ops a shard"),
@@ -401,7 +401,7 @@ def _b6_kinds(res: dict[str, Any]) -> list[str]:
 def scenario_region(report: dict[str, Any], sid: str) -> str:
     res = report["results"].get(sid)
     if res is None:
-        merge = SCENARIOS[sid].get("merge", f"python -m bench.run --only {sid} --merge")
+        merge = SCENARIOS[sid].get("merge", f"python -m bench --only {sid} --merge")
         return f"Not in `bench/results.json` yet: run `{merge}`.\n"
     if "error" in res:
         return f"Not measured: the run failed ({_cell(res['error'])}).\n"

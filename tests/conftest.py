@@ -14,7 +14,7 @@ import pytest
 import s3fs
 from accounts import Account, make_accounts, world_tmp
 from hypothesis import settings
-from juicefs import Node, nodes, require_fuse
+from mounts import require_fuse
 from threads import PrefetchThreads
 
 from shardcache.testing import (
@@ -25,6 +25,7 @@ from shardcache.testing import (
     SeaweedS3Server,
     fresh_process_state,
 )
+from tools.juicefs import Node, nodes
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -237,7 +238,7 @@ def shared_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 def jfs_nodes(tmp_path: Path) -> Iterator[list[Node]]:
-    """Two "nodes": two JuiceFS mounts of one fresh volume (tests/support/juicefs.py), each
+    """Two "nodes": two JuiceFS mounts of one fresh volume (tools/juicefs.py), each
     with its own node-local directory; skipped without FUSE (failed under
     SHARDCACHE_REQUIRE_SLURM=1). Attribute and entry caches are off, so each node sees the
     other's changes at once."""

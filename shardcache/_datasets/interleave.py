@@ -178,6 +178,11 @@ class Stored:
         return hash(self.layout.root)
 
 
+def forget_orders() -> None:
+    """Drop the orders this process keeps: the next one asked for is computed (or read) again."""
+    _order.cache_clear()
+
+
 @functools.lru_cache(maxsize=4)
 def _order(shares: tuple[int, ...], stored: Stored | None = None) -> bytes:
     """The whole order of ``shares``: read from ``stored``, else computed (and kept

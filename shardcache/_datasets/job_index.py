@@ -50,7 +50,7 @@ Whole shards were chosen over ranged reads of
 the tar headers: a shard's headers can only be walked one member at a time (each header
 gives the next one's offset), so a ranged walk costs one GET per member (2,000 for 1,000
 samples of two files), and the shard's bytes are wanted in the cache anyway, since each
-cache indexes only shards it reads in every epoch (measured in ``bench/index_reads.py``).
+cache indexes only shards it reads in every epoch (measured in ``bench/studies/index_reads.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One request-rate throttle per process, shared by every thread that talks to S3.
 
-Why (``bench/at_scale.py`` and docs/internals/at-scale-model.md have the numbers): S3 serves
+Why (``bench/studies/at_scale.py`` and docs/internals/at-scale-model.md have the numbers): S3 serves
 at least 5,500 GET/HEAD requests per second per partitioned prefix and answers ``503
 SlowDown`` above what a prefix currently takes. A job of 1000 nodes x 8 ranks x 4 DataLoader
 workers starts about a million requests at once (4 prefetch threads x 8 ranged GETs per

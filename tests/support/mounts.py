@@ -1,5 +1,6 @@
 """Real file-system conditions for tests: a small tmpfs that really fills, a read-only bind
-mount. Both need root (``mount``); tests using them carry :data:`needs_root`."""
+mount. Both need root (``mount``); tests using them carry :data:`needs_root`. Tests on JuiceFS
+(tools/juicefs.py) call :func:`require_fuse` first."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tools.juicefs import fuse_unavailable
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: mounts a tmpfs or a read-only bind mount"
@@ -58,3 +61,13 @@ def fill(directory: Path, name: str = "filler") -> int:
                 raise
     finally:
         os.close(fd)
+
+
+def require_fuse() -> None:
+    """Skip the calling test when FUSE cannot be used; under SHARDCACHE_REQUIRE_SLURM=1 (CI)
+    fail it instead, as the SLURM tests do."""
+    reason = fuse_unavailable()
+    if reason is not None:
+        if os.environ.get("SHARDCACHE_REQUIRE_SLURM") == "1":
+            pytest.fail(f"{reason} (required: SHARDCACHE_REQUIRE_SLURM=1)")
+        pytest.skip(reason)

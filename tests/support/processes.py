@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import queue
 import sys
@@ -13,11 +12,20 @@ from typing import Any, NoReturn
 
 import pytest
 
-CTX = mp.get_context("spawn")
+from tools.processes import started_together
+
 # The timeout of a test whose spawned processes start together (each importing shardcache,
 # some torch): a bound for a hang only. Beside other tests' load (load average 20 on 2
 # cores) such a test took up to 190 s where it takes 10-25 s on an idle machine.
 TOGETHER_TIMEOUT = 400
+# A test job's process-group timeout (its rendezvous and every collective): the longest one
+# rank may wait for another. A rank of a 2-rank DDP job fell 30 s behind the other at load 10
+# on 2 cores; a job whose ranks disagree (one short of a batch) still fails by itself, after
+# this. A test that checks that failure passes its own short timeout.
+COLLECTIVE_TIMEOUT = 120
+# A test's bound on a torchrun job that ends by itself: a job stuck at a collective has
+# failed after COLLECTIVE_TIMEOUT; this catches any other hang, with room for a slow machine.
+JOB_TIMEOUT = COLLECTIVE_TIMEOUT + 180
 
 
 def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -25,20 +33,10 @@ def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...
     the ``start`` barrier (so they really race; with no time bound: how long the others take
     to start depends on the machine's load) and put one result on ``out``. Returns the
     results (in completion order) after checking every process exited cleanly."""
-    start, out = CTX.Barrier(len(arg_lists)), CTX.Queue()
-    procs = [CTX.Process(target=target, args=(*args, start, out)) for args in arg_lists]
-    for p in procs:
-        p.start()
-    try:
+    with started_together(target, arg_lists) as (procs, out):
         results = collect(out, procs, len(procs))
         for p in procs:  # ending (a process group's teardown) can take a while under load
             p.join()
-    finally:
-        start.abort()  # no process waits at the barrier for one that is gone
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
     codes = [p.exitcode for p in procs]
     assert codes == [0] * len(procs), f"exit codes {codes}"
     return results

@@ -93,7 +93,7 @@ def run_bench_module(module: str, out: Path, *extra: str, stall: float = STALL_S
 
 @pytest.mark.timeout(STALL_S * (len(IDS) + 2))  # each scenario, the server ceiling, the start
 def test_bench_tiny_produces_well_formed_results(tmp_path: Path) -> None:
-    run_bench_module("bench.run", tmp_path, "--only", ",".join(IDS))  # B13: its own test
+    run_bench_module("bench", tmp_path, "--only", ",".join(IDS))  # B13: its own test
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["size"] == "tiny"
     assert report["machine"]["cores"] >= 1 and report["machine"]["versions"]["python"]
@@ -161,8 +161,8 @@ def _check_b6(b6: dict) -> None:
     is, in one GET a part (the whole-object GET gives the first) and, for a multipart
     upload, one HEAD of part 1 for the layout; boto3 with and without its MD5 pass beside
     it, with CPU per GB; the ratios present."""
-    from bench.b6_large import KIND_READERS, KINDS
-    from bench.common import SIZES
+    from bench.scenarios.b6_large import KIND_READERS, KINDS
+    from bench.support.common import SIZES
 
     assert b6["server_ranged_ceiling"]["mb_s"] > 0 and b6["limit_mb_s"] > 0
     assert b6["moto_ranged_ceiling"]["mb_s"] > 0, b6  # the fast server's and moto's
@@ -196,7 +196,7 @@ def test_md5_pass_checks_a_single_part_and_a_multipart_etag(tmp_path: Path) -> N
     file or of its parts' MD5s, and refuses a file with one byte changed."""
     import hashlib
 
-    from bench.peers import md5_pass
+    from bench.support.peers import md5_pass
 
     data = os.urandom(3 * 1000 + 7)
     path = tmp_path / "x.bin"
@@ -237,9 +237,9 @@ def _check_equal_concurrency(b2: dict) -> None:
 
 @pytest.mark.timeout(120)
 def test_at_scale_simulation_runs_the_planning_code_at_tiny_size(capsys) -> None:
-    """bench/at_scale.py at 4 nodes: every table printed, the split covers every shard
+    """bench/studies/at_scale.py at 4 nodes: every table printed, the split covers every shard
     once (the first epoch downloads each shard once in every scope), no time checked."""
-    from bench import at_scale
+    from bench.studies import at_scale
 
     assert at_scale.main(["--nodes", "4", "--shards", "96", "--seconds", "15", "--scale", "1"]) == 0
     out = capsys.readouterr().out
@@ -253,8 +253,8 @@ def test_at_scale_simulation_runs_the_planning_code_at_tiny_size(capsys) -> None
 
 @pytest.mark.timeout(300)
 def test_b12_node_lock_tiny_counts_operations_with_and_without(tmp_path: Path) -> None:
-    """B12 (bench/b12_node_lock.py, its own script: it mounts JuiceFS) at tiny size."""
-    from juicefs import require_fuse
+    """B12 (bench/scenarios/b12_node_lock.py, its own script: it mounts JuiceFS) at tiny size."""
+    from mounts import require_fuse
 
     from bench import docs_tables
 
@@ -263,7 +263,7 @@ def test_b12_node_lock_tiny_counts_operations_with_and_without(tmp_path: Path) -
     full.mkdir()
     base = json.loads((ROOT / "bench" / "results.json").read_text()) | {"size": "tiny"}
     (full / "results.json").write_text(json.dumps(base))
-    run_bench_module("bench.b12_node_lock", out, "--merge", "--into", str(full))
+    run_bench_module("bench.scenarios.b12_node_lock", out, "--merge", "--into", str(full))
     result = json.loads(out.read_text())
     for run in ("with node lock", "without node lock"):
         res = result[run]
@@ -282,13 +282,13 @@ def test_b12_node_lock_tiny_counts_operations_with_and_without(tmp_path: Path) -
 
 @pytest.mark.timeout(200)
 def test_b13_epochs_tiny_counts_requests_per_epoch(tmp_path: Path) -> None:
-    """B13 (bench/b13_epochs.py) at tiny size: a row per reader x scope, 3 epochs each, with
+    """B13 at tiny size: a row per reader x scope, 3 epochs each, with
     GETs, bytes, samples and the order change; shardcache's later epochs make no GET. Peers
     not installed here (Mosaic) say so; nothing is timed."""
-    from bench.b13_epochs import EPOCHS, READERS, SIZES, row_name
-    from bench.infra import samples_per_shard
+    from bench.scenarios.b13_epochs import EPOCHS, READERS, SIZES, row_name
+    from bench.support.infra import samples_per_shard
 
-    run_bench_module("bench.b13_epochs", tmp_path)
+    run_bench_module("bench", tmp_path, "--only", "B13")
     report = json.loads((tmp_path / "results.json").read_text())
     res = report["results"]["B13"]
     assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
@@ -325,12 +325,12 @@ def test_b13_epochs_tiny_counts_requests_per_epoch(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_b14_mixture_tiny_reports_both_readers_and_their_ratio(tmp_path: Path) -> None:
-    """B14 (bench/b14_mixture.py) at tiny size: the mixture and the one source over the same
+    """B14 at tiny size: the mixture and the one source over the same
     shards, each every sample once an epoch (checked by the scenario: else row_errors), a
     row in the table; nothing is timed."""
-    from bench.b14_mixture import ONE, SIZES
+    from bench.scenarios.b14_mixture import ONE, SIZES
 
-    run_bench_module("bench.b14_mixture", tmp_path)
+    run_bench_module("bench", tmp_path, "--only", "B14")
     report = json.loads((tmp_path / "results.json").read_text())
     res = report["results"]["B14"]
     assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
@@ -351,13 +351,13 @@ def test_b14_mixture_tiny_reports_both_readers_and_their_ratio(tmp_path: Path) -
 
 @pytest.mark.timeout(120)
 def test_b16_stage_check_tiny_reports_both_readers_on_both_kinds(tmp_path: Path) -> None:
-    """B16 (bench/b16_stage_check.py) at tiny size: stage() + webdataset's tar reader and
+    """B16 at tiny size: stage() + webdataset's tar reader and
     webdataset over the cached files, on .tar and .tar.gz shards, each delivering the same
     samples and bytes (checked by the scenario: else row_errors), a ratio and the extra CPU
     for each case, a row in the table; nothing is timed."""
-    from bench.b16_stage_check import KINDS, SIZES, STAGE, WDS, _name
+    from bench.scenarios.b16_stage_check import KINDS, SIZES, STAGE, WDS, _name
 
-    run_bench_module("bench.b16_stage_check", tmp_path)
+    run_bench_module("bench", tmp_path, "--only", "B16")
     report = json.loads((tmp_path / "results.json").read_text())
     res = report["results"]["B16"]
     assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
@@ -379,10 +379,10 @@ def test_b16_stage_check_tiny_reports_both_readers_on_both_kinds(tmp_path: Path)
 
 
 def test_b13_shuffle_quality_places_the_split_between_its_bounds(capsys) -> None:
-    """bench/shuffle_quality.py at a small size: Mosaic's entropy measure over the library's
+    """bench/studies/shuffle_quality.py at a small size: Mosaic's entropy measure over the library's
     own split and shuffle buffer; no shuffle is 0 of the way to a global shuffle, a global
     shuffle all of it, and a rank keeps its samples across epochs at rank scope."""
-    from bench import shuffle_quality
+    from bench.studies import shuffle_quality
 
     argv = ["--shards", "40", "--samples", "10", "--ranks", "4", "--nodes", "2"]
     argv += ["--workers", "2", "--batch", "4", "--buffers", "0", "20", "--epochs", "2"]
@@ -402,10 +402,10 @@ def test_b13_shuffle_quality_places_the_split_between_its_bounds(capsys) -> None
 
 
 def test_elastic_moves_reports_each_case_against_its_references(capsys) -> None:
-    """bench/elastic_moves.py on its small cases: the library's hand-out moves about the
+    """bench/studies/elastic_moves.py on its small cases: the library's hand-out moves about the
     least a change can move (plus about two shards a cache evening out shards this
     unequal) and far fewer shards than contiguous spans."""
-    from bench import elastic_moves
+    from bench.studies import elastic_moves
 
     argv = ["--max-shards", "2000"]
     rows = elastic_moves.run(elastic_moves.main_parser().parse_args(argv))
@@ -419,9 +419,9 @@ def test_elastic_moves_reports_each_case_against_its_references(capsys) -> None:
 
 
 def test_index_reads_finds_the_same_offsets_every_way(capsys) -> None:
-    """bench/index_reads.py on one small shard: whole, header-by-header and windowed
+    """bench/studies/index_reads.py on one small shard: whole, header-by-header and windowed
     reads find the same offsets (it checks), one GET against one per tar member."""
-    from bench import index_reads
+    from bench.studies import index_reads
 
     rows = index_reads.run(index_reads.main_parser().parse_args(["--shard-mb=1", "--sample-kb=64"]))
     (row,) = rows
@@ -433,7 +433,7 @@ def test_index_reads_finds_the_same_offsets_every_way(capsys) -> None:
 
 
 def test_a_study_keeps_its_counts_and_drops_its_timings() -> None:
-    """bench/studies.py runs a study (index-reads, one small shard) into the record the
+    """bench.studies runs a study (index-reads, one small shard) into the record the
     benchmarks page renders: the GETs and bytes kept, moto's times left out."""
     from bench import docs_tables, studies
 
@@ -448,14 +448,14 @@ def test_a_study_keeps_its_counts_and_drops_its_timings() -> None:
 
 @pytest.mark.timeout(STALL_S * 12)  # a hang bound: each of its ~9 rows prints when done
 def test_b15_fast_server_tiny_reports_every_reader_or_why_not(tmp_path: Path) -> None:
-    """B15 (bench/b15_fast_server.py, rclone serve s3) at tiny size: every row measured with
+    """B15 (rclone serve s3) at tiny size: every row measured with
     MB/s and CPU per GB, or a status saying why not (a peer or curl not installed, a hang);
     the ratios and per-target verdicts present; nothing is timed."""
     import shutil
 
-    from bench.b15_fast_server import SIZES, _rows
+    from bench.scenarios.b15_fast_server import SIZES, _rows
 
-    run_bench_module("bench.b15_fast_server", tmp_path)
+    run_bench_module("bench", tmp_path, "--only", "B15")
     report = json.loads((tmp_path / "results.json").read_text())
     res = report["results"]["B15"]
     assert "error" not in res and not res["row_errors"], res.get("row_errors", res)
@@ -486,14 +486,14 @@ def test_b15_fast_server_tiny_reports_every_reader_or_why_not(tmp_path: Path) ->
 
 @pytest.mark.timeout(120)
 def test_merge_replaces_only_the_scenario_run_and_says_when(tmp_path: Path) -> None:
-    """``bench.run --only B4 --merge`` into a copy of the full run's results: B4 is measured
+    """``python -m bench --only B4 --merge`` into a copy of the full run's results: B4 is measured
     afresh and stamped with when and at what load; every other scenario and the run's own
     fields stay as they were, so the benchmarks page keeps the full run's figures."""
     from bench import docs_tables
 
     base = json.loads((ROOT / "bench" / "results.json").read_text()) | {"size": "tiny"}
     (tmp_path / "results.json").write_text(json.dumps(base))
-    run_bench_module("bench.run", tmp_path, "--only", "B4", "--merge")
+    run_bench_module("bench", tmp_path, "--only", "B4", "--merge")
     merged = json.loads((tmp_path / "results.json").read_text())
     assert list(merged["results"]) == list(base["results"])
     assert {k: v for k, v in merged.items() if k != "results"} == {

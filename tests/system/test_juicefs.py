@@ -1,4 +1,4 @@
-"""The JuiceFS test fixture (tests/support/juicefs.py) on real mounts: two mounts of one
+"""The JuiceFS test fixture (tools/juicefs.py) on real mounts: two mounts of one
 volume act as two nodes (shared files, flock and os.link across them), a JuiceFS mount is
 detected as a network file system (so lock_mode=auto takes leases there), and nothing is
 left running."""
@@ -10,18 +10,11 @@ import os
 from pathlib import Path
 
 import pytest
-from juicefs import (
-    JuiceFSError,
-    Node,
-    _alive,
-    _processes_with,
-    format_volume,
-    mounted,
-    require_fuse,
-)
+from mounts import require_fuse
 
 from shardcache import ShardCache
 from shardcache._base.fsinfo import mount_for
+from tools.juicefs import JuiceFSError, Node, _alive, _processes_with, format_volume, mounted
 
 
 def test_two_mounts_share_files_flock_and_links(jfs_nodes: list[Node]) -> None:

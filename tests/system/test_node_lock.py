@@ -1,5 +1,5 @@
 """The node-local lock in front of the lease, on a real network file system: two JuiceFS
-mounts of one volume stand for two nodes (tests/support/juicefs.py), each with its own
+mounts of one volume stand for two nodes (tools/juicefs.py), each with its own
 node-local lock directory and several real processes. Crashes are real SIGKILLs."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from juicefs import Node
 from processes import run_together
 
 from shardcache import ShardCache
@@ -23,6 +22,7 @@ from shardcache._base.errors import LockTimeout
 from shardcache._locking.node_lock import node_lock_path
 from shardcache._locking.policy import LockPolicy
 from shardcache._locking.shard_lock import ShardLock
+from tools.juicefs import Node
 
 CTX = mp.get_context("spawn")
 BUCKET = "nodelock"

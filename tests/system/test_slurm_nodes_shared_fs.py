@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from juicefs import Mount, format_volume, mounted, require_fuse
+from mounts import require_fuse
 from test_slurm import PYTHON, task_records
 from test_slurm_nodes import (
     NTASKS,
@@ -39,6 +39,7 @@ from test_slurm_nodes import (
 )
 
 from shardcache.testing import FaultProxy, S3Server
+from tools.juicefs import Mount, format_volume, mounted
 
 BUCKET = "shared-fs"
 LEASE_TIME = 4.0  # > the mounts' 1 s attribute cache + a renewal interval (1 s), with margin

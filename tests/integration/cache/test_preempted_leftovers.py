@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from fswatch import TreeWatch, parts_under, wait_ended
-from processes import CTX
 from repo import ROOT
 
 from shardcache import ShardCache
 from shardcache._disk.layout import parse_temp_name
 from shardcache._ops.demo import make_shard
+from tools.processes import CTX
 
 BUCKET = "preempt"
 WAIT = 60.0

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import CTX
 from repo import SUPPORT
 
 from shardcache import ShardCache, StallError, log_epoch_summary
 from shardcache._ops.demo import make_shard
 from shardcache._prefetch.prefetcher import Prefetcher
 from shardcache.testing import FaultProxy
+from tools.processes import CTX
 
 BUCKET = "stall"
 SLOW_RATE = 100_000  # bytes/s per connection: reads arrive in 16 KiB slices every ~0.16 s

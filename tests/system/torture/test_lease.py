@@ -1,6 +1,6 @@
 """Network file systems: processes on two "nodes" (two JuiceFS mounts of one volume, a real
 FUSE network file system whose flock and os.link are shared across mounts:
-tests/support/juicefs.py) race for the same shards. ``lock_mode=auto`` detects JuiceFS and
+tools/juicefs.py) race for the same shards. ``lock_mode=auto`` detects JuiceFS and
 takes leases, each node its own node-local lock in front of them; exactly once and nothing
 lost, as on one disk.
 

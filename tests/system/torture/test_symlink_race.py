@@ -19,11 +19,11 @@ import random
 import traceback
 from pathlib import Path
 
-from processes import CTX
 from torture_scale import scale
 
 from shardcache import ShardCache, ShardCacheError
 from shardcache._ops.maintenance import clean
+from tools.processes import CTX
 
 SHARDS = 12
 FOREIGN = b"FOREIGN BYTES "

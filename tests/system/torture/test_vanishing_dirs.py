@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import CTX
 from tars import tar_bytes
 from torture_scale import scale
 
 from shardcache import ShardCache
 from shardcache.testing import S3Server
+from tools.processes import CTX
 
 BUCKET = "vanish"
 

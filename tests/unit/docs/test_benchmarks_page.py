@@ -96,7 +96,7 @@ def test_merging_a_study_keeps_the_others_and_a_harness_run_keeps_them_all(tmp_p
     assert list(merged["studies"]) == list(studies.STUDIES)
     assert merged["studies"]["elastic-moves"] == fresh["elastic-moves"]
     assert merged["studies"]["index-reads"] == report["studies"]["index-reads"]
-    # a new run of the scenarios (bench.run without --merge) measures no study
+    # a new run of the scenarios (python -m bench without --merge) measures no study
     results = tmp_path / "results.json"
     results.write_text(json.dumps(report))
     run = {k: v for k, v in report.items() if k != "studies"}

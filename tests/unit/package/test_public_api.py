@@ -130,7 +130,7 @@ def test_wheel_ships_the_license_the_typed_marker_and_no_tests(tmp_path: Path) -
     assert "shardcache/py.typed" in names
     assert f"shardcache-{shardcache.__version__}.dist-info/licenses/LICENSE" in names
     assert "shardcache/testing/__init__.py" in names
-    assert not [n for n in names if n.startswith(("tests/", "bench/", "devcheck/"))]
+    assert not [n for n in names if n.startswith(("tests/", "bench/", "tools/"))]
 
 
 def test_api_pages_render_every_public_name() -> None:

@@ -72,8 +72,8 @@ from typing import Any
 
 import torch.utils.data
 
-from bench.common import Bench, new_cache, verdict
-from bench.infra import BUCKET, MB, CpuMeter, median, put
+from bench.support.common import Bench, new_cache, verdict
+from bench.support.infra import BUCKET, MB, CpuMeter, median, put
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"shards": 6, "samples": 500, "batch": 32, "workers": 2, "buffer": 100},

@@ -1,6 +1,6 @@
 """Shuffle quality of ResumableDataset's epochs against a global shuffle and no shuffle.
 
-    python -m bench.shuffle_quality [--shards 1000 --samples 100 --ranks 8 --workers 4 ...]
+    python -m bench.studies.shuffle_quality [--shards 1000 --samples 100 --ranks 8 --workers 4 ...]
 
 The measure is Mosaic Streaming's (its simulator's "shuffle quality", docs
 fundamentals/simulator.md: "the entropy calculated over the probability distribution of
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.infra import table_main
+from bench.support.infra import table_main
 from shardcache._datasets.epoch_split import EpochSplit
 from shardcache._datasets.resume_plan import RandomDraws
 from shardcache._datasets.shuffle_buffer import ShuffleBuffer
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             scope="global",
         )
     try:
-        from bench import peers
+        from bench.support import peers
 
         peers.require_mosaic()
         for algo in ("py1e", "py1s"):

@@ -5,7 +5,7 @@ generator layer, the ``"__source__"`` tag) slow a training loop's input? The net
 not what is measured: every shard is in the cache (fetched before anything is timed) and
 read from the page cache, so what is left is the readers' own CPU per sample.
 
-Data. ``sum(split)`` tar shards (``bench.infra.make_shard``) of ``per_shard`` samples, each a
+Data. ``sum(split)`` tar shards (``support.infra.make_shard``) of ``per_shard`` samples, each a
 ``.bin`` of ``sample`` random bytes and a ``.cls``: small samples, so that a per-sample cost
 shows (at full size 24 shards of 2,500 samples of 4 kB). The same bucket, the same cache.
 
@@ -59,15 +59,14 @@ mixture costs <= 1 % more CPU a sample than one source (``workers_mixing_cpu_pct
 from __future__ import annotations
 
 import resource
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from bench.common import Bench, new_cache, timed, verdict
-from bench.infra import BUCKET, make_shard, median, put
-from shardcache._datasets.interleave import _order
+from bench.support.common import Bench, new_cache, timed, verdict
+from bench.support.infra import BUCKET, make_shard, median, put
+from shardcache._datasets import interleave
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"split": (3, 2, 1), "per_shard": 40, "sample": 4000, "threads": 2, "reps": 1},
@@ -82,7 +81,9 @@ ONE = "one ResumableDataset over the same shards"
 
 def _upload(b: Bench, cfg: dict[str, Any]) -> list[str]:
     urls = []
-    size = cfg["per_shard"] * (cfg["sample"] + 1536)  # bench.infra.samples_per_shard's inverse
+    size = cfg["per_shard"] * (
+        cfg["sample"] + 1536
+    )  # bench.support.infra.samples_per_shard's inverse
     for i in range(sum(cfg["split"])):  # one at a time: the client never holds them all
         key = f"b14-{i:06d}.tar"
         put(b.s3, {key: make_shard(size, cfg["sample"], i)})
@@ -132,7 +133,7 @@ def _with_workers(
         for name in names:
             reader = readers[name]
             reader.set_epoch(first_epoch + rep)
-            _order.cache_clear()  # the workers inherit no order from this process
+            interleave.forget_orders()  # the workers inherit no order from this process
             loader = DataLoader(
                 reader, batch_size=64, num_workers=WORKERS, collate_fn=len, timeout=300
             )
@@ -215,9 +216,9 @@ def b14_mixture(b: Bench) -> dict[str, Any]:
     )
     split = " + ".join(str(n) for n in cfg["split"])
     shares = tuple(cfg["split"][i] * cfg["per_shard"] for i in range(len(cfg["split"])))
-    _order.cache_clear()
+    interleave.forget_orders()
     cpu = time.process_time()
-    _order(shares)
+    interleave.order(shares)
     order_us = (time.process_time() - cpu) / total * 1e6
     runs_with_workers = _with_workers(cfg, urls, cache, cfg["reps"] + 1)
     workers = {name: round(median(values), 2) for name, values in runs_with_workers.items()}
@@ -262,9 +263,3 @@ def b14_mixture(b: Bench) -> dict[str, Any]:
         "verdict": verdict(error is None and all(checks.values())),
         "row_errors": {"mixture": error} if error else {},
     }
-
-
-if __name__ == "__main__":  # python -m bench.b14_mixture: same as bench.run --only B14
-    from bench.run import main
-
-    sys.exit(main([*sys.argv[1:], "--only", "B14"]))

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.infra import (
+from bench.support.infra import (
     BUCKET,
     MB,
     CpuMeter,

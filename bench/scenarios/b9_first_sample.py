@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bench.common import Bench, clear_fs_caches, new_cache, verdict
-from bench.infra import MiB, install_wds_s3_opener, median, presigned
+from bench.support.common import Bench, clear_fs_caches, new_cache, verdict
+from bench.support.infra import MiB, install_wds_s3_opener, median, presigned
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """At scale, on paper and by simulation: requests to S3 per epoch and at job start.
 
-    python -m bench.at_scale [--nodes 1000 --ranks 8 --workers 4 --shards 20000 ...]
+    python -m bench.studies.at_scale [--nodes 1000 --ranks 8 --workers 4 --shards 20000 ...]
 
 Nothing is downloaded. The planning is shardcache's own code, run for every rank and
 worker of the job: ``shardcache.split_by_node`` then ``webdataset.split_by_worker`` (a
@@ -42,7 +42,7 @@ from typing import Any
 
 import webdataset as wds
 
-from bench.infra import env_vars
+from bench.support.infra import env_vars
 from shardcache import Settings, split_by_node
 from shardcache._config.settings import SPECS
 from shardcache._datasets.epoch_split import EpochSplit
@@ -425,7 +425,7 @@ def _size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.at_scale", description=__doc__.split("\n\n")[0]
+        prog="python -m bench.studies.at_scale", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--ranks", type=int, default=8, help="ranks per node")

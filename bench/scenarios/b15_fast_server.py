@@ -81,9 +81,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench import peers
-from bench.common import Bench, verdict
-from bench.infra import CTX, MiB, _machine_busy, _proc_cpu, median
+from bench.support import peers
+from bench.support.common import Bench, verdict
+from bench.support.infra import CTX, MiB, _machine_busy, _proc_cpu, median
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"count": 4, "size": 256 * 1024, "inflight": 2, "reps": 1, "timeout": 60.0},
@@ -416,9 +416,3 @@ def b15_fast_server(b: Bench) -> dict[str, Any]:
         "verdicts": {k: verdict(v) for k, v in checks.items()},
         "verdict": verdict(all(checks.values()) and not errors),
     }
-
-
-if __name__ == "__main__":  # python -m bench.b15_fast_server: same as bench.run --only B15
-    from bench.run import main
-
-    sys.exit(main([*sys.argv[1:], "--only", "B15"]))

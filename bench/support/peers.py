@@ -23,11 +23,11 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from bench.infra import BUCKET, count_samples
+from bench.support.infra import BUCKET, count_samples
 
 Counted = tuple[int, int]
 OnSample = Callable[[], None] | None
-STUBS = Path(__file__).parent / "stubs"
+STUBS = Path(__file__).parents[1] / "stubs"
 NOTES: set[str] = set()  # what the run had to adjust for a peer, printed with B2
 # How objects are stored on the fast server: uploaded with the checksum S3 keeps of every
 # new object since 2024-12 (rclone keeps it and returns it with x-amz-checksum-mode).

@@ -4,20 +4,20 @@
     python -m bench.studies --only elastic-moves         # one study
     python -m bench.studies --only index-reads --results /tmp/results.json
 
-A study is a script of its own (``bench.shuffle_quality``, ``bench.elastic_moves``,
-``bench.index_reads``) run here at the size the benchmarks page shows. Its figures are counts
-and entropies that do not depend on how busy the machine is, so a study may be re-run at any
-time; timings are left out of what is stored. The benchmarks page renders each study's region
-(``<!-- generated: shuffle-quality -->``) from the stored figures with the script's own table.
+A study is a script of its own in this package (``shuffle_quality``, ``elastic_moves``,
+``index_reads``), run by ``python -m bench.studies`` at the size the benchmarks page shows.
+Its figures are counts and entropies that do not depend on how busy the machine is, so a
+study may be re-run at any time; timings are left out of what is stored. The benchmarks page
+renders each study's region (``<!-- generated: shuffle-quality -->``) from the stored figures
+with the script's own table. ``at_scale`` is a study too, of the page
+docs/internals/at-scale-model.md: a model run by hand, not stored.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +36,7 @@ class Study:
 
 STUDIES: dict[str, Study] = {
     "shuffle-quality": Study(
-        "bench.shuffle_quality",
+        "bench.studies.shuffle_quality",
         (),
         "Mosaic Streaming's shuffle quality (its simulator's measure): the entropy of the "
         "differences between neighbouring sample indices plus that of neighbouring shard "
@@ -45,7 +45,7 @@ STUDIES: dict[str, Study] = {
         "functions at their defaults",
     ),
     "elastic-moves": Study(
-        "bench.elastic_moves",
+        "bench.studies.elastic_moves",
         (),
         "shards of 40 to 157 samples, seed 0; caches keep their index (new ones start empty, "
         "removed ones are gone). Moved: the shards a cache reads after the change and did not "
@@ -54,7 +54,7 @@ STUDIES: dict[str, Study] = {
         "of samples",
     ),
     "index-reads": Study(
-        "bench.index_reads",
+        "bench.studies.index_reads",
         ("--shard-mb", "8", "--sample-kb", "1024,100,10"),
         "one shard a sample size on a moto server, samples as webdataset writes them (two tar "
         "members a sample), GETs sent and bytes received counted. whole: one GET of the shard; "
@@ -114,32 +114,3 @@ def carried_over(results: Path, report: dict[str, Any]) -> dict[str, Any]:
         return report
     kept = json.loads(results.read_text()).get("studies")
     return report if not kept else merged(report, kept)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from bench import docs_tables
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="", help="comma-separated study names")
-    parser.add_argument("--results", type=Path, default=docs_tables.RESULTS)
-    args = parser.parse_args(argv)
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(STUDIES)
-    if unknown := [n for n in names if n not in STUDIES]:
-        parser.error(f"no study {', '.join(unknown)}: choose from {', '.join(STUDIES)}")
-    if not args.results.is_file():
-        parser.error(f"{args.results} does not exist; run the benchmark harness first")
-    fresh = {}
-    for name in names:
-        fresh[name] = measure(name)
-        print(f"{name}: computed", flush=True)
-    report = merged(json.loads(args.results.read_text()), fresh)
-    args.results.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"merged {', '.join(names)} into {args.results}")
-    if args.results.resolve() == docs_tables.RESULTS:
-        docs_tables.main([])
-        print(f"rewrote the tables of {docs_tables.PAGE} from {docs_tables.RESULTS}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

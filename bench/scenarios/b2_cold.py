@@ -8,9 +8,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bench import peers
-from bench.common import Bench, clear_fs_caches, new_cache, read_shardcache, verdict
-from bench.infra import (
+from bench.support import peers
+from bench.support.common import Bench, clear_fs_caches, new_cache, read_shardcache, verdict
+from bench.support.infra import (
     BUCKET,
     MB,
     CpuMeter,

@@ -1,6 +1,6 @@
 """Learning a shard's sample offsets: one whole GET, or its tar headers by ranged GETs.
 
-    python -m bench.index_reads [--shard-mb 64] [--sample-kb 100,10,1] [--json FILE]
+    python -m bench.studies.index_reads [--shard-mb 64] [--sample-kb 100,10,1] [--json FILE]
 
 On the moto server (``shardcache.testing.S3Server``, its own process), one shard per sample
 size, of samples as webdataset writes them (a ``.bin`` of the sample size and a ``.cls`` of
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.infra import MB, MiB, make_shard, samples_per_shard, table_main
+from bench.support.infra import MB, MiB, make_shard, samples_per_shard, table_main
 from shardcache.testing import S3Server
 
 BLOCK = 512

@@ -1,0 +1,1 @@
+"""What the scenarios share: sizes and the Bench, the shaped link, peers' readers, meters."""
