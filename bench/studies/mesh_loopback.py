@@ -3,7 +3,7 @@ real ShardCache), this process fetches it whole, again and again; throughput, an
 on the serving side (the peer process's user + system time from /proc) and the receiving
 side (this process's), with the received bytes discarded or written to a file.
 
-    python bench/mesh_loopback.py [--size-mib 256] [--runs 5] [--no-sendfile]
+    python bench/studies/mesh_loopback.py [--size-mib 256] [--runs 5] [--no-sendfile]
 
 ``--no-sendfile`` makes the peer's event loop copy through Python (asyncio's own fallback, as
 where the kernel's sendfile is unavailable): what the zero-copy path saves.
