@@ -199,7 +199,10 @@ def refuse_start(head: bytes, where: str) -> None:
     if not head:
         seen = "the shard is empty (0 bytes)"
     elif (kind := compression(head)) is not None:
-        seen = f"the shard is {kind}-compressed; this reader takes uncompressed tars only"
+        seen = (
+            f"the shard is {kind}-compressed, which this reader does not decompress (it "
+            "reads a tar, or a tar compressed once with gzip, bzip2, xz or lzma)"
+        )
     elif len(head) < BLOCK:
         seen = f"the shard is {len(head)} bytes long, starting {head[:16]!r}"
     else:

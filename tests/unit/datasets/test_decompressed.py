@@ -166,8 +166,9 @@ def test_the_gzip_header_s_time_and_os_fields_are_not_checked(path: str) -> None
         (gzip.compress(b"")[:12], "the compressed data ends after 12 bytes"),
         (b"", "the shard is empty"),
         (gzip.compress(lzma.compress(_tar())), "the shard is xz-compressed"),
+        (b"\x28\xb5\x2f\xfd" + bytes(600), "the shard is zstd-compressed, which this reader"),
     ],
-    ids=["gzip-of-html", "gzip-of-nothing", "gzip-header-only", "empty-file", "gzip-of-xz"],
+    ids=["gzip-of-html", "gzip-of-nothing", "gzip-header-only", "empty-file", "gzip-of-xz", "zstd"],
 )
 def test_a_compressed_non_tar_or_empty_shard_is_a_shard_format_error(
     path: str, data: bytes, seen: str
