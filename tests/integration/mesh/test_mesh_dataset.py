@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import CTX
+from processes import CTX, TOGETHER_TIMEOUT, collect
 from tars import shard_samples, tar_bytes
 
 from shardcache._cli.main import main as shardcache_main
@@ -28,7 +28,8 @@ NODES, SHARDS, SAMPLES = 2, 4, 5  # shards a source
 SOURCES = ("a", "b")  # source a: shards 0..3, b: shards 4..7
 SCOPES = ("node", "rank")
 SECRET = "c" * 32
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(TOGETHER_TIMEOUT)
+COUNTED = ("misses", "from_peers", "peer_fallbacks")  # a node's loader report, an epoch
 
 
 def node_env(node: int, meet: Path, s3_env: dict[str, str]) -> dict[str, str]:
@@ -47,7 +48,8 @@ def node_env(node: int, meet: Path, s3_env: dict[str, str]) -> dict[str, str]:
         "SHARDCACHE_MESH_SECRET": SECRET,
         "SHARDCACHE_MESH_ADDR": "127.0.0.1",
         "SHARDCACHE_RENDEZVOUS_DIR": str(meet),
-        "SHARDCACHE_RENDEZVOUS_TIMEOUT": "30s",
+        "SHARDCACHE_RENDEZVOUS_TIMEOUT": f"{TOGETHER_TIMEOUT}s",  # a hang's bound only
+        "SHARDCACHE_MESH_TIMEOUT": "60s",  # a live but starved peer still answers: GETs counted
     }
 
 
@@ -82,16 +84,19 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     for dataset in (*mixture.prepare()._parts, alone.prepare()):
         dataset._epoch_split().rotate = True  # internal: epoch 1 reads the other node's share
     keys: dict[str, list[list[str]]] = {scope: [] for scope in SCOPES}
+    counted = []
     for epoch in range(2):
         for scope, dataset in datasets.items():
             dataset.set_epoch(epoch)
             loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
             keys[scope].append([sample["__key__"] for sample in loader])
-        barrier.wait(60)  # every node's epoch is over: its shards are published
+        report = shardcache.log_epoch_summary(epoch)
+        counted.append({name: report[name] for name in COUNTED})
+        barrier.wait()  # every node's epoch is over (a node failing aborts the barrier)
     mesh = caches["node"].mesh
     assert mesh is not None and mesh.server is not None and caches["rank"].mesh is mesh
-    assert mesh.server.wait_idle(10)
-    return {"node": me, "keys": keys, "counts": mesh.server.counts()}
+    assert mesh.server.wait_idle(TOGETHER_TIMEOUT)
+    return {"node": me, "keys": keys, "counts": mesh.server.counts(), "counted": counted}
 
 
 def run_nodes(tmp_path: Path, s3_env: dict[str, str], job: dict[str, Any]) -> list[dict]:
@@ -104,12 +109,15 @@ def run_nodes(tmp_path: Path, s3_env: dict[str, str], job: dict[str, Any]) -> li
     for proc in procs:
         proc.start()
     try:
-        results = [out.get(timeout=150) for _ in range(NODES)]
-    finally:
+        results = collect(out, procs, NODES)  # as long as the nodes live
         for proc in procs:
-            proc.join(30)
+            proc.join()
+    finally:
+        barrier.abort()
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
+                proc.join()
     assert not [r["error"] for r in results if "error" in r]
     return sorted(results, key=lambda r: r["node"])
 
@@ -154,6 +162,13 @@ def test_epoch_one_reads_the_other_nodes_share_from_its_server(
         for epoch in (0, 1):
             assert sorted(k for r in results for k in r["keys"][scope][epoch]) == every[scope]
         assert set(results[0]["keys"][scope][0]) == set(results[1]["keys"][scope][1])  # swapped
+    # Each node's loader: epoch 0 misses its 4 node-scope and 2 rank-scope shards, epoch 1
+    # takes all 6 from the other node, no peer failing (a GET too many would say why here).
+    epochs = [
+        {"misses": 6, "from_peers": 0, "peer_fallbacks": 0},
+        {"misses": 0, "from_peers": 6, "peer_fallbacks": 0},
+    ]
+    assert [r["counted"] for r in results] == [epochs] * NODES
     gets = _gets(fault_proxy) - before  # each shard once into each cache reading it, epoch 0
     twice = {f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}  # source a: both scopes
     once = {f"/{BUCKET}/train-{s}.tar": 1 for s in range(SHARDS, 2 * SHARDS)}
