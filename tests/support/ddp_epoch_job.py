@@ -6,7 +6,8 @@ It reads a ``shardcache.ResumableDataset`` through torchdata's StatefulDataLoade
 steps a tiny ``DistributedDataParallel`` model once per batch: the gradient all-reduce in
 ``backward()`` is the collective that hangs (until the process group's timeout) if the
 ranks yield different numbers of batches in an epoch. The timeout is ``--timeout``
-seconds, so such a job fails fast instead of hanging.
+seconds (default: the suite's ``COLLECTIVE_TIMEOUT``), so such a job fails instead of
+hanging.
 
 Per rank, one JSON line per epoch goes to ``<out>/rank-<r>.jsonl``: the epoch, the number
 of batches, every sample key delivered (in order) and, from ``loader.state_dict()`` taken
@@ -58,7 +59,7 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
-from processes import end_process_group, exit_at_once
+from processes import COLLECTIVE_TIMEOUT, end_process_group, exit_at_once
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
@@ -109,7 +110,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epoch-size", type=int, default=None)
     parser.add_argument("--shuffle-buffer", type=int, default=10)
     parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout (s)")
+    parser.add_argument(
+        "--timeout", type=float, default=COLLECTIVE_TIMEOUT, help="collective timeout (s)"
+    )
     parser.add_argument("--mark-epochs", default=None, metavar="URL")
     parser.add_argument("--index", default=None, metavar="FILE", help="a sample index file")
     parser.add_argument("--keep-index", default="cache", choices=("cache", "data"))

@@ -18,6 +18,14 @@ CTX = mp.get_context("spawn")
 # some torch): a bound for a hang only. Beside other tests' load (load average 20 on 2
 # cores) such a test took up to 190 s where it takes 10-25 s on an idle machine.
 TOGETHER_TIMEOUT = 400
+# A test job's process-group timeout (its rendezvous and every collective): the longest one
+# rank may wait for another. A rank of a 2-rank DDP job fell 30 s behind the other at load 10
+# on 2 cores; a job whose ranks disagree (one short of a batch) still fails by itself, after
+# this. A test that checks that failure passes its own short timeout.
+COLLECTIVE_TIMEOUT = 120
+# A test's bound on a torchrun job that ends by itself: a job stuck at a collective has
+# failed after COLLECTIVE_TIMEOUT; this catches any other hang, with room for a slow machine.
+JOB_TIMEOUT = COLLECTIVE_TIMEOUT + 180
 
 
 def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]]) -> list[Any]:

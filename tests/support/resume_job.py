@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from processes import end_process_group, exit_at_once
+from processes import COLLECTIVE_TIMEOUT, end_process_group, exit_at_once
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardcache
@@ -288,7 +288,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lock", default=None, help="the dataset lockfile (lock=)")
     parser.add_argument("--model", action="store_true", help="step a DDP model each batch")
     parser.add_argument("--report", action="store_true", help="write each epoch's job report")
-    parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
+    parser.add_argument(
+        "--timeout", type=float, default=COLLECTIVE_TIMEOUT, help="collective timeout (s)"
+    )
     return parser.parse_args()
 
 

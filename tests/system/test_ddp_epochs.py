@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import job_env, torchrun
+from processes import JOB_TIMEOUT, job_env, torchrun
 from repo import SUPPORT
 from tars import Files, shard_samples, tar_bytes
 
@@ -40,15 +40,13 @@ from shardcache.testing import S3Server
 JOB = SUPPORT / "ddp_epoch_job.py"
 RANKS, WORKERS = 2, 2
 CONSUMERS = RANKS * WORKERS
-RUN_TIMEOUT = 120  # the job itself fails after its 30 s collective timeout
-LOCAL_RUNS_TIMEOUT = 180  # the four local-shard runs in one job (LOCAL_RUNS)
 CLI_TIMEOUT = 60  # a shardcache index / warm command
 SEED = 3  # the job's default --seed
 UNEQUAL = (40, 157, 71, 103, 58, 126, 89, 44, 140, 93)  # 921 samples: 921 % 4 == 1
 FEW = (5, 9, 3)  # 17 samples, 3 shards for 4 consumers: 5 each, 3 repeated
 BUCKET = "ddp-epochs"
 MARK_BUCKET = "ddp-epoch-marks"  # HEAD /<it>/epoch-<e>: where epoch e ended
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 100)
 
 
 def varied_samples(shard: int, count: int) -> list[tuple[str, Files]]:
@@ -80,7 +78,7 @@ def run_job(
     spec: str,
     *extra: str,
     env: dict[str, str] | None = None,
-    timeout: float = RUN_TIMEOUT,
+    timeout: float = JOB_TIMEOUT,
 ) -> float:
     """Run the job to its end (it must exit 0); returns its wall time."""
     environment = job_env(**(env or {}))
@@ -218,7 +216,7 @@ def local_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         runs.append(
             {"name": name, "spec": spec, **{k: v for k, v in options.items() if k != "counts"}}
         )
-    run_job(root, runs[0]["spec"], f"--runs={json.dumps(runs)}", timeout=LOCAL_RUNS_TIMEOUT)
+    run_job(root, runs[0]["spec"], f"--runs={json.dumps(runs)}")
     return root
 
 
@@ -373,7 +371,7 @@ def s3_job(s3: S3Server, job: Path, *args: str) -> subprocess.CompletedProcess[s
         env=job_env(**s3.env()),
         capture_output=True,
         text=True,
-        timeout=RUN_TIMEOUT,
+        timeout=JOB_TIMEOUT,
         check=False,
     )
 

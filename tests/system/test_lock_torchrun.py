@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from processes import job_env, torchrun
+from processes import JOB_TIMEOUT, job_env, torchrun
 from repo import SUPPORT
 from tars import shard_samples, tar_bytes
 
@@ -26,8 +26,7 @@ PER_SHARD = 9
 REWRITTEN = 6  # one shard of ten
 SPEC = f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"
 CHECKPOINT = 7  # batches of each rank; 15 in the epoch (2 workers x 23 samples / 3)
-RUN_TIMEOUT = 120
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 100)
 
 
 def _shard(shard: int) -> bytes:
@@ -51,7 +50,7 @@ def _run(s3, root: Path, cache: str, log_as: str, *extra: str) -> subprocess.Com
         env=job_env(**s3.env()),
         capture_output=True,
         text=True,
-        timeout=RUN_TIMEOUT,
+        timeout=JOB_TIMEOUT,
         check=False,
     )
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from delivery_reference import tally as reference_tally
-from processes import job_env, torchrun
+from processes import JOB_TIMEOUT, job_env, torchrun
 from repo import SUPPORT
 from tars import shard_samples, tar_bytes
 from torture.torture_scale import scale
@@ -40,7 +40,6 @@ SPEC = f"s3://{BUCKET}/train-{{000000..{SHARDS - 1:06d}}}.tar"
 ALL_KEYS = [key for s in range(SHARDS) for key, _ in shard_samples(s, PER_SHARD)]
 JOB = SUPPORT / "resume_job.py"
 CHECKPOINTS = (3, 8, 17, 23)  # batches of each rank; 18 per epoch (2 workers x 9)
-RUN_TIMEOUT = 120
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -71,7 +70,7 @@ class Job:
             env=self.env,
             capture_output=True,
             text=True,
-            timeout=RUN_TIMEOUT,
+            timeout=JOB_TIMEOUT,
             check=False,
         )
 
@@ -88,7 +87,7 @@ class Job:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        deadline = time.monotonic() + RUN_TIMEOUT
+        deadline = time.monotonic() + JOB_TIMEOUT
         markers = [self.out / f"killable-{run}-rank{rank}" for rank in range(ranks)]
         while not all(m.exists() for m in markers):
             assert proc.poll() is None, proc.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
@@ -378,7 +377,7 @@ def _exact_job(s3, tmp_path: Path, *options: str) -> tuple[Job, dict[str, set[st
             f"{name}={weight}=s3://{EXACT_BUCKET}/{name}-{{{first:06d}..{shard - 1:06d}}}.tar"
         )
     s3.put_objects(EXACT_BUCKET, objects)
-    options = (f"--mixture-epoch-size={EXACT_EPOCH}", "--model", "--timeout=30", *options)
+    options = (f"--mixture-epoch-size={EXACT_EPOCH}", "--model", *options)
     return Job(s3, tmp_path, ",".join(specs), *options), every
 
 

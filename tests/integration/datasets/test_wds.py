@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import webdataset as wds
-from processes import TOGETHER_TIMEOUT, collect
+from processes import COLLECTIVE_TIMEOUT, TOGETHER_TIMEOUT, collect
 from threads import PrefetchThreads
 from torch.utils.data import DataLoader
 
@@ -225,7 +225,7 @@ def _split_rank(rank: int, store: str, start, out) -> None:
         init_method=f"file://{store}",
         rank=rank,
         world_size=2,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
     )
     try:
         out.put((rank, list(shardcache.split_by_node([f"shard-{i}" for i in range(7)]))))

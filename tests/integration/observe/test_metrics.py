@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import webdataset as wds
-from processes import TOGETHER_TIMEOUT, run_together
+from processes import COLLECTIVE_TIMEOUT, TOGETHER_TIMEOUT, run_together
 from torch.utils.data import DataLoader
 
 import shardcache
@@ -344,7 +344,7 @@ def _rank_main(rank: int, store: str, start: Any, results: Any) -> None:
         logging.getLogger("shardcache").setLevel(logging.INFO)
         dist.init_process_group(
             "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-            timeout=timedelta(seconds=30),
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT),
         )  # fmt: skip
         try:
             made = metrics.collector()
