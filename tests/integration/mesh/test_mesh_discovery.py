@@ -70,7 +70,8 @@ def node(me: int, root: str, hosted: Any, ready: Any) -> dict[str, Any]:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("shardcache.mesh").addHandler(handler)
-    import torch.distributed  # noqa: F401  (imported before the clock starts, as a job has)
+    if "SHARDCACHE_RENDEZVOUS_PORT" in os.environ:  # the store's nodes meet through torch
+        import torch.distributed  # noqa: F401  (imported before the clock starts, as a job has)
 
     from shardcache import PeerFetchError, ShardCache
     from shardcache._mesh.client import Peer, fetch_range
