@@ -67,10 +67,16 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     """Two epochs of the mixture at node scope and of source ``a`` at rank scope, each
     through a DataLoader worker, the nodes in step between epochs; then this node's server's
     counts (one server serves both scopes)."""
+    import logging
+
     import torch.utils.data
 
     import shardcache
 
+    log = logging.FileHandler(Path(job["root"]).with_suffix(".log"))  # DataLoader workers too
+    log.setFormatter(logging.Formatter("%(process)d %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("shardcache").addHandler(log)
+    logging.getLogger("shardcache").setLevel(logging.DEBUG)
     caches = {scope: shardcache.ShardCache(job["root"], scope=scope) for scope in SCOPES}
     sources = [
         shardcache.Source(
@@ -168,11 +174,20 @@ def test_epoch_one_reads_the_other_nodes_share_from_its_server(
         {"misses": 6, "from_peers": 0, "peer_fallbacks": 0},
         {"misses": 0, "from_peers": 6, "peer_fallbacks": 0},
     ]
-    assert [r["counted"] for r in results] == [epochs] * NODES
     gets = _gets(fault_proxy) - before  # each shard once into each cache reading it, epoch 0
     twice = {f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}  # source a: both scopes
     once = {f"/{BUCKET}/train-{s}.tar": 1 for s in range(SHARDS, 2 * SHARDS)}
-    assert gets == Counter(twice | once), gets
     served = [r["counts"] for r in results]  # the servers' own counts: a node's three shares
-    assert [c.get("200", 0) for c in served] == [3 * SHARDS // NODES] * NODES, served
+    seen = {"reports": [r["counted"] for r in results], "gets": gets, "served": served}
+    logs = "\n".join(_peer_lines(tmp_path / f"node-{n}.log") for n in range(NODES))
+    print(f"{seen}\n{logs}")  # shown with a failure, whole
+    assert seen["reports"] == [epochs] * NODES, (seen, logs)
+    assert gets == Counter(twice | once), (seen, logs)
+    assert [c.get("200", 0) for c in served] == [3 * SHARDS // NODES] * NODES, (seen, logs)
     assert all(set(c) <= {"200", "bytes", "connections"} for c in served), served
+
+
+def _peer_lines(log: Path) -> str:
+    """The lines of a node's log (its DataLoader workers' too) about peers, for a failure."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return "\n".join(f"{log.stem}: {line}" for line in lines if "peer" in line.lower())
