@@ -77,6 +77,7 @@ class Settings:
     mesh_secret: str | None = SPECS["mesh_secret"].default
     mesh_upload_rate: int | None = SPECS["mesh_upload_rate"].default
     mesh_concurrency: int = SPECS["mesh_concurrency"].default
+    mesh_timeout: float = SPECS["mesh_timeout"].default
     mesh_min_rate: int = SPECS["mesh_min_rate"].default
     storage_options: dict[str, Any] = field(default_factory=dict)
     rank: int = SPECS["rank"].default

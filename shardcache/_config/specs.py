@@ -350,12 +350,22 @@ SPECS: dict[str, SettingSpec] = {
         1,
         1024,
     ),
+    "mesh_timeout": SettingSpec(
+        "SHARDCACHE_MESH_TIMEOUT",
+        parse_duration,
+        2.0,
+        "how long a peer may take from being asked to its answer's first byte (connecting "
+        "included), and the longest pause within its answer; then the shard comes from the "
+        "store",
+        0.01,
+        60,
+    ),
     "mesh_min_rate": SettingSpec(
         "SHARDCACHE_MESH_MIN_RATE",
         parse_byte_rate,
         20_000_000,
-        "the slowest a peer may send a shard: after 2 s + size / this rate the fetch goes to "
-        "the store",
+        "the slowest a peer may send a shard: after SHARDCACHE_MESH_TIMEOUT + size / this "
+        "rate the fetch goes to the store",
         100_000,
         1e12,
     ),

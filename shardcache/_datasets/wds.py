@@ -52,7 +52,7 @@ from .._config.settings import prefetch_overrides, warn_unknown_env
 from .._mesh.holders import PeerSource
 from .._observe import metrics
 from .._prefetch.prefetcher import Prefetcher
-from .._store.growing import GrowingFile
+from .._store.growing import GrowingFile, UntilStall
 from ..distributed import rank_info
 from .decompressed import Opened
 from .mesh_wiring import attach
@@ -159,7 +159,9 @@ class CacheStage:
                     sample = pending.popleft()
                     path = str(shard.path)
                     with _open(cache, shard.path, growing, until_stall) as stream:
-                        yield {**sample, "stream": stream, "local_path": path}
+                        yield from _handed(
+                            {**sample, "stream": stream, "local_path": path}, growing, until_stall
+                        )
                     metrics.shard_delivered()
                     if growing is not None and (error := growing.verdict(until_stall)):
                         # Read (perhaps not to its end) before its verdict: a failure not yet
@@ -224,6 +226,30 @@ def _tar_guarded(opened: Iterable[Sample]) -> Iterator[Sample]:
     for shard in opened:
         url = shard["url"]
         yield {**shard, "stream": TarGuard(Opened(shard["stream"], url), url)}
+
+
+def _handed(
+    opened: Sample, growing: GrowingFile | None, until_stall: UntilStall
+) -> Generator[Sample, None, None]:
+    """Hand ``opened`` on. When the consumer stops with it in hand (a mixture ends a
+    source's share on its last sample), its download is let publish, as when read to its
+    end, before the prefetcher's close cancels what is still in flight: cancelled, it would
+    be fetched again next epoch, and a peer of the cache mesh asked for it would have none."""
+    try:
+        yield opened
+    except GeneratorExit:
+        if growing is not None:
+            _finish(growing, until_stall)
+        raise
+
+
+def _finish(growing: GrowingFile, until_stall: UntilStall) -> None:
+    try:
+        error = growing.verdict(until_stall)
+    except ShardCacheError as exn:  # a stall: the consumer is gone, nobody to raise it to
+        error = exn
+    if error is not None:
+        logger.debug("%s failed after its consumer stopped: %s", growing.url, error)
 
 
 def _open(

@@ -2,11 +2,12 @@
 
 Blocking (the standard library's ``http.client``) in the fetching thread: a fetch runs in a
 prefetch worker or a DataLoader worker, both synchronous and possibly forked, and a blocking
-socket has no event loop to carry across a fork. The connection must open within
-``connect`` seconds and the answer start within ``first_byte``; then the whole body must
-arrive before ``first_byte + length / min_rate`` seconds, each read bounded by what is left,
-so a peer that trickles cannot stretch the wait. Every failure is a :class:`PeerFetchError`
-naming the peer: the caller goes to the store.
+socket has no event loop to carry across a fork. The answer must start within ``timeout``
+seconds of asking, connecting included (``SHARDCACHE_MESH_TIMEOUT``); then the whole body
+must arrive before ``timeout + length / min_rate`` seconds, no pause longer than
+``timeout``, each read bounded by what is left, so a peer that trickles cannot stretch the
+wait. Every failure is a :class:`PeerFetchError` naming the peer and the bound: the caller
+goes to the store.
 
 Each thread keeps its connection to a peer open after an answer read whole (HTTP keep-alive),
 for its next request there: no new connection a shard. A kept connection the peer closed
@@ -49,11 +50,11 @@ class Peer:
 
 @dataclass(frozen=True)
 class Bounds:
-    """How long a peer may take: to connect, to start answering, and the slowest rate
-    (bytes per second) its body may arrive at; ``chunk`` is the most read at once."""
+    """How long a peer may take: ``timeout`` seconds from asking to the answer's first byte
+    (connecting included) and at most that between pieces, and the slowest rate (bytes per
+    second) its body may arrive at; ``chunk`` is the most read at once."""
 
-    connect: float = 1.0
-    first_byte: float = 2.0
+    timeout: float = 2.0
     min_rate: float = 20e6
     chunk: int = 1 << 20
 
@@ -104,9 +105,10 @@ def _answered(
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     """The answer's head, on this thread's kept connection to ``peer`` or, when there is
     none or the peer closed it meanwhile, on a new one."""
+    asked = time.monotonic()
     connection, kept = _kept.take(peer, bounds)
     try:
-        return connection, _ask(connection, key, target, byte_range, bounds)
+        return connection, _ask(connection, key, target, byte_range, bounds, asked)
     except _CLOSED as exc:
         connection.close()
         if not kept:
@@ -114,27 +116,36 @@ def _answered(
         logger.debug("cache mesh: %s closed a kept connection (%s); asking on a new one", peer, exc)
     except (OSError, http.client.HTTPException) as exc:
         connection.close()
-        raise fail("no answer", None, exc) from exc
-    connection = http.client.HTTPConnection(peer.host, peer.port, timeout=bounds.connect)
+        raise fail(_no_answer(bounds), None, exc) from exc
+    connection = http.client.HTTPConnection(peer.host, peer.port, timeout=bounds.timeout)
     try:
-        return connection, _ask(connection, key, target, byte_range, bounds)
+        return connection, _ask(connection, key, target, byte_range, bounds, asked)
     except (OSError, http.client.HTTPException) as exc:
         connection.close()
-        raise fail("no answer", None, exc) from exc
+        raise fail(_no_answer(bounds), None, exc) from exc
 
 
-def _ask(
+def _no_answer(bounds: Bounds) -> str:
+    return f"no answer within {bounds.timeout:g} s (SHARDCACHE_MESH_TIMEOUT)"
+
+
+def _ask(  # noqa: PLR0917
     connection: http.client.HTTPConnection,
     key: JobKey,
     target: str,
     byte_range: str,
     bounds: Bounds,
+    asked: float,
 ) -> http.client.HTTPResponse:
-    """Send the signed request (connecting first on a new connection); the answer's head."""
+    """Send the signed request (connecting first on a new connection); the answer's head,
+    within ``bounds.timeout`` of ``asked`` (a monotonic time)."""
     if connection.sock is None:
         connection.connect()
     assert connection.sock is not None
-    connection.sock.settimeout(bounds.first_byte)
+    left = asked + bounds.timeout - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("connecting took the whole bound")
+    connection.sock.settimeout(left)
     headers = {HEADER: key.sign("GET", target, byte_range)}
     if byte_range:
         headers["Range"] = byte_range
@@ -174,7 +185,7 @@ class _Kept(threading.local):
         connection = None if held is None else held.take()
         if connection is not None and connection.sock is not None:
             return connection, True
-        return http.client.HTTPConnection(peer.host, peer.port, timeout=bounds.connect), False
+        return http.client.HTTPConnection(peer.host, peer.port, timeout=bounds.timeout), False
 
     def give_back(self, peer: Peer, connection: http.client.HTTPConnection, whole: bool) -> None:
         """Keep ``connection`` for the next request to ``peer`` when its answer was read
@@ -227,7 +238,7 @@ def _receive(
     bounds: Bounds,
     fail: _Failure,
 ) -> None:
-    deadline = time.monotonic() + bounds.first_byte + length / bounds.min_rate
+    deadline = time.monotonic() + bounds.timeout + length / bounds.min_rate
     buffer = memoryview(bytearray(min(bounds.chunk, max(length, 1))))
     received = 0
     assert connection.sock is not None
@@ -235,12 +246,12 @@ def _receive(
         left = deadline - time.monotonic()
         if left <= 0:
             raise fail(f"sent {received} of {length} bytes within the deadline", 200, None)
-        connection.sock.settimeout(min(bounds.first_byte, left))
+        connection.sock.settimeout(min(bounds.timeout, left))
         try:
             count = response.readinto(buffer[: min(len(buffer), length - received)])
         except TimeoutError as exc:
             late = time.monotonic() >= deadline
-            what = "within the deadline" if late else f"within {bounds.first_byte:g} s of silence"
+            what = "within the deadline" if late else f"within {bounds.timeout:g} s of silence"
             raise fail(f"sent {received} of {length} bytes {what}", 200, exc) from exc
         except (OSError, http.client.HTTPException) as exc:
             raise fail(f"broke off after {received} of {length} bytes", 200, exc) from exc

@@ -85,8 +85,8 @@ class Offered:
 
 class MeshNode:
     """This process in the job's mesh: its :attr:`membership`, the :attr:`bounds` a fetch
-    from a peer keeps (``SHARDCACHE_MESH_MIN_RATE``), and where this process is local rank 0,
-    its :attr:`server` and the :attr:`offered` shards."""
+    from a peer keeps (``SHARDCACHE_MESH_TIMEOUT`` and ``_MIN_RATE``), and where this process
+    is local rank 0, its :attr:`server` and the :attr:`offered` shards."""
 
     def __init__(
         self,
@@ -148,7 +148,8 @@ def _join(settings: Settings) -> MeshNode | None:
         board=lambda: _board(meet, timeout, hosting=False),
         timeout=timeout,
     )
-    return MeshNode(membership, server, offered, Bounds(min_rate=settings.mesh_min_rate))
+    bounds = Bounds(timeout=settings.mesh_timeout, min_rate=settings.mesh_min_rate)
+    return MeshNode(membership, server, offered, bounds)
 
 
 def _serve(

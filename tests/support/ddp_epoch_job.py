@@ -158,7 +158,7 @@ def train(
         batch_size=args.batch_size,
         num_workers=args.workers,
         collate_fn=collate,
-        timeout=60,  # a stuck worker fails the job too
+        timeout=COLLECTIVE_TIMEOUT,  # a stuck worker fails the job too
     )
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / f"rank-{rank}.jsonl").open("a") as log:
@@ -197,8 +197,10 @@ def write_mesh_counts(out: Path, rank: int) -> None:
     server = node.server
     counts = None
     if server is not None:
-        if not server.wait_idle(30):
-            raise RuntimeError(f"the mesh server {server.address} is still answering after 30 s")
+        if not server.wait_idle(COLLECTIVE_TIMEOUT):
+            raise RuntimeError(
+                f"the mesh server {server.address} is still answering after {COLLECTIVE_TIMEOUT} s"
+            )
         counts = server.counts()
     record = {"node": node.membership.own_node, "peers": len(node.membership.peers())}
     (out / f"mesh-{rank}.json").write_text(json.dumps({**record, "server": counts}))

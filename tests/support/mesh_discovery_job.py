@@ -6,12 +6,14 @@ barrier keeps the agents' store up until every worker has read it."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from processes import COLLECTIVE_TIMEOUT
 
 from shardcache import ShardCache
 
@@ -21,7 +23,7 @@ def main() -> None:
     cache = ShardCache(root, scope="node")
     mesh = cache.mesh
     assert mesh is not None, "the mesh did not start (see the warning above)"
-    settled = mesh.membership.wait(60)
+    settled = mesh.membership.wait(2 * COLLECTIVE_TIMEOUT)  # it reads for COLLECTIVE_TIMEOUT
     learned = {
         "settled": settled,
         "node": mesh.membership.own_node,
@@ -33,7 +35,7 @@ def main() -> None:
     }
     name = f"node-{os.environ['GROUP_RANK']}-rank-{os.environ['LOCAL_RANK']}.json"
     (out / name).write_text(json.dumps(learned))
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
     dist.barrier()
     dist.destroy_process_group()
 

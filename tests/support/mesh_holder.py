@@ -22,6 +22,12 @@ from shardcache._mesh.verify import Expected
 BUCKET = "meshshards"
 SECRET = bytes(range(32))
 JOB = "job-43"
+# A peer's bound (SHARDCACHE_MESH_TIMEOUT) where a test counts the store's GETs exactly: a
+# live peer starved by a loaded machine still answers within it, so only a hang exceeds it.
+WIDE = 60.0
+# Seconds a loaded machine may add to a bound a test checks by the clock: far below the
+# next larger bound in play (WIDE), so the check still tells which bound ended the wait.
+LOADED = 10.0
 
 
 class Holder:

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from ports import reserved_port
-from processes import job_env
+from processes import COLLECTIVE_TIMEOUT, JOB_TIMEOUT, job_env
 from repo import SUPPORT
 
 JOB = SUPPORT / "mesh_discovery_job.py"
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 60)
 
 
 def agent(port: int, out: Path, root: Path) -> list[str]:
@@ -40,7 +40,9 @@ def test_workers_learn_the_other_nodes_server_through_the_agents_store(tmp_path:
     out, root = tmp_path / "out", tmp_path / "cache"
     out.mkdir()
     env = job_env(
-        SHARDCACHE_MESH="1", SHARDCACHE_MESH_SECRET="t" * 32, SHARDCACHE_RENDEZVOUS_TIMEOUT="60s"
+        SHARDCACHE_MESH="1",
+        SHARDCACHE_MESH_SECRET="t" * 32,
+        SHARDCACHE_RENDEZVOUS_TIMEOUT=f"{COLLECTIVE_TIMEOUT}s",  # an agent starting late
     )
     with reserved_port() as port:
         agents = [
@@ -54,7 +56,7 @@ def test_workers_learn_the_other_nodes_server_through_the_agents_store(tmp_path:
             for _ in range(2)
         ]
         try:
-            logs = [a.communicate(timeout=150)[0] for a in agents]
+            logs = [a.communicate(timeout=JOB_TIMEOUT)[0] for a in agents]  # a hang's bound
         finally:
             for a in agents:
                 a.kill()

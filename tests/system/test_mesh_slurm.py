@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from processes import job_env
+from processes import COLLECTIVE_TIMEOUT, JOB_TIMEOUT, job_env
 from tars import shard_samples
 from test_ddp_epochs import (
     JOB,
@@ -51,9 +51,10 @@ COUNTS = (6,) * 8  # 8 shards of 6 samples: 2 shards a node, 6 samples a consume
 BUCKET = "mesh-epochs"
 MARK_BUCKET = "mesh-epoch-marks"
 SPEC = f"s3://{BUCKET}/train-{{000000..{len(COUNTS) - 1:06d}}}.tar"
-COLLECTIVE_TIMEOUT = 60
+# The job's SLURM time limit, in minutes: beyond the test's own bound on it (JOB_TIMEOUT).
+TIME_LIMIT = JOB_TIMEOUT // 60 + 2
 
-pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + 240)
+pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + JOB_TIMEOUT + 120)  # + the index and lock
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +65,20 @@ def cluster() -> Cluster:
 
 
 def srun_tasks(args: list[str], env: Mapping[str, str], cwd: Path) -> str:
-    """``srun -N 4 --ntasks-per-node=1``; returns the tasks' stdout."""
+    """``srun -N 4 --ntasks-per-node=1``, bounded by JOB_TIMEOUT (a hang's bound: the
+    job fails by itself after COLLECTIVE_TIMEOUT at a collective); the tasks' stdout."""
     name = f"shardcache-test-{uuid.uuid4().hex[:12]}"
     cmd = [
         "srun",
         f"--nodes={NODES}",
         "--ntasks-per-node=1",
-        "--time=2",
+        f"--time={TIME_LIMIT}",
         f"--job-name={name}",
         "--kill-on-bad-exit=1",
         f"--chdir={cwd}",
         *args,
     ]
-    return run_job(cmd, env, cwd, name)
+    return run_job(cmd, env, cwd, name, timeout=JOB_TIMEOUT)
 
 
 def test_a_global_shuffle_reads_later_epochs_from_the_nodes_that_hold_the_shards(
@@ -111,7 +113,8 @@ def test_a_global_shuffle_reads_later_epochs_from_the_nodes_that_hold_the_shards
         SHARDCACHE_MESH="1",
         SHARDCACHE_MESH_SECRET="mesh-test-secret-" + uuid.uuid4().hex,
         SHARDCACHE_RENDEZVOUS_DIR=str(meet),
-        SHARDCACHE_RENDEZVOUS_TIMEOUT="60s",
+        SHARDCACHE_RENDEZVOUS_TIMEOUT=f"{COLLECTIVE_TIMEOUT}s",
+        SHARDCACHE_MESH_TIMEOUT="60s",  # a live but starved peer still answers: GETs counted
         MASTER_ADDR=cluster.node("scnode1").addr,
         MASTER_PORT=str(random.randrange(20000, 40000)),
         GLOO_SOCKET_IFNAME="eth0",

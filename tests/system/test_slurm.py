@@ -115,8 +115,10 @@ def task_env(s3: S3Server | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_job(cmd: list[str], env: Mapping[str, str], cwd: Path, name: str) -> str:
-    """Run an ``srun`` / ``sbatch`` command line (bounded); return its stdout.
+def run_job(
+    cmd: list[str], env: Mapping[str, str], cwd: Path, name: str, timeout: float = JOB_TIMEOUT
+) -> str:
+    """Run an ``srun`` / ``sbatch`` command line (bounded by ``timeout``); return its stdout.
 
     On a timeout the job is cancelled by its unique name, so nothing outlives the test.
     """
@@ -128,12 +130,12 @@ def run_job(cmd: list[str], env: Mapping[str, str], cwd: Path, name: str) -> str
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
-            timeout=JOB_TIMEOUT,
+            timeout=timeout,
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
         cancel_job(name, env)
-        pytest.fail(f"{cmd[0]} did not finish in {JOB_TIMEOUT}s: {' '.join(cmd)}\n{_text(exc)}")
+        pytest.fail(f"{cmd[0]} did not finish in {timeout:g}s: {' '.join(cmd)}\n{_text(exc)}")
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     )

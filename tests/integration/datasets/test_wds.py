@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 import shardcache
 from shardcache import ShardCache, TransientFetchError
 from shardcache._ops.demo import make_shard
+from shardcache.testing import FaultProxy
 
 BUCKET = "wds"
 SHARDS = 6
@@ -255,3 +256,21 @@ def test_split_by_node_gives_disjoint_shards_under_torch_distributed(tmp_path: P
     assert set(parts[0]).isdisjoint(parts[1])
     assert sorted(parts[0] + parts[1]) == sorted(f"shard-{i}" for i in range(7))
     assert parts[0] == ["shard-0", "shard-2", "shard-4", "shard-6"]
+
+
+def test_a_shard_in_hand_when_the_consumer_stops_is_published_not_cancelled(
+    s3, dataset: str, tmp_path: Path
+) -> None:
+    """A consumer that stops with a shard in hand (a mixture ends a source's share on its
+    last sample) leaves that shard's download to publish: cached, counted, not fetched
+    again. The link is slow, so the rest of the shard is still on its way at the stop."""
+    url = f"s3://{BUCKET}/train-000000.tar"
+    with FaultProxy("127.0.0.1", s3.port, conn_rate=100e3) as slow:  # ~0.4 s for the shard
+        cache = ShardCache(tmp_path / "cache", storage_options={"endpoint_url": slow.endpoint_url})
+        samples = shardcache.tarfile_to_samples(cache=cache)(iter([{"url": url}]))
+        assert next(samples)["__key__"] == _key(0, 0)  # the first sample, as it arrives
+        samples.close()  # the consumer stops
+        assert cache.stats().misses == 1 and cache.path_for(url).is_file()
+        seen = slow.requests_seen()[("GET", f"/{BUCKET}/train-000000.tar")]
+        assert cache.fetch(url) == cache.path_for(url)  # a hit: no second GET
+        assert slow.requests_seen()[("GET", f"/{BUCKET}/train-000000.tar")] == seen == 1

@@ -101,7 +101,7 @@ def test_the_server_binds_the_route_to_the_job_and_nothing_else(
                 JobKey(SECRET, JOB),
                 request,
                 lambda piece: None,
-                bounds=Bounds(connect=1.0),
+                bounds=Bounds(timeout=1.0),
             )
         assert server.wait_idle(5)
         assert server.counts()["200"] == 1

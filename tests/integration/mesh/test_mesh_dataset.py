@@ -19,17 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import CTX
+from processes import TOGETHER_TIMEOUT, collect
 from tars import shard_samples, tar_bytes
 
 from shardcache._cli.main import main as shardcache_main
+from tools.processes import CTX
 
 BUCKET = "meshdataset"
 NODES, SHARDS, SAMPLES = 2, 4, 5  # shards a source
 SOURCES = ("a", "b")  # source a: shards 0..3, b: shards 4..7
 SCOPES = ("node", "rank")
 SECRET = "c" * 32
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(TOGETHER_TIMEOUT)
+COUNTED = ("misses", "from_peers", "peer_fallbacks")  # a node's loader report, an epoch
 
 
 def node_env(node: int, meet: Path, s3_env: dict[str, str]) -> dict[str, str]:
@@ -48,7 +50,8 @@ def node_env(node: int, meet: Path, s3_env: dict[str, str]) -> dict[str, str]:
         "SHARDCACHE_MESH_SECRET": SECRET,
         "SHARDCACHE_MESH_ADDR": "127.0.0.1",
         "SHARDCACHE_RENDEZVOUS_DIR": str(meet),
-        "SHARDCACHE_RENDEZVOUS_TIMEOUT": "30s",
+        "SHARDCACHE_RENDEZVOUS_TIMEOUT": f"{TOGETHER_TIMEOUT}s",  # a hang's bound only
+        "SHARDCACHE_MESH_TIMEOUT": "60s",  # a live but starved peer still answers: GETs counted
     }
 
 
@@ -66,10 +69,16 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     """Two epochs of the mixture at node scope and of source ``a`` at rank scope, each
     through a DataLoader worker, the nodes in step between epochs; then this node's server's
     counts (one server serves both scopes)."""
+    import logging
+
     import torch.utils.data
 
     import shardcache
 
+    log = logging.FileHandler(Path(job["root"]).with_suffix(".log"))  # DataLoader workers too
+    log.setFormatter(logging.Formatter("%(process)d %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("shardcache").addHandler(log)
+    logging.getLogger("shardcache").setLevel(logging.DEBUG)
     caches = {scope: shardcache.ShardCache(job["root"], scope=scope) for scope in SCOPES}
     sources = [
         shardcache.Source(
@@ -83,15 +92,18 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     )
     datasets = {"node": mixture, "rank": alone}
     keys: dict[str, list[list[str]]] = {scope: [] for scope in SCOPES}
+    counted = []
     for epoch in range(2):
         for scope, dataset in datasets.items():
             dataset.set_epoch(epoch)
             loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
             keys[scope].append([sample["__key__"] for sample in loader])
-        barrier.wait(60)  # every node's epoch is over: its shards are published
+        report = shardcache.log_epoch_summary(epoch)
+        counted.append({name: report[name] for name in COUNTED})
+        barrier.wait()  # every node's epoch is over (a node failing aborts the barrier)
     mesh = caches["node"].mesh
     assert mesh is not None and mesh.server is not None and caches["rank"].mesh is mesh
-    assert mesh.server.wait_idle(10)
+    assert mesh.server.wait_idle(TOGETHER_TIMEOUT)
     stamps = {
         scope: {_name(e.url): e.last_used for e in caches[scope].entries()} for scope in SCOPES
     }
@@ -102,7 +114,14 @@ def node(me: int, job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         report = caches[scope].evict(sum(e.size for e in entries if _name(e.url) in home))
         evicted[scope] = sorted(_name(e.url) for e in report.removed)
     counts = mesh.server.counts()
-    return {"node": me, "keys": keys, "counts": counts, "stamps": stamps, "evicted": evicted}
+    return {
+        "node": me,
+        "keys": keys,
+        "counts": counts,
+        "counted": counted,
+        "stamps": stamps,
+        "evicted": evicted,
+    }
 
 
 def _name(url: str | None) -> str:
@@ -125,12 +144,15 @@ def run_nodes(tmp_path: Path, s3_env: dict[str, str], job: dict[str, Any]) -> li
     for proc in procs:
         proc.start()
     try:
-        results = [out.get(timeout=150) for _ in range(NODES)]
-    finally:
+        results = collect(out, procs, NODES)  # as long as the nodes live
         for proc in procs:
-            proc.join(30)
+            proc.join()
+    finally:
+        barrier.abort()
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
+                proc.join()
     assert not [r["error"] for r in results if "error" in r]
     return sorted(results, key=lambda r: r["node"])
 
@@ -172,6 +194,7 @@ def test_a_global_shuffle_reads_other_nodes_home_shards_from_their_servers(
         "rank": sorted(key for s in range(SHARDS) for key, _ in shard_samples(s, SAMPLES)),
     }
     served_by = [0] * NODES  # what each node's server must have sent: the visitors it homes
+    moved = [0] * NODES  # what each node's loader took from the other in epoch 1
     for scope in SCOPES:
         home = [_shards_read(r["keys"][scope][0]) for r in results]  # epoch 0's deal
         for epoch in (0, 1):
@@ -180,14 +203,35 @@ def test_a_global_shuffle_reads_other_nodes_home_shards_from_their_servers(
             visitors = _shards_read(result["keys"][scope][1]) - home[me]
             assert visitors, (scope, me)  # the deal moved shards between the nodes
             served_by[1 - me] += len(visitors)
+            moved[me] += len(visitors)
             stamps = result["stamps"][scope]  # visitors least recently used, home shards not
             assert {name for name, used in stamps.items() if used < 2} == visitors, stamps
             assert set(stamps) == home[me] | visitors
             assert result["evicted"][scope] == sorted(visitors)  # and no home shard
+    # Each node's loader: epoch 0 misses its 4 node-scope and 2 rank-scope shards, epoch 1
+    # takes every shard the deal moved to it from the other node, no peer failing (a GET too
+    # many would say why here).
+    epochs = [
+        [
+            {"misses": 6, "from_peers": 0, "peer_fallbacks": 0},
+            {"misses": 0, "from_peers": moved[me], "peer_fallbacks": 0},
+        ]
+        for me in range(NODES)
+    ]
     gets = _gets(fault_proxy) - before  # each shard once into each cache reading it, epoch 0
     twice = {f"/{BUCKET}/train-{s}.tar": 2 for s in range(SHARDS)}  # source a: both scopes
     once = {f"/{BUCKET}/train-{s}.tar": 1 for s in range(SHARDS, 2 * SHARDS)}
-    assert gets == Counter(twice | once), gets
     served = [r["counts"] for r in results]  # the servers' own counts
-    assert [c.get("200", 0) for c in served] == served_by, served
+    seen = {"reports": [r["counted"] for r in results], "gets": gets, "served": served}
+    logs = "\n".join(_peer_lines(tmp_path / f"node-{n}.log") for n in range(NODES))
+    print(f"{seen}\n{logs}")  # shown with a failure, whole
+    assert seen["reports"] == epochs, (seen, logs)
+    assert gets == Counter(twice | once), (seen, logs)
+    assert [c.get("200", 0) for c in served] == served_by, (seen, logs)
     assert all(set(c) <= {"200", "bytes", "connections"} for c in served), served
+
+
+def _peer_lines(log: Path) -> str:
+    """The lines of a node's log (its DataLoader workers' too) about peers, for a failure."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return "\n".join(f"{log.stem}: {line}" for line in lines if "peer" in line.lower())

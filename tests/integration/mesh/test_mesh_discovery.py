@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 from ports import reserved_port
-from processes import CTX
+from processes import TOGETHER_TIMEOUT, collect
+
+from tools.processes import CTX
 
 BUCKET = "meshdiscovery"
 KEY = "shard-0.tar"
@@ -26,7 +28,7 @@ BLOB = os.urandom(1_000_000)
 SECRET, OTHER = "a" * 32, "b" * 32
 NODES, STARTED = 4, 3  # node 3 never starts: it never publishes
 TIMEOUT = 6  # seconds a node waits for the others' addresses
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(TOGETHER_TIMEOUT)
 
 
 def node_env(node: int, place: str, where: str, s3_env: dict[str, str]) -> dict[str, str]:
@@ -70,7 +72,8 @@ def node(me: int, root: str, hosted: Any, ready: Any) -> dict[str, Any]:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("shardcache.mesh").addHandler(handler)
-    import torch.distributed  # noqa: F401  (imported before the clock starts, as a job has)
+    if "SHARDCACHE_RENDEZVOUS_PORT" in os.environ:  # the store's nodes meet through torch
+        import torch.distributed  # noqa: F401  (imported before the clock starts, as a job has)
 
     from shardcache import PeerFetchError, ShardCache
     from shardcache._mesh.client import Peer, fetch_range
@@ -78,7 +81,7 @@ def node(me: int, root: str, hosted: Any, ready: Any) -> dict[str, Any]:
 
     url = f"s3://{BUCKET}/{KEY}"
     if me != 0:
-        hosted.wait(60)
+        hosted.wait()  # the barriers: a node failing aborts them; the test's timeout a hang
     began = time.monotonic()
     cache = ShardCache(root, scope="node")
     mesh = cache.mesh
@@ -87,8 +90,8 @@ def node(me: int, root: str, hosted: Any, ready: Any) -> dict[str, Any]:
     if me == 0:
         cache.fetch(url)
         mesh.offered.add([(shard.canonical_url, shard.namespace)])
-        hosted.wait(60)
-    settled = mesh.membership.wait(60)
+        hosted.wait()
+    settled = mesh.membership.wait(TOGETHER_TIMEOUT)  # it reads for TIMEOUT s at most
     result: dict[str, Any] = {
         "node": me,
         "settled": settled,
@@ -98,7 +101,7 @@ def node(me: int, root: str, hosted: Any, ready: Any) -> dict[str, Any]:
         "refused": mesh.membership.refused,
         "absent": mesh.membership.absent,
     }
-    ready.wait(60)  # every node has read the others: fetch
+    ready.wait()  # every node has read the others: fetch
     request = ShardRequest("node", shard.protocol, shard.namespace, shard.canonical_url)
     got = bytearray()
     if me == 1:
@@ -114,9 +117,9 @@ def node(me: int, root: str, hosted: Any, ready: Any) -> dict[str, Any]:
             )
         except PeerFetchError as exc:
             result["refused_fetch"] = exc.status
-    ready.wait(60)  # the fetches are done
+    ready.wait()  # the fetches are done
     if me == 0:
-        assert mesh.server.wait_idle(10)
+        assert mesh.server.wait_idle(TOGETHER_TIMEOUT)
         result["counts"] = mesh.server.counts()
     result["warnings"] = warnings
     return result
@@ -138,25 +141,29 @@ def _board_record(node: int) -> bytes:
 def run_jobs(jobs: dict[str, str], tmp_path: Path, s3_env: dict[str, str]) -> dict[str, list]:
     """Each job (place -> where its nodes meet) as ``STARTED`` node processes, all jobs at
     once; each job's results by node."""
-    procs, outs, barriers = [], {}, []  # the barriers kept until the children have them
+    started: dict[str, list] = {}  # place -> its node processes
+    outs, barriers = {}, []
     for place, where in jobs.items():
         hosted, ready, outs[place] = CTX.Barrier(STARTED), CTX.Barrier(STARTED), CTX.Queue()
         barriers += [hosted, ready]
         for n in range(STARTED):
             env, root = node_env(n, place, where, s3_env), str(tmp_path / place / f"n{n}")
             args = (env, root, hosted, ready, outs[place])
-            procs.append(CTX.Process(target=node_process, args=args))
+            started.setdefault(place, []).append(CTX.Process(target=node_process, args=args))
+    procs = [proc for place in started.values() for proc in place]
     for proc in procs:
         proc.start()
-    try:
-        results = {
-            place: [out.get(timeout=90) for _ in range(STARTED)] for place, out in outs.items()
-        }
-    finally:
+    try:  # each job's results, awaited as long as its nodes live
+        results = {place: collect(out, started[place], STARTED) for place, out in outs.items()}
         for proc in procs:
-            proc.join(30)
+            proc.join()
+    finally:
+        for barrier in barriers:
+            barrier.abort()
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
+                proc.join()
     for got in results.values():
         assert not [r["error"] for r in got if "error" in r]
     assert [p.exitcode for p in procs] == [0] * len(procs)
@@ -176,7 +183,9 @@ def check_job(place: str, results: list[dict]) -> None:
     ports = {r["node"]: r["port"] for r in results}
     for r in results:
         assert r["settled"] and r["absent"] == [3], (place, r)
-        assert TIMEOUT <= r["waited"] < TIMEOUT + 20, (place, r)  # node 3 waited for, bounded
+        # Node 3 waited for, TIMEOUT s (a bound tests/unit/mesh/test_discovery.py checks by
+        # the clock): the reading ended by itself ("settled").
+        assert r["waited"] >= TIMEOUT, (place, r)
         assert any("nodes 3 of 4 published no address" in w for w in r["warnings"]), r
     for r in results[:2]:
         assert r["peers"] == {n: ("127.0.0.1", ports[n]) for n in {0, 1} - {r["node"]}}, r

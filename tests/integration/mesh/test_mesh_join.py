@@ -11,6 +11,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+from processes import TOGETHER_TIMEOUT
 
 from shardcache import ShardCache
 from shardcache._mesh import node as mesh_node
@@ -38,6 +39,7 @@ def slurm_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         "SHARDCACHE_RENDEZVOUS_DIR": str(shared),
         "SHARDCACHE_RENDEZVOUS_TIMEOUT": "1s",
         "SHARDCACHE_MESH_MIN_RATE": "5M/s",
+        "SHARDCACHE_MESH_TIMEOUT": "7s",
     }.items():
         monkeypatch.setenv(name, value)
     return shared
@@ -52,10 +54,10 @@ def test_local_rank_0_serves_and_publishes_its_record(slurm_node: Path, tmp_path
         record = json.loads((slurm_node / "4302" / "mesh" / "0.json").read_text())
         assert record["host"] == "127.0.0.1" and record["port"] == mesh.server.port
         assert record["node"] == 0 and record["fingerprint"] == fingerprint(b"s" * 32)
-        assert mesh.membership.wait(10) and mesh.membership.peers() == {}
+        assert mesh.membership.wait(TOGETHER_TIMEOUT) and mesh.membership.peers() == {}
         assert mesh.membership.own_node == 0 and mesh.membership.job_key.job == "4302"
         assert pickle.loads(pickle.dumps(cache)).mesh is None  # a worker's copy never serves
-        assert mesh.bounds.min_rate == 5_000_000  # SHARDCACHE_MESH_MIN_RATE, for the fetches
+        assert (mesh.bounds.min_rate, mesh.bounds.timeout) == (5_000_000, 7.0)  # for the fetches
     finally:
         mesh.server.stop()
 
@@ -68,7 +70,7 @@ def test_another_local_rank_or_a_node_serving_nothing_only_reads(
 ) -> None:
     monkeypatch.setenv(name, value)
     mesh = ShardCache(tmp_path / "cache", scope="node").mesh
-    assert mesh is not None and mesh.server is None and mesh.membership.wait(10)
+    assert mesh is not None and mesh.server is None and mesh.membership.wait(TOGETHER_TIMEOUT)
     assert not list(slurm_node.rglob("*.json"))  # nothing published
 
 

@@ -14,7 +14,7 @@ SECRET = "s3cr3t-" + "x" * 20
 def test_the_mesh_is_off_by_default_and_its_defaults() -> None:
     s = Settings.resolve(env={})
     assert (s.mesh, s.mesh_addr, s.mesh_secret, s.mesh_upload_rate) == (False, None, None, None)
-    assert (s.mesh_concurrency, s.mesh_min_rate) == (8, 20_000_000)
+    assert (s.mesh_concurrency, s.mesh_timeout, s.mesh_min_rate) == (8, 2.0, 20_000_000)
 
 
 @pytest.mark.parametrize(
@@ -32,10 +32,12 @@ def test_forms_of_the_values() -> None:
         "SHARDCACHE_MESH_UPLOAD_RATE": "500M/s",
         "SHARDCACHE_MESH_CONCURRENCY": "32",
         "SHARDCACHE_MESH_MIN_RATE": "5MiB",
+        "SHARDCACHE_MESH_TIMEOUT": "1m",
     }
     s = Settings.resolve(env=env)
     assert (s.mesh_addr, s.mesh_upload_rate) == ("10.0.3.17", 500_000_000)
-    assert (s.mesh_concurrency, s.mesh_min_rate) == (32, 5 << 20)
+    assert (s.mesh_concurrency, s.mesh_min_rate, s.mesh_timeout) == (32, 5 << 20, 60.0)
+    assert Settings.resolve(env={}, mesh_timeout=0.25).mesh_timeout == 0.25
     assert Settings.resolve(env={"SHARDCACHE_MESH_ADDR": "fd00::3"}).mesh_addr == "fd00::3"
     assert Settings.resolve(env={"SHARDCACHE_MESH_UPLOAD_RATE": "0"}).mesh_upload_rate == 0
     assert Settings.resolve(env={"SHARDCACHE_MESH_UPLOAD_RATE": "auto"}).mesh_upload_rate is None
@@ -57,6 +59,9 @@ def test_forms_of_the_values() -> None:
         ("SHARDCACHE_MESH_CONCURRENCY", "many", ["whole number"]),
         ("SHARDCACHE_MESH_MIN_RATE", "10K", ["between 100K/s and 1T/s"]),
         ("SHARDCACHE_MESH_MIN_RATE", "slow", ["not a rate"]),
+        ("SHARDCACHE_MESH_TIMEOUT", "2m", ["between 10ms and 1m"]),
+        ("SHARDCACHE_MESH_TIMEOUT", "0", ["between 10ms and 1m"]),
+        ("SHARDCACHE_MESH_TIMEOUT", "soon", ["duration"]),
     ],
 )
 def test_bad_values_say_what_to_give(var: str, value: str, fragments: list[str]) -> None:
