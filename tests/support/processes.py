@@ -12,8 +12,6 @@ from typing import Any, NoReturn
 
 import pytest
 
-from tools.processes import started_together
-
 # The timeout of a test whose spawned processes start together (each importing shardcache,
 # some torch): a bound for a hang only. Beside other tests' load (load average 20 on 2
 # cores) such a test took up to 190 s where it takes 10-25 s on an idle machine.
@@ -33,6 +31,10 @@ def run_together(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...
     the ``start`` barrier (so they really race; with no time bound: how long the others take
     to start depends on the machine's load) and put one result on ``out``. Returns the
     results (in completion order) after checking every process exited cleanly."""
+    # Imported here: the jobs tests launch import this module from tests/support alone,
+    # without the repository's root (and so ``tools``) on their path.
+    from tools.processes import started_together
+
     with started_together(target, arg_lists) as (procs, out):
         results = collect(out, procs, len(procs))
         for p in procs:  # ending (a process group's teardown) can take a while under load
