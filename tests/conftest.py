@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pytest
@@ -25,7 +25,9 @@ from shardcache.testing import (
     SeaweedS3Server,
     fresh_process_state,
 )
-from tools.juicefs import Node, nodes
+
+if TYPE_CHECKING:
+    from tools.juicefs import Node
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -242,6 +244,8 @@ def jfs_nodes(tmp_path: Path) -> Iterator[list[Node]]:
     with its own node-local directory; skipped without FUSE (failed under
     SHARDCACHE_REQUIRE_SLURM=1). Attribute and entry caches are off, so each node sees the
     other's changes at once."""
+    from tools.juicefs import nodes  # not at the top: check-dist runs without tools
+
     require_fuse()
     with nodes(tmp_path / "jfs", 2, cache_seconds=0) as made:
         yield made

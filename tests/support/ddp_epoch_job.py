@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from processes import COLLECTIVE_TIMEOUT, end_process_group, exit_at_once
 from torchdata.stateful_dataloader import StatefulDataLoader
+from worker_stacks import stacks_on_sigusr2, watched
 
 import shardcache
 
@@ -158,14 +159,18 @@ def train(
         batch_size=args.batch_size,
         num_workers=args.workers,
         collate_fn=collate,
-        timeout=COLLECTIVE_TIMEOUT,  # a stuck worker fails the job too
+        # A stuck worker fails its rank, with its stacks (watched), before the other
+        # ranks' collective times out without saying why.
+        timeout=COLLECTIVE_TIMEOUT / 2,
+        worker_init_fn=stacks_on_sigusr2,
     )
+    stacks_on_sigusr2()  # inherited by the forked workers, even one stuck before its init
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / f"rank-{rank}.jsonl").open("a") as log:
         for epoch in range(args.first_epoch, args.epochs):
             dataset.set_epoch(epoch)
             batches, keys = 0, []
-            for batch_keys, x in loader:
+            for batch_keys, x in watched(loader):
                 optimizer.zero_grad()
                 loss = model(x).square().mean()
                 loss.backward()  # the all-reduce: every rank must take part, every batch

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tools.juicefs import fuse_unavailable
-
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: mounts a tmpfs or a read-only bind mount"
 )
@@ -66,6 +64,10 @@ def fill(directory: Path, name: str = "filler") -> int:
 def require_fuse() -> None:
     """Skip the calling test when FUSE cannot be used; under SHARDCACHE_REQUIRE_SLURM=1 (CI)
     fail it instead, as the SLURM tests do."""
+    # Imported here: tests/conftest.py imports this module, also where the repository's root
+    # (and so ``tools``) is not on the path (scripts/check-dist tests an installed wheel).
+    from tools.juicefs import fuse_unavailable
+
     reason = fuse_unavailable()
     if reason is not None:
         if os.environ.get("SHARDCACHE_REQUIRE_SLURM") == "1":
